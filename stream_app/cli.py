@@ -1,0 +1,55 @@
+"""The ``loopwarden`` command: ``replay`` and ``simulate``; fleet commands join as they land."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .core import PolicyError
+from .policy_file import load_policy
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="loopwarden",
+        description="Tell an AI agent's legitimate retry from runaway recursion, and stop the runaway.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    replay = commands.add_parser(
+        "replay",
+        help="run the detector over a telemetry JSONL file (no Kafka); decisions as JSONL on stdout",
+    )
+    replay.add_argument("file", help="telemetry JSONL file, or - for stdin")
+    replay.add_argument("--policy", metavar="FILE", help="policy YAML (defaults apply without it)")
+    simulate = commands.add_parser(
+        "simulate", help="write the telemetry of a simulated mixed fleet as JSONL (input for replay)"
+    )
+    simulate.add_argument("--runs", type=int, default=100, help="number of agent runs (default 100)")
+    simulate.add_argument("--seed", type=int, default=7, help="random seed; same seed, same file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "simulate":
+        import orjson
+
+        from .fleet_sim import simulate_fleet
+
+        _, stream = simulate_fleet(args.runs, seed=args.seed)
+        sys.stdout.buffer.writelines(orjson.dumps(event) + b"\n" for event in stream)
+        return 0
+    try:
+        policy = load_policy(getattr(args, "policy", None))
+    except PolicyError as exc:
+        print(f"loopwarden: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "replay":
+        from .replay import run_replay
+
+        try:
+            return run_replay(args.file, policy)
+        except FileNotFoundError as exc:
+            print(f"loopwarden: {args.file}: {exc.strerror}", file=sys.stderr)
+            return 2
+    raise AssertionError(f"unhandled command {args.command}")

@@ -1,0 +1,51 @@
+"""The pure detector core: contract, normalisation, policy and the detector fold.
+
+No I/O, no clocks, no Kafka: the worker, the replay CLI and the SDK all import this unchanged.
+"""
+
+from __future__ import annotations
+
+from .contract import (
+    FAILING_OUTCOMES,
+    OUTCOMES,
+    Action,
+    Decision,
+    Outcome,
+    TelemetryEvent,
+    Verdict,
+    decode_event,
+)
+from .detector import DUPLICATE, Detector, Evaluation, RunState, decision_id
+from .errors import InvalidEvent, LoopwardenError, NormalisationError, PolicyError
+from .normalize import DEFAULT_IGNORED_FIELDS, FieldFilter, canonical_json, normalise, semantic_hash
+from .policy import CallPolicy, Policy, Settings
+from .runs import RunTable
+
+__all__ = [
+    "DEFAULT_IGNORED_FIELDS",
+    "DUPLICATE",
+    "FAILING_OUTCOMES",
+    "OUTCOMES",
+    "Action",
+    "CallPolicy",
+    "Decision",
+    "Detector",
+    "Evaluation",
+    "FieldFilter",
+    "InvalidEvent",
+    "LoopwardenError",
+    "NormalisationError",
+    "Outcome",
+    "Policy",
+    "PolicyError",
+    "RunState",
+    "RunTable",
+    "Settings",
+    "TelemetryEvent",
+    "Verdict",
+    "canonical_json",
+    "decision_id",
+    "decode_event",
+    "normalise",
+    "semantic_hash",
+]

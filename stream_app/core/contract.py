@@ -1,0 +1,240 @@
+"""Telemetry contract v1 (what runtimes send) and control contract v1 (what loopwarden answers).
+
+The JSON Schemas in ``schemas/`` are the published form of the same contract; this module is the fast
+path that every adapter (worker, replay CLI, SDK) decodes with. A decoding failure names the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+from .errors import InvalidEvent
+
+Outcome = Literal["success", "error", "empty", "noop"]
+Action = Literal["halt", "suppress", "alert", "resume"]
+Verdict = Literal[
+    "recursion",
+    "semantic_loop",
+    "cycle",
+    "iteration_ceiling",
+    "duplicate_call",
+    "circuit_open",
+    "polling",
+]
+
+OUTCOMES: Final = frozenset(("success", "error", "empty", "noop"))
+FAILING_OUTCOMES: Final = frozenset(("error", "empty", "noop"))
+SCHEMA_VERSION: Final = "1"
+
+#: Longest accepted identifier (run id, event id, tool name, trace ids...).
+MAX_ID_LENGTH: Final = 512
+#: Largest accepted retry budget; anything above is a mistake, not a policy.
+MAX_RETRY_BUDGET: Final = 10_000
+_MAX_SAFE_INT: Final = 2**63 - 1
+
+
+@dataclass(slots=True)
+class TelemetryEvent:
+    """One finished tool call. Exactly one of ``args``/``args_hash`` and of ``result``/``result_hash``
+    is meaningful; ``has_result`` tells a JSON ``null`` result from an absent one."""
+
+    run_id: str
+    event_id: str
+    tool: str
+    ts_ms: int
+    outcome: Outcome
+    args: dict[str, Any] | None = None
+    args_hash: str | None = None
+    result: Any = None
+    has_result: bool = False
+    result_hash: str | None = None
+    agent_id: str | None = None
+    tenant: str | None = None
+    seq: int | None = None
+    trace_id: str | None = None
+    span_id: str | None = None
+    parent_span_id: str | None = None
+    retry_budget: int | None = None
+    plan_step: int | None = None
+    side_effect: bool | None = None
+    error_class: str | None = None
+
+
+_OPTIONAL_STRINGS: Final = frozenset(
+    ("agent_id", "tenant", "trace_id", "span_id", "parent_span_id", "error_class")
+)
+_OPTIONAL_NUMBERS: Final = frozenset(("latency_ms", "tokens", "cost_usd"))
+_CHECKED_ELSEWHERE: Final = frozenset(
+    ("run_id", "event_id", "tool", "ts_ms", "outcome", "args", "args_hash", "result", "result_hash")
+)
+
+
+def _identifier(obj: dict[str, Any], name: str, required: bool) -> str | None:
+    value = obj.get(name)
+    if value is None:
+        if required:
+            raise InvalidEvent(name, "required field is missing")
+        return None
+    if type(value) is not str:
+        raise InvalidEvent(name, f"must be a string, got {_json_type(value)}")
+    if required and not value:
+        raise InvalidEvent(name, "must not be empty")
+    if len(value) > MAX_ID_LENGTH:
+        raise InvalidEvent(name, f"longer than {MAX_ID_LENGTH} characters")
+    return value
+
+
+def _integer(obj: dict[str, Any], name: str, minimum: int | None = None) -> int | None:
+    value = obj.get(name)
+    if value is None:
+        return None
+    if type(value) is not int:
+        raise InvalidEvent(name, f"must be an integer, got {_json_type(value)}")
+    if minimum is not None and value < minimum:
+        raise InvalidEvent(name, f"must be >= {minimum}, got {value}")
+    if value > _MAX_SAFE_INT:
+        raise InvalidEvent(name, "out of the 64-bit range")
+    return value
+
+
+def _hash_string(obj: dict[str, Any], name: str) -> None:
+    value = obj.get(name)
+    if value is not None and (type(value) is not str or not value or len(value) > MAX_ID_LENGTH):
+        raise InvalidEvent(name, f"must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+
+
+def _check_required(obj: dict[str, Any]) -> None:
+    """Raise the precise error for whichever required field is wrong (the slow, explaining path)."""
+    for name in ("run_id", "event_id", "tool"):
+        _identifier(obj, name, True)
+    if _integer(obj, "ts_ms", 0) is None:
+        raise InvalidEvent("ts_ms", "required field is missing")
+    outcome = obj.get("outcome")
+    if outcome is None:
+        raise InvalidEvent("outcome", "required field is missing")
+    raise InvalidEvent("outcome", f"must be one of error, empty, noop, success; got {outcome!r}"[:200])
+
+
+def _check_optional(obj: dict[str, Any], name: str) -> None:
+    """Validate one optional field that is present (unknown fields are ignored: forward compatible)."""
+    value = obj[name]
+    if value is None:
+        return
+    if name in _OPTIONAL_STRINGS:
+        _identifier(obj, name, False)
+    elif name in ("seq", "plan_step"):
+        _integer(obj, name)
+    elif name == "retry_budget":
+        if _integer(obj, name, 0) > MAX_RETRY_BUDGET:  # type: ignore[operator]
+            raise InvalidEvent(name, f"must be <= {MAX_RETRY_BUDGET}, got {value}")
+    elif name == "side_effect":
+        if type(value) is not bool:
+            raise InvalidEvent(name, f"must be a boolean, got {_json_type(value)}")
+    elif name in _OPTIONAL_NUMBERS:
+        if type(value) not in (int, float) or value < 0:
+            raise InvalidEvent(name, f"must be a number >= 0, got {_json_type(value)}")
+    elif name == "attrs":
+        if type(value) is not dict:
+            raise InvalidEvent(name, f"must be an object, got {_json_type(value)}")
+    elif name == "schema_version" and value != SCHEMA_VERSION:
+        raise InvalidEvent(name, f"unsupported version {value!r}; this reader speaks '1'"[:200])
+
+
+def decode_event(obj: Any) -> TelemetryEvent:
+    """Validate a decoded JSON value against telemetry v1 and build the event; raise InvalidEvent.
+
+    This runs once per event in every adapter, so the common case is one combined check and the
+    field-by-field explanation only runs when something is wrong.
+    """
+    if type(obj) is not dict:
+        raise InvalidEvent("", f"event must be a JSON object, got {_json_type(obj)}")
+    get = obj.get
+    run_id, event_id, tool, ts_ms, outcome = (
+        get("run_id"), get("event_id"), get("tool"), get("ts_ms"), get("outcome")
+    )
+    if not (
+        type(run_id) is str and 0 < len(run_id) <= MAX_ID_LENGTH
+        and type(event_id) is str and 0 < len(event_id) <= MAX_ID_LENGTH
+        and type(tool) is str and 0 < len(tool) <= MAX_ID_LENGTH
+        and type(ts_ms) is int and 0 <= ts_ms <= _MAX_SAFE_INT
+        and type(outcome) is str and outcome in OUTCOMES
+    ):
+        _check_required(obj)
+
+    args, args_hash = get("args"), get("args_hash")
+    if args is None:
+        if args_hash is None:
+            raise InvalidEvent("args", "one of args or args_hash is required")
+    elif type(args) is not dict:
+        raise InvalidEvent("args", f"must be an object, got {_json_type(args)}")
+    if args_hash is not None:
+        _hash_string(obj, "args_hash")
+    has_result = "result" in obj
+    result_hash = get("result_hash")
+    if result_hash is not None:
+        _hash_string(obj, "result_hash")
+    elif not has_result:
+        raise InvalidEvent("result", "one of result or result_hash is required")
+    for name in obj.keys() - _CHECKED_ELSEWHERE:
+        _check_optional(obj, name)
+
+    return TelemetryEvent(
+        run_id, event_id, tool, ts_ms, outcome, args, args_hash, get("result"), has_result, result_hash,
+        get("agent_id"), get("tenant"), get("seq"), get("trace_id"), get("span_id"), get("parent_span_id"),
+        get("retry_budget"), get("plan_step"), get("side_effect"), get("error_class"),
+    )
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    """One control decision. ``decision_id`` is derived from the input, so a replayed or redelivered
+    trigger yields the same id and consumers can apply it idempotently."""
+
+    run_id: str
+    action: Action
+    verdict: Verdict
+    trigger_event_id: str
+    decision_id: str
+    ts_ms: int
+    reason: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    agent_id: str | None = None
+    tenant: str | None = None
+    trace_id: str | None = None
+    span_id: str | None = None
+
+    def to_control(self) -> dict[str, Any]:
+        """The control v1 JSON object (schemas/control.v1.json)."""
+        message: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "decision_id": self.decision_id,
+            "run_id": self.run_id,
+            "action": self.action,
+            "verdict": self.verdict,
+            "trigger_event_id": self.trigger_event_id,
+            "ts_ms": self.ts_ms,
+            "reason": self.reason,
+            "evidence": self.evidence,
+        }
+        for name in ("agent_id", "tenant", "trace_id", "span_id"):
+            value = getattr(self, name)
+            if value is not None:
+                message[name] = value
+        return message

@@ -1,0 +1,386 @@
+"""The detector: a fold of one run's tool calls into decisions.
+
+``Detector.evaluate(state, event)`` updates a run's ``RunState`` in place and returns the decisions the
+event triggers. It reads no clock and does no I/O: time is the events' ``ts_ms``, so replaying a
+telemetry file, a Kafka partition or an in-process run gives the same decisions every time.
+
+The rules, in the order they win when several fire on one event (at most one decision per event):
+
+1. ``iteration_ceiling`` halt: the run made more calls than its ceiling, whatever they were.
+2. ``circuit_open`` halt: a side-effecting call repeated ``circuit_open_at`` times within its window.
+3. ``recursion`` / ``semantic_loop`` halt: the same tool failed with the identical outcome and result
+   hash more times in a row than the retry budget allows; ``recursion`` when the (normalised) arguments
+   were identical too, ``semantic_loop`` when they mutated.
+4. ``cycle`` halt: a sequence of 2 or 3 calls with identical outcomes, one failing, repeated.
+5. ``duplicate_call`` suppress: a side-effecting call repeated within its window (hand back the
+   earlier result instead of acting again).
+6. ``polling`` alert: the same call succeeded with the same result many times in a row (advisory).
+
+Repetition of a call is not a loop; repetition of a call *with an identical failing outcome* is. Any
+change of outcome or result hash breaks a streak, and an advancing ``plan_step`` resets every streak.
+
+State is O(1) in the run's length: fixed-size digests, rings capped by policy, no history.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from .contract import Action, Decision, TelemetryEvent, Verdict
+from .errors import NormalisationError
+from .policy import CallPolicy, Policy, Settings
+from .normalize import semantic_hash
+
+# Digests are 8 bytes: a collision needs ~2**32 distinct values within one run's small windows. They are
+# cut from the SHA-256 hashes already computed (no second hash), or from two checksums for ids and names.
+_DIGEST = 8
+_KEY = _DIGEST + 5  # streak key: result digest + outcome code + tool checksum
+_SIG = _DIGEST + _KEY  # step signature: call digest + streak key
+_CYCLE_PERIODS = (2, 3)
+_SIDE_EFFECT_SLOTS = 32  # distinct side-effecting calls remembered per run within their window
+_UNVERIFIED = ""  # args hash of a call whose arguments could not be normalised: compared by tool only
+_OUTCOME_CODE = {"success": b"s", "error": b"e", "empty": b"0", "noop": b"n"}
+
+
+def _checksum(text: str) -> bytes:
+    """8 stable bytes for an id or name (crc32 + adler32: cheap, and stable across processes)."""
+    raw = text.encode()
+    return ((zlib.crc32(raw) << 32) | zlib.adler32(raw)).to_bytes(8, "big")
+
+
+def _short(hash_text: str) -> bytes:
+    """8 bytes of a hash string: its first 16 hex digits when it is hex (ours are), else a checksum."""
+    try:
+        if len(hash_text) >= 16:
+            return bytes.fromhex(hash_text[:16])
+    except ValueError:
+        pass
+    return _checksum(hash_text)
+
+
+def _contains(ring: bytes, digest: bytes) -> bool:
+    """Whether ``digest`` is one of the aligned 8-byte entries of ``ring``."""
+    at = ring.find(digest)
+    while at != -1:
+        if at % _DIGEST == 0:
+            return True
+        at = ring.find(digest, at + 1)
+    return False
+
+
+@dataclass(slots=True)
+class RunState:
+    """Everything the detector remembers about one run. Mutated in place by ``Detector.evaluate``."""
+
+    calls: int = 0
+    last_ts_ms: int = 0
+    halted_by: str | None = None
+    plan_step: int | None = None
+    #: Digests of the most recent event ids (duplicate delivery filter), oldest first.
+    seen_ids: bytes = b""
+    #: Current streak: consecutive calls with the same (tool, outcome, result hash).
+    streak_key: bytes = b""
+    streak_call: bytes = b""
+    streak_varied: bool = False
+    streak_ts: array = field(default_factory=lambda: array("q"))
+    streak_first_event_id: str = ""
+    streak_alerted: bool = False
+    #: Step signatures and times of the last few calls (cycle detection), oldest first.
+    recent_sigs: bytes = b""
+    recent_ts: array = field(default_factory=lambda: array("q"))
+    #: Bit i set = the call i steps back failed.
+    recent_failing: int = 0
+    #: Side-effecting call digest -> [first_ts_ms, occurrences] within its window.
+    side_effects: dict[bytes, list[int]] | None = None
+
+    def reset_streaks(self) -> None:
+        """Forget repetition evidence (progress was made, or an operator resumed the run)."""
+        self.streak_key = self.streak_call = b""
+        self.streak_varied = self.streak_alerted = False
+        self.streak_ts = array("q")
+        self.streak_first_event_id = ""
+        self.recent_sigs = b""
+        self.recent_ts = array("q")
+        self.recent_failing = 0
+
+    def to_record(self) -> dict[str, Any]:
+        """A JSON-ready dict (bytes as hex) for durable stores; ``from_record`` inverts it."""
+        return {
+            "calls": self.calls,
+            "last_ts_ms": self.last_ts_ms,
+            "halted_by": self.halted_by,
+            "plan_step": self.plan_step,
+            "seen_ids": self.seen_ids.hex(),
+            "streak_key": self.streak_key.hex(),
+            "streak_call": self.streak_call.hex(),
+            "streak_varied": self.streak_varied,
+            "streak_ts": self.streak_ts.tolist(),
+            "streak_first_event_id": self.streak_first_event_id,
+            "streak_alerted": self.streak_alerted,
+            "recent_sigs": self.recent_sigs.hex(),
+            "recent_ts": self.recent_ts.tolist(),
+            "recent_failing": self.recent_failing,
+            "side_effects": (
+                {k.hex(): v for k, v in self.side_effects.items()} if self.side_effects else None
+            ),
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> RunState:
+        side_effects = record.get("side_effects")
+        return cls(
+            calls=record["calls"],
+            last_ts_ms=record["last_ts_ms"],
+            halted_by=record["halted_by"],
+            plan_step=record["plan_step"],
+            seen_ids=bytes.fromhex(record["seen_ids"]),
+            streak_key=bytes.fromhex(record["streak_key"]),
+            streak_call=bytes.fromhex(record["streak_call"]),
+            streak_varied=record["streak_varied"],
+            streak_ts=array("q", record["streak_ts"]),
+            streak_first_event_id=record["streak_first_event_id"],
+            streak_alerted=record["streak_alerted"],
+            recent_sigs=bytes.fromhex(record["recent_sigs"]),
+            recent_ts=array("q", record["recent_ts"]),
+            recent_failing=record["recent_failing"],
+            side_effects=(
+                {bytes.fromhex(k): list(v) for k, v in side_effects.items()} if side_effects else None
+            ),
+        )
+
+
+class Evaluation(NamedTuple):
+    """What one event did: ``duplicate`` if it was a redelivery (ignored), and its decisions."""
+
+    duplicate: bool
+    decisions: tuple[Decision, ...]
+
+
+DUPLICATE = Evaluation(True, ())
+_NOTHING = Evaluation(False, ())
+
+
+def decision_id(run_id: str, trigger_event_id: str, action: str, verdict: str) -> str:
+    """Stable id of a decision: the same trigger always yields the same id (idempotent halts)."""
+    raw = "\x1f".join((run_id, trigger_event_id, action, verdict)).encode()
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
+class Detector:
+    """Applies a ``Policy`` to runs. Stateless itself: all run memory is in the ``RunState`` passed in."""
+
+    def __init__(self, policy: Policy | None = None) -> None:
+        self.policy = policy or Policy()
+
+    def evaluate(self, state: RunState, event: TelemetryEvent) -> Evaluation:
+        """Fold one event into its run's state; return the decisions it triggers."""
+        call_policy = self.policy.resolve(event.agent_id, event.tool)
+        settings = call_policy.settings
+        event_digest = _checksum(event.event_id)
+        if _contains(state.seen_ids, event_digest):
+            return DUPLICATE
+        state.seen_ids = (state.seen_ids + event_digest)[-_DIGEST * settings.dedupe_window :]
+        if event.ts_ms > state.last_ts_ms:
+            state.last_ts_ms = event.ts_ms
+        if state.halted_by is not None:
+            return _NOTHING
+        state.calls += 1
+
+        if event.plan_step is not None and (state.plan_step is None or event.plan_step > state.plan_step):
+            if state.plan_step is not None:
+                state.reset_streaks()
+            state.plan_step = event.plan_step
+
+        args_hash, args_verified = _args_hash(event, call_policy)
+        result_hash = _result_hash(event, call_policy)
+        call = _short(args_hash) if args_verified else _short(_UNVERIFIED)
+        tool_sum = _checksum(event.tool)[:4]
+        failing = event.outcome != "success"
+
+        occurrences = self._side_effect_occurrence(state, event, call + tool_sum, settings)
+        key = _short(result_hash) + _OUTCOME_CODE[event.outcome] + tool_sum
+        count, budget = self._streak(state, event, call, key, settings)
+        period = self._cycle(state, call + key, failing, event.ts_ms, settings)
+
+        if not (state.calls > settings.iteration_ceiling or occurrences >= 2 or (failing and count > budget)
+                or period or (not failing and 0 < settings.poll_alert_after <= count)):
+            return _NOTHING  # the common case: nothing to decide, no evidence to build
+        evidence: dict[str, Any] = {
+            "tool": event.tool,
+            "args_hash": args_hash,
+            "args_verified": args_verified,
+            "outcome": event.outcome,
+            "result_hash": result_hash,
+        }
+        if state.calls > settings.iteration_ceiling:
+            evidence.update(count=state.calls, ceiling=settings.iteration_ceiling)
+            return self._halt(state, event, "iteration_ceiling", evidence,
+                              f"run reached its iteration ceiling: call {state.calls} exceeds "
+                              f"{settings.iteration_ceiling}")
+        if occurrences >= settings.circuit_open_at:
+            evidence.update(count=occurrences, window_ms=settings.side_effect_window_ms)
+            return self._halt(state, event, "circuit_open", evidence,
+                              f"side-effecting call {event.tool} repeated {occurrences} times within "
+                              f"{settings.side_effect_window_ms // 1000} s; circuit opened")
+        if failing and count > budget:
+            verdict: Verdict = "semantic_loop" if state.streak_varied else "recursion"
+            evidence.update(count=count, budget=budget, window_ms=settings.window_ms,
+                            window_calls=settings.window_calls, first_event_id=state.streak_first_event_id)
+            same = "with mutating arguments" if state.streak_varied else "with identical arguments"
+            return self._halt(state, event, verdict, evidence,
+                              f"{event.tool} {same} returned the identical {event.outcome} result "
+                              f"{result_hash[:12]} {count} times in a row within "
+                              f"{settings.window_ms // 1000} s; retry budget is {budget}")
+        if period:
+            evidence.update(count=settings.cycle_occurrences, period=period, window_ms=settings.window_ms)
+            return self._halt(state, event, "cycle", evidence,
+                              f"a {period}-call cycle ending in {event.tool} repeated "
+                              f"{settings.cycle_occurrences} times with identical outcomes")
+        if occurrences >= 2:
+            evidence.update(count=occurrences, window_ms=settings.side_effect_window_ms)
+            return self._decide(event, "suppress", "duplicate_call", evidence,
+                                f"side-effecting call {event.tool} is a duplicate (occurrence "
+                                f"{occurrences} within {settings.side_effect_window_ms // 1000} s); "
+                                "hand back the earlier result instead of acting again")
+        if not failing and not state.streak_varied and not state.streak_alerted:
+            state.streak_alerted = True
+            evidence.update(count=count, first_event_id=state.streak_first_event_id)
+            return self._decide(event, "alert", "polling", evidence,
+                                f"{event.tool} returned the same successful result {count} times in a row "
+                                "(polling?); advisory only")
+        return _NOTHING
+
+    def resume(self, state: RunState) -> None:
+        """An operator resumed the run: it starts again with fresh streaks and a fresh call count."""
+        state.halted_by = None
+        state.calls = 0
+        state.side_effects = None
+        state.reset_streaks()
+
+    @staticmethod
+    def _side_effect_occurrence(state: RunState, event: TelemetryEvent, call: bytes,
+                                settings: Settings) -> int:
+        """Occurrence number of this side-effecting call within its window, 0 if not side-effecting."""
+        side_effect = event.side_effect if event.side_effect is not None else settings.side_effect
+        if not side_effect:
+            return 0
+        table = state.side_effects
+        if table is None:
+            table = state.side_effects = {}
+        entry = table.get(call)
+        if entry is not None and 0 <= event.ts_ms - entry[0] <= settings.side_effect_window_ms:
+            entry[1] += 1
+            return entry[1]
+        horizon = event.ts_ms - settings.side_effect_window_ms
+        for stale in [k for k, (first, _) in table.items() if first < horizon]:
+            del table[stale]
+        if len(table) >= _SIDE_EFFECT_SLOTS:
+            del table[min(table, key=lambda k: table[k][0])]
+        table[call] = [event.ts_ms, 1]
+        return 1
+
+    @staticmethod
+    def _streak(state: RunState, event: TelemetryEvent, call: bytes, key: bytes,
+                settings: Settings) -> tuple[int, int]:
+        """Extend or restart the streak of calls with this (tool, outcome, result) key; return the
+        number of its calls within the window, and the budget that applies."""
+        if key == state.streak_key:
+            if call != state.streak_call:
+                state.streak_varied = True
+        else:
+            state.streak_key = key
+            state.streak_call = call
+            state.streak_varied = state.streak_alerted = False
+            state.streak_ts = array("q")
+            state.streak_first_event_id = event.event_id
+        budget = event.retry_budget if event.retry_budget is not None else settings.retry_budget
+        times = state.streak_ts
+        times.append(event.ts_ms)
+        horizon = event.ts_ms - settings.window_ms
+        stale = 0
+        while times[stale] < horizon:
+            stale += 1
+        # Only budget + 1 (or the polling threshold) members can matter; keep no more than that.
+        keep = min(settings.window_calls, max(budget, settings.poll_alert_after) + 1)
+        stale = max(stale, len(times) - keep)
+        if stale:
+            del times[:stale]
+        return len(times), budget
+
+    @staticmethod
+    def _cycle(state: RunState, sig: bytes, failing: bool, ts_ms: int, settings: Settings) -> int:
+        """Record the step's signature; return the period (2 or 3) of a cycle it completes, or 0."""
+        occurrences = settings.cycle_occurrences
+        capacity = _CYCLE_PERIODS[-1] * occurrences
+        sigs = state.recent_sigs = (state.recent_sigs + sig)[-_SIG * capacity :]
+        times = state.recent_ts
+        times.append(ts_ms)
+        if len(times) > capacity:
+            del times[0]
+        state.recent_failing = ((state.recent_failing << 1) | failing) & ((1 << capacity) - 1)
+        steps = len(times)
+        for period in _CYCLE_PERIODS:
+            span = period * occurrences
+            if span > steps or span > settings.window_calls:
+                continue
+            unit = sigs[-_SIG * period :]
+            if (sigs[-_SIG * span :] == unit * occurrences
+                    and unit != sig * period
+                    and state.recent_failing & ((1 << period) - 1)
+                    and ts_ms - times[-span] <= settings.window_ms):
+                return period
+        return 0
+
+    def _halt(self, state: RunState, event: TelemetryEvent, verdict: Verdict, evidence: dict[str, Any],
+              reason: str) -> Evaluation:
+        evaluation = self._decide(event, "halt", verdict, evidence, reason)
+        state.halted_by = evaluation.decisions[0].decision_id
+        return evaluation
+
+    @staticmethod
+    def _decide(event: TelemetryEvent, action: Action, verdict: Verdict, evidence: dict[str, Any],
+                reason: str) -> Evaluation:
+        decision = Decision(
+            run_id=event.run_id,
+            action=action,
+            verdict=verdict,
+            trigger_event_id=event.event_id,
+            decision_id=decision_id(event.run_id, event.event_id, action, verdict),
+            ts_ms=event.ts_ms,
+            reason=reason,
+            evidence=evidence,
+            agent_id=event.agent_id,
+            tenant=event.tenant,
+            trace_id=event.trace_id,
+            span_id=event.span_id,
+        )
+        return Evaluation(False, (decision,))
+
+
+def _args_hash(event: TelemetryEvent, call_policy: CallPolicy) -> tuple[str, bool]:
+    """The call's argument hash and whether it was verified by normalising here.
+
+    Fail closed: arguments that cannot be normalised, or a bare hash for a tool whose policy demands
+    normalisation here, make the call comparable by tool name alone, which can only halt sooner.
+    """
+    settings = call_policy.settings
+    if event.args is not None:
+        try:
+            return semantic_hash(event.args, call_policy.fields, settings.collapse_whitespace), True
+        except NormalisationError:
+            return _UNVERIFIED, False
+    assert event.args_hash is not None  # the contract guarantees one of the two
+    return event.args_hash, not settings.strict_args
+
+
+def _result_hash(event: TelemetryEvent, call_policy: CallPolicy) -> str:
+    if event.result_hash is not None:
+        return event.result_hash
+    try:
+        return semantic_hash(event.result, call_policy.fields, call_policy.settings.collapse_whitespace)
+    except NormalisationError:
+        return "unhashable"  # every unhashable result compares equal: fail closed

@@ -1,0 +1,173 @@
+"""Detector policy: the thresholds, with per-agent and per-tool overrides.
+
+A policy document (YAML in a ConfigMap, or a dict) has three sections, each holding the same settings::
+
+    defaults: {retry_budget: 3, iteration_ceiling: 50, ...}
+    agents:   {"coding-*": {iteration_ceiling: 500}}
+    tools:    {run_python: {collapse_whitespace: false}, send_email: {side_effect: true}}
+
+A call's settings are ``defaults``, then the first matching agent entry, then the first matching tool
+entry (exact names win over glob patterns). Unknown or mistyped settings are rejected with their path,
+because a silently ignored typo in a kill switch's policy is a production incident.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from fnmatch import fnmatchcase
+from typing import Any
+
+from .errors import PolicyError
+from .normalize import DEFAULT_IGNORED_FIELDS, FieldFilter
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Every threshold of the detector; the defaults are the documented behaviour."""
+
+    #: Failing identical repetitions allowed when the event declares no ``retry_budget``.
+    retry_budget: int = 3
+    #: Streaks count only calls within this much event time...
+    window_ms: int = 600_000
+    #: ...and only this many of the most recent calls.
+    window_calls: int = 50
+    #: A run is halted on the call after this many calls.
+    iteration_ceiling: int = 50
+    #: Identical successful calls in a row (polling) before an advisory alert; 0 disables it.
+    poll_alert_after: int = 20
+    #: Occurrences of a 2- or 3-call cycle that halt the run.
+    cycle_occurrences: int = 4
+    #: A side-effecting call repeated within this window of its first occurrence is a duplicate.
+    side_effect_window_ms: int = 60_000
+    #: The occurrence of a side-effecting duplicate that opens the circuit (halts); earlier ones suppress.
+    circuit_open_at: int = 4
+    #: Treat every call of this agent/tool as side-effecting even if the event does not say so.
+    side_effect: bool = False
+    #: Collapse whitespace in string values before hashing (switch off for code, diffs, poems).
+    collapse_whitespace: bool = True
+    #: Extra field-name patterns to drop before hashing, added to the built-in list.
+    ignore_fields: tuple[str, ...] = ()
+    #: Built-in field-name patterns to keep for this tool (where e.g. ``ts`` carries meaning).
+    keep_fields: tuple[str, ...] = ()
+    #: The tool's arguments must be normalised here. When they cannot be (only a hash was sent, or they
+    #: have no canonical form) the call is compared by tool name alone: the detector fails closed.
+    strict_args: bool = False
+    #: Event ids remembered per run to drop redelivered events.
+    dedupe_window: int = 32
+    #: A run with no event for this much event time is forgotten.
+    run_ttl_ms: int = 3_600_000
+
+    def __post_init__(self) -> None:
+        for name in ("retry_budget", "window_calls", "iteration_ceiling", "poll_alert_after"):
+            _check_int(name, getattr(self, name), 0)
+        for name in ("window_ms", "side_effect_window_ms", "run_ttl_ms"):
+            _check_int(name, getattr(self, name), 1)
+        _check_int("cycle_occurrences", self.cycle_occurrences, 2)
+        _check_int("circuit_open_at", self.circuit_open_at, 2)
+        _check_int("dedupe_window", self.dedupe_window, 1)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if type(value) is not int or value < minimum:
+        raise PolicyError(f"{name}: must be an integer >= {minimum}, got {value!r}")
+
+
+_SETTING_TYPES: dict[str, type] = {f.name: type(getattr(Settings(), f.name)) for f in fields(Settings)}
+
+
+@dataclass(frozen=True, slots=True)
+class CallPolicy:
+    """The settings resolved for one (agent, tool) pair, with the field filter built once."""
+
+    settings: Settings
+    fields: FieldFilter
+
+
+class Policy:
+    """Resolves the settings of a call; resolutions are cached per (agent, tool)."""
+
+    _CACHE_LIMIT = 10_000
+
+    def __init__(
+        self,
+        defaults: Settings | None = None,
+        agents: dict[str, dict[str, Any]] | None = None,
+        tools: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        self.defaults = defaults or Settings()
+        self._agents = list((agents or {}).items())
+        self._tools = list((tools or {}).items())
+        self._cache: dict[tuple[str | None, str], CallPolicy] = {}
+
+    @classmethod
+    def from_mapping(cls, document: Any) -> Policy:
+        """Build a policy from a parsed document (YAML/JSON); raise PolicyError naming the bad path."""
+        if document is None:
+            return cls()
+        if not isinstance(document, dict):
+            raise PolicyError("policy: must be a mapping with defaults, agents and tools")
+        unknown = set(document) - {"version", "defaults", "agents", "tools"}
+        if unknown:
+            raise PolicyError(f"policy: unknown section(s) {sorted(unknown)}; expected defaults, agents, tools")
+        if document.get("version", 1) != 1:
+            raise PolicyError(f"version: unsupported policy version {document['version']!r}; expected 1")
+        defaults = replace(Settings(), **_overrides("defaults", document.get("defaults") or {}))
+        sections = {}
+        for section in ("agents", "tools"):
+            entries = document.get(section) or {}
+            if not isinstance(entries, dict):
+                raise PolicyError(f"{section}: must be a mapping of name (or glob) to settings")
+            sections[section] = {
+                str(name): _overrides(f"{section}.{name}", value or {}) for name, value in entries.items()
+            }
+        return cls(defaults, sections["agents"], sections["tools"])
+
+    def resolve(self, agent_id: str | None, tool: str) -> CallPolicy:
+        key = (agent_id, tool)
+        hit = self._cache.get(key)
+        if hit is None:
+            settings = self.defaults
+            agent_overrides = _match(self._agents, agent_id) if agent_id is not None else None
+            if agent_overrides:
+                settings = replace(settings, **agent_overrides)
+            tool_overrides = _match(self._tools, tool)
+            if tool_overrides:
+                settings = replace(settings, **tool_overrides)
+            filter_ = FieldFilter(DEFAULT_IGNORED_FIELDS + settings.ignore_fields, settings.keep_fields)
+            hit = CallPolicy(settings, filter_)
+            if len(self._cache) >= self._CACHE_LIMIT:
+                self._cache.clear()
+            self._cache[key] = hit
+        return hit
+
+
+def _match(entries: list[tuple[str, dict[str, Any]]], name: str) -> dict[str, Any] | None:
+    for pattern, overrides in entries:
+        if pattern == name:
+            return overrides
+    for pattern, overrides in entries:
+        if fnmatchcase(name, pattern):
+            return overrides
+    return None
+
+
+def _overrides(path: str, raw: Any) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise PolicyError(f"{path}: must be a mapping of settings")
+    out: dict[str, Any] = {}
+    for name, value in raw.items():
+        expected = _SETTING_TYPES.get(name)
+        if expected is None:
+            raise PolicyError(f"{path}.{name}: unknown setting; known: {', '.join(sorted(_SETTING_TYPES))}")
+        if expected is tuple:
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise PolicyError(f"{path}.{name}: must be a list of field-name patterns")
+            value = tuple(value)
+        elif type(value) is not expected:
+            raise PolicyError(f"{path}.{name}: must be {expected.__name__}, got {value!r}")
+        out[name] = value
+    try:
+        replace(Settings(), **out)
+    except PolicyError as exc:
+        raise PolicyError(f"{path}.{exc}") from exc
+    return out

@@ -1,0 +1,99 @@
+"""Telemetry decoding names what is wrong; every control message validates against its schema."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jsonschema import Draft202012Validator
+
+from stream_app.core import Detector, InvalidEvent, RunTable, decode_event
+from stream_app.fleet_sim import simulate_fleet
+
+SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
+GOOD: dict[str, Any] = {"run_id": "r", "event_id": "e", "tool": "t", "ts_ms": 1, "outcome": "error",
+                        "args": {}, "result": None}
+
+
+def _validator(name: str) -> Draft202012Validator:
+    schema = json.loads((SCHEMAS / name).read_text())
+    Draft202012Validator.check_schema(schema)
+    return Draft202012Validator(schema)
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "reason"),
+    [
+        ({"run_id": None}, "run_id", "required field is missing"),
+        ({"run_id": 7}, "run_id", "must be a string, got number"),
+        ({"event_id": ""}, "event_id", "must not be empty"),
+        ({"ts_ms": "yesterday"}, "ts_ms", "must be an integer, got string"),
+        ({"ts_ms": 1.5}, "ts_ms", "must be an integer, got number"),
+        ({"ts_ms": True}, "ts_ms", "must be an integer, got boolean"),
+        ({"ts_ms": -1}, "ts_ms", "must be >= 0"),
+        ({"outcome": "failed"}, "outcome", "must be one of"),
+        ({"outcome": None}, "outcome", "required field is missing"),
+        ({"args": None}, "args", "one of args or args_hash is required"),
+        ({"args": [1]}, "args", "must be an object, got array"),
+        ({"retry_budget": -2}, "retry_budget", "must be >= 0"),
+        ({"retry_budget": 10**6}, "retry_budget", "must be <="),
+        ({"side_effect": "yes"}, "side_effect", "must be a boolean"),
+        ({"latency_ms": "fast"}, "latency_ms", "must be a number"),
+        ({"schema_version": "2"}, "schema_version", "unsupported version"),
+        ({"tool": "x" * 600}, "tool", "longer than 512"),
+    ],
+)
+def test_bad_fields_are_named(change: dict[str, Any], field: str, reason: str) -> None:
+    """Each contract violation raises InvalidEvent naming the field and the reason."""
+    raw = {**GOOD, **change}
+    raw = {k: v for k, v in raw.items() if not (v is None and k in change and k != "result")}
+    with pytest.raises(InvalidEvent) as info:
+        decode_event(raw)
+    assert info.value.field == field
+    assert reason in info.value.reason
+
+
+def test_result_null_is_a_result_but_absent_is_not() -> None:
+    """``"result": null`` is a valid (empty) result; leaving result and result_hash out is not."""
+    assert decode_event(GOOD).has_result
+    with pytest.raises(InvalidEvent, match="one of result or result_hash"):
+        decode_event({k: v for k, v in GOOD.items() if k != "result"})
+
+
+def test_non_object_event_is_rejected() -> None:
+    with pytest.raises(InvalidEvent, match="must be a JSON object, got array"):
+        decode_event([GOOD])
+
+
+def test_the_schema_accepts_what_the_decoder_accepts() -> None:
+    """Every event of the simulated fleet is valid for both the decoder and telemetry.v1.json."""
+    validator = _validator("telemetry.v1.json")
+    _, stream = simulate_fleet(60, seed=3)
+    for raw in stream:
+        decode_event(raw)
+        validator.validate(raw)
+
+
+def test_every_emitted_control_message_validates() -> None:
+    """All decisions the detector makes over a mixed fleet validate against control.v1.json."""
+    validator = _validator("control.v1.json")
+    table = RunTable(Detector())
+    _, stream = simulate_fleet(400, seed=11)
+    verdicts = set()
+    for raw in stream:
+        for decision in table.observe(decode_event(raw)).decisions:
+            validator.validate(decision.to_control())
+            verdicts.add(decision.verdict)
+    assert verdicts == {"recursion", "semantic_loop", "cycle", "iteration_ceiling", "duplicate_call",
+                        "circuit_open", "polling"}
+
+
+def test_bundled_examples_validate() -> None:
+    """The examples in schemas/examples/ are valid instances of their schemas."""
+    telemetry, control = _validator("telemetry.v1.json"), _validator("control.v1.json")
+    examples = sorted((SCHEMAS / "examples").glob("*.json"))
+    assert examples
+    for path in examples:
+        (control if path.name.startswith("control") else telemetry).validate(json.loads(path.read_text()))
