@@ -1,4 +1,4 @@
-"""The ``loopwarden`` command: ``replay`` and ``simulate``; fleet commands join as they land."""
+"""The ``loopwarden`` command: ``replay``, ``simulate`` and ``worker``."""
 
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("file", help="telemetry JSONL file, or - for stdin")
     replay.add_argument("--policy", metavar="FILE", help="policy YAML (defaults apply without it)")
+    commands.add_parser(
+        "worker",
+        help="run a fleet worker (Faust on Kafka); configured by environment variables, see README",
+    )
     simulate = commands.add_parser(
         "simulate", help="write the telemetry of a simulated mixed fleet as JSONL (input for replay)"
     )
@@ -39,6 +43,16 @@ def main(argv: list[str] | None = None) -> int:
         _, stream = simulate_fleet(args.runs, seed=args.seed)
         sys.stdout.buffer.writelines(orjson.dumps(event) + b"\n" for event in stream)
         return 0
+    if args.command == "worker":
+        from .worker.main import run_worker
+        from .worker.settings import SettingsError, WorkerSettings
+
+        try:
+            settings = WorkerSettings.from_env()
+        except SettingsError as exc:
+            print(f"loopwarden worker: {exc}", file=sys.stderr)
+            return 2
+        return run_worker(settings)
     try:
         policy = load_policy(getattr(args, "policy", None))
     except PolicyError as exc:

@@ -198,7 +198,7 @@ class Detector:
         args_hash, args_verified = _args_hash(event, call_policy)
         result_hash = _result_hash(event, call_policy)
         call = _short(args_hash) if args_verified else _short(_UNVERIFIED)
-        tool_sum = _checksum(event.tool)[:4]
+        tool_sum = call_policy.tool_digest
         failing = event.outcome != "success"
 
         occurrences = self._side_effect_occurrence(state, event, call + tool_sum, settings)
@@ -295,33 +295,44 @@ class Detector:
             state.streak_key = key
             state.streak_call = call
             state.streak_varied = state.streak_alerted = False
-            state.streak_ts = array("q")
+            del state.streak_ts[:]
             state.streak_first_event_id = event.event_id
         budget = event.retry_budget if event.retry_budget is not None else settings.retry_budget
         times = state.streak_ts
-        times.append(event.ts_ms)
-        horizon = event.ts_ms - settings.window_ms
-        stale = 0
-        while times[stale] < horizon:
-            stale += 1
-        # Only budget + 1 (or the polling threshold) members can matter; keep no more than that.
-        keep = min(settings.window_calls, max(budget, settings.poll_alert_after) + 1)
-        stale = max(stale, len(times) - keep)
-        if stale:
-            del times[:stale]
-        return len(times), budget
+        ts_ms = event.ts_ms
+        times.append(ts_ms)
+        count = len(times)
+        if count > 1:
+            horizon = ts_ms - settings.window_ms
+            stale = 0
+            while times[stale] < horizon:
+                stale += 1
+            # Only budget + 1 (or the polling threshold) members can matter; keep no more than that.
+            keep = min(settings.window_calls, max(budget, settings.poll_alert_after) + 1)
+            if count - keep > stale:
+                stale = count - keep
+            if stale:
+                del times[:stale]
+                count -= stale
+        return count, budget
 
     @staticmethod
     def _cycle(state: RunState, sig: bytes, failing: bool, ts_ms: int, settings: Settings) -> int:
         """Record the step's signature; return the period (2 or 3) of a cycle it completes, or 0."""
         occurrences = settings.cycle_occurrences
         capacity = _CYCLE_PERIODS[-1] * occurrences
-        sigs = state.recent_sigs = (state.recent_sigs + sig)[-_SIG * capacity :]
+        previous = state.recent_sigs
+        # A cycle of period p can only complete on a step equal to the step p back: checking that first
+        # keeps the common case (no repetition) to two short comparisons.
+        repeats = previous[-2 * _SIG : -_SIG] == sig or previous[-3 * _SIG : -2 * _SIG] == sig
+        sigs = state.recent_sigs = (previous + sig)[-_SIG * capacity :]
         times = state.recent_ts
         times.append(ts_ms)
         if len(times) > capacity:
             del times[0]
         state.recent_failing = ((state.recent_failing << 1) | failing) & ((1 << capacity) - 1)
+        if not repeats:
+            return 0
         steps = len(times)
         for period in _CYCLE_PERIODS:
             span = period * occurrences

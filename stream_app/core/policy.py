@@ -13,6 +13,7 @@ because a silently ignored typo in a kill switch's policy is a production incide
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, fields, replace
 from fnmatch import fnmatchcase
 from typing import Any
@@ -81,6 +82,8 @@ class CallPolicy:
 
     settings: Settings
     fields: FieldFilter
+    #: 4 stable bytes naming the tool inside the detector's digests (crc32 of the name).
+    tool_digest: bytes
 
 
 class Policy:
@@ -134,7 +137,7 @@ class Policy:
             if tool_overrides:
                 settings = replace(settings, **tool_overrides)
             filter_ = FieldFilter(DEFAULT_IGNORED_FIELDS + settings.ignore_fields, settings.keep_fields)
-            hit = CallPolicy(settings, filter_)
+            hit = CallPolicy(settings, filter_, zlib.crc32(tool.encode()).to_bytes(4, "big"))
             if len(self._cache) >= self._CACHE_LIMIT:
                 self._cache.clear()
             self._cache[key] = hit

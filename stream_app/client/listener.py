@@ -1,0 +1,402 @@
+"""Control in: the runtime's side of loopwarden's decisions.
+
+``ControlBoard`` is what a runtime knows about its runs: which are halted (and by which decision),
+which calls are suppressed until when, which tasks to cancel on a halt. It applies control v1 messages
+idempotently (a decision id is applied once; redelivery, replays and the local and fleet detectors
+agreeing on an id change nothing) and never raises on bad input: a malformed message is counted.
+The in-process guard feeds it the local detector's decisions; ``HaltListener`` feeds it the control
+topic.
+
+``HaltListener`` reads every partition of the control topic without a consumer group: each runtime
+process must see every decision for its runs, and a group would split them between processes. On
+start it rewinds ``lookback_ms`` (by record timestamp) and waits until it has caught up, so a halt
+issued while the process was starting or restarting is applied before its first tool call. Decisions
+for runs not watched yet are parked (bounded) and applied when the run is first watched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeGuard
+
+import orjson
+
+from .kafka_config import KafkaClientConfig, KafkaConfigError
+from .publisher import wall_clock_ms
+
+if TYPE_CHECKING:
+    from aiokafka import AIOKafkaConsumer
+    from aiokafka.structs import TopicPartition
+
+logger = logging.getLogger(__name__)
+
+Applied = Literal["applied", "duplicate", "malformed", "ignored"]
+#: Called with the control v1 object of every decision applied to a watched run; may be async.
+DecisionCallback = Callable[[dict[str, Any]], object]
+
+_ACTIONS: Final = frozenset(("halt", "suppress", "alert", "resume"))
+#: Suppressed calls remembered per run; the oldest go first (they expire within a minute anyway).
+_SUPPRESSIONS_PER_RUN: Final = 256
+#: Decisions parked per unwatched run (a run has at most a few: halt, resume, halt...).
+_PARKED_PER_RUN: Final = 8
+
+
+@dataclass(slots=True)
+class _RunView:
+    halt: dict[str, Any] | None = None
+    #: (tool, args_hash) -> epoch ms until which the call is suppressed.
+    suppressed: dict[tuple[str, str], int] = field(default_factory=dict)
+    tasks: weakref.WeakSet[asyncio.Task[Any]] = field(default_factory=weakref.WeakSet)
+
+
+class ControlBoard:
+    """The decisions that concern this runtime's runs, applied once each. Memory is bounded: the most
+    recent ``max_runs`` runs, ``max_decision_ids`` decision ids and ``max_parked_runs`` unwatched runs."""
+
+    def __init__(
+        self,
+        *,
+        watch_all: bool = False,
+        max_runs: int = 100_000,
+        max_decision_ids: int = 100_000,
+        max_parked_runs: int = 10_000,
+        default_window_ms: int = 60_000,
+    ) -> None:
+        self.watch_all = watch_all
+        self.max_runs = max_runs
+        self.max_decision_ids = max_decision_ids
+        self.max_parked_runs = max_parked_runs
+        #: Suppression window when a suppress decision carries none in its evidence.
+        self.default_window_ms = default_window_ms
+        self.counters: dict[str, int] = {"applied": 0, "duplicate": 0, "malformed": 0, "ignored": 0}
+        self._runs: OrderedDict[str, _RunView] = OrderedDict()
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._parked: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._callbacks: list[DecisionCallback] = []
+        self._callback_tasks: set[asyncio.Future[Any]] = set()
+
+    def add_callback(self, callback: DecisionCallback) -> None:
+        self._callbacks.append(callback)
+
+    def watch(self, run_id: str) -> None:
+        """Apply decisions for ``run_id`` from now on, starting with any parked for it."""
+        view = self._view(run_id)
+        for message in self._parked.pop(run_id, ()):
+            self._act(run_id, view, message)
+
+    def halt_decision(self, run_id: str) -> dict[str, Any] | None:
+        """The halt in force for the run (its control v1 object), or None."""
+        view = self._runs.get(run_id)
+        return None if view is None else view.halt
+
+    def is_suppressed(self, run_id: str, tool: str, args_hash: str, now_ms: int) -> bool:
+        """Whether this call must be handed the earlier result instead of being executed."""
+        view = self._runs.get(run_id)
+        if view is None:
+            return False
+        until = view.suppressed.get((tool, args_hash))
+        if until is None:
+            return False
+        if now_ms > until:
+            del view.suppressed[(tool, args_hash)]
+            return False
+        return True
+
+    def bind_task(self, run_id: str, task: asyncio.Task[Any]) -> None:
+        """Cancel ``task`` when the run is halted (at once if it already is)."""
+        view = self._view(run_id)
+        view.tasks.add(task)
+        if view.halt is not None:
+            _cancel(run_id, [task])
+
+    def apply_json(self, raw: bytes | None) -> Applied:
+        """Apply one control message as it came off the wire."""
+        try:
+            message = orjson.loads(raw) if raw is not None else None
+        except orjson.JSONDecodeError:
+            message = None
+        return self.apply(message)
+
+    def apply(self, message: object) -> Applied:
+        """Apply one control v1 object; never raises."""
+        if not _well_formed(message):
+            self.counters["malformed"] += 1
+            logger.debug("malformed control message ignored: %.200r", message)
+            return "malformed"
+        decision_id = message["decision_id"]
+        if decision_id in self._seen:
+            self.counters["duplicate"] += 1
+            return "duplicate"
+        self._seen[decision_id] = None
+        if len(self._seen) > self.max_decision_ids:
+            self._seen.popitem(last=False)
+        run_id = message["run_id"]
+        if message["action"] not in _ACTIONS:  # a newer writer's action: forward compatible
+            self.counters["ignored"] += 1
+            return "ignored"
+        view = self._runs.get(run_id)
+        if view is None and not self.watch_all:
+            self._park(run_id, message)
+            self.counters["ignored"] += 1
+            return "ignored"
+        self._act(run_id, view if view is not None else self._view(run_id), message)
+        return "applied"
+
+    def _act(self, run_id: str, view: _RunView, message: dict[str, Any]) -> None:
+        self._runs.move_to_end(run_id)
+        action = message["action"]
+        log_extra = {
+            "run_id": run_id,
+            "decision_id": message["decision_id"],
+            "verdict": message.get("verdict"),
+        }
+        if action == "halt":
+            if view.halt is None:
+                view.halt = message
+                logger.info("run halted: %s", message.get("reason"), extra=log_extra)
+                _cancel(run_id, list(view.tasks))
+        elif action == "resume":
+            view.halt = None
+            view.suppressed.clear()
+            logger.info("run resumed", extra=log_extra)
+        elif action == "suppress":
+            evidence = message["evidence"]
+            window_ms = evidence.get("window_ms")
+            if type(window_ms) is not int or window_ms <= 0:
+                window_ms = self.default_window_ms
+            key = (evidence["tool"], evidence["args_hash"])
+            view.suppressed[key] = max(view.suppressed.pop(key, 0), message["ts_ms"] + window_ms)
+            if len(view.suppressed) > _SUPPRESSIONS_PER_RUN:
+                del view.suppressed[next(iter(view.suppressed))]
+            logger.debug("call suppressed", extra=log_extra)
+        self.counters["applied"] += 1
+        for callback in self._callbacks:
+            self._notify(callback, message)
+
+    def _notify(self, callback: DecisionCallback, message: dict[str, Any]) -> None:
+        """A callback's failure is logged, never propagated: it must not stop the next decision."""
+        try:
+            outcome = callback(message)
+            if inspect.isawaitable(outcome):
+                future = asyncio.ensure_future(outcome)
+                self._callback_tasks.add(future)
+                future.add_done_callback(self._callback_done)
+        except Exception:
+            logger.exception("decision callback %r failed", callback)
+
+    def _callback_done(self, future: asyncio.Future[Any]) -> None:
+        self._callback_tasks.discard(future)
+        if not future.cancelled() and future.exception() is not None:
+            logger.error("decision callback failed", exc_info=future.exception())
+
+    def _view(self, run_id: str) -> _RunView:
+        view = self._runs.get(run_id)
+        if view is None:
+            view = self._runs[run_id] = _RunView()
+            if len(self._runs) > self.max_runs:
+                self._runs.popitem(last=False)
+        else:
+            self._runs.move_to_end(run_id)
+        return view
+
+    def _park(self, run_id: str, message: dict[str, Any]) -> None:
+        parked = self._parked.pop(run_id, [])
+        parked = [*parked, message][-_PARKED_PER_RUN:]
+        self._parked[run_id] = parked
+        if len(self._parked) > self.max_parked_runs:
+            self._parked.popitem(last=False)
+
+
+def _well_formed(message: object) -> TypeGuard[dict[str, Any]]:
+    """The fields the board acts on are present and typed (the rest is the writer's business)."""
+    if type(message) is not dict:
+        return False
+    if not all(
+        type(message.get(name)) is str and message[name] for name in ("decision_id", "run_id", "action")
+    ):
+        return False
+    if message["action"] != "suppress":
+        return True
+    evidence = message.get("evidence")
+    return (
+        type(evidence) is dict
+        and type(evidence.get("tool")) is str
+        and type(evidence.get("args_hash")) is str
+        and type(message.get("ts_ms")) is int
+    )
+
+
+def _cancel(run_id: str, tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel the run's bound tasks, except the one applying the halt: the guard raises RunHalted in it."""
+    try:
+        current = asyncio.current_task()
+    except RuntimeError:  # no running loop
+        current = None
+    for task in tasks:
+        if task is not current and not task.done():
+            task.cancel(f"loopwarden halted run {run_id}")
+
+
+class HaltListener:
+    """Feeds a ``ControlBoard`` from the control topic: every partition, no consumer group."""
+
+    def __init__(
+        self,
+        config: KafkaClientConfig,
+        topic: str = "agent.control",
+        *,
+        board: ControlBoard | None = None,
+        watch_all: bool = False,
+        lookback_ms: int = 60_000,
+        catch_up_timeout_s: float = 10.0,
+        fetch_max_wait_ms: int = 100,
+        metadata_max_age_ms: int = 30_000,
+        client_id: str = "loopwarden-sdk",
+    ) -> None:
+        self.config = config
+        self.topic = topic
+        self.board = board if board is not None else ControlBoard(watch_all=watch_all)
+        self.lookback_ms = lookback_ms
+        self.catch_up_timeout_s = catch_up_timeout_s
+        # The broker answers a fetch as soon as one byte arrives (fetch_min_bytes=1), so this wait bounds
+        # only empty polls: shortening it adds requests, not speed.
+        self.fetch_max_wait_ms = fetch_max_wait_ms
+        # How soon partitions added to the control topic are noticed.
+        self.metadata_max_age_ms = metadata_max_age_ms
+        self.client_id = client_id
+        self._consumer: AIOKafkaConsumer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._caught_up = asyncio.Event()
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.board.counters
+
+    async def start(self) -> None:
+        """Assign every partition, rewind ``lookback_ms`` and return once caught up (or after
+        ``catch_up_timeout_s``, with a warning)."""
+        from aiokafka import AIOKafkaConsumer
+
+        if self._consumer is not None:
+            return
+        consumer = AIOKafkaConsumer(
+            **self.config.aiokafka_kwargs(),
+            client_id=self.client_id,
+            group_id=None,
+            enable_auto_commit=False,
+            auto_offset_reset="latest",
+            fetch_max_wait_ms=self.fetch_max_wait_ms,
+            metadata_max_age_ms=self.metadata_max_age_ms,
+        )
+        await consumer.start()
+        try:
+            ends = await self._assign_and_rewind(consumer)
+        except BaseException:
+            await consumer.stop()
+            raise
+        self._consumer = consumer
+        self._caught_up.clear()
+        self._task = asyncio.create_task(
+            self._consume(consumer, ends), name=f"loopwarden-listener:{self.topic}"
+        )
+        try:
+            await asyncio.wait_for(self._caught_up.wait(), self.catch_up_timeout_s)
+        except TimeoutError:
+            logger.warning(
+                "control topic %s: not caught up after %.1f s; continuing while it catches up",
+                self.topic,
+                self.catch_up_timeout_s,
+                extra={"topic": self.topic},
+            )
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            await consumer.stop()
+
+    async def __aenter__(self) -> HaltListener:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    async def _assign_and_rewind(self, consumer: AIOKafkaConsumer) -> dict[TopicPartition, int]:
+        """Assign all partitions at ``now - lookback_ms``; return the end offsets to catch up to."""
+        from aiokafka.structs import TopicPartition
+
+        if self.topic not in await consumer.topics():
+            raise KafkaConfigError(
+                f"control topic {self.topic!r} does not exist. Operator action: create it, or start the "
+                "worker with LOOPWARDEN_CREATE_TOPICS=true, or fix the topic name"
+            )
+        # Asking for an offset of partition 0 (every topic has one) makes the client track the topic's
+        # metadata, after which its partitions are known.
+        await consumer.end_offsets([TopicPartition(self.topic, 0)])
+        partitions = [
+            TopicPartition(self.topic, p) for p in sorted(consumer.partitions_for_topic(self.topic))
+        ]
+        consumer.assign(partitions)
+        found: dict[TopicPartition, Any] = {}
+        if self.lookback_ms > 0:
+            since = max(wall_clock_ms() - self.lookback_ms, 0)
+            found = await consumer.offsets_for_times({tp: since for tp in partitions})
+        ends: dict[TopicPartition, int] = await consumer.end_offsets(partitions)
+        for tp in partitions:
+            hit = found.get(tp)
+            consumer.seek(tp, hit.offset if hit is not None else ends[tp])
+        return {tp: end for tp, end in ends.items() if found.get(tp) is not None}
+
+    async def _consume(self, consumer: AIOKafkaConsumer, behind: dict[TopicPartition, int]) -> None:
+        """Apply every control message; survive broker trouble and bad messages."""
+        while True:
+            try:
+                if not behind:
+                    self._caught_up.set()
+                batches = await consumer.getmany(timeout_ms=1_000)
+                for records in batches.values():
+                    for record in records:
+                        self.board.apply_json(record.value)
+                for tp in list(behind):
+                    if await consumer.position(tp) >= behind[tp]:
+                        del behind[tp]
+                await self._follow_new_partitions(consumer)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("control topic %s: consuming failed; retrying in 1 s", self.topic)
+                await asyncio.sleep(1.0)
+
+    async def _follow_new_partitions(self, consumer: AIOKafkaConsumer) -> None:
+        """Assign partitions added to the topic since start, from their beginning, keeping positions.
+        (Re-assigning resets every position, so they are read first and restored.)"""
+        from aiokafka.structs import TopicPartition
+
+        assigned = consumer.assignment()
+        known = consumer.partitions_for_topic(self.topic) or set()
+        if len(known) <= len(assigned):
+            return
+        positions = {tp: await consumer.position(tp) for tp in assigned}
+        partitions = [TopicPartition(self.topic, p) for p in sorted(known)]
+        consumer.assign(partitions)
+        for tp in partitions:
+            if tp in positions:
+                consumer.seek(tp, positions[tp])
+            else:
+                await consumer.seek_to_beginning(tp)
+        logger.info(
+            "control topic %s grew to %d partitions", self.topic, len(partitions), extra={"topic": self.topic}
+        )

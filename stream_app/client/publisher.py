@@ -1,0 +1,274 @@
+"""Telemetry out: a finished tool call becomes one telemetry v1 event, published keyed by run id.
+
+Arguments and results are hashed here, on the runtime, by default: the detector only compares calls,
+so it needs their semantic hashes, not their content, and customer data in tool arguments then never
+crosses the bus. A tool is opted in to raw ``args``/``result`` (``raw_tools``) when the worker must see
+them, e.g. for a ``strict_args`` policy. Either way the value is first put in the exact JSON form it
+would travel in, so a client-side hash equals the one the worker would compute from the raw event.
+
+The producer is idempotent with ``acks=all``: a retried send is never written twice, and an
+acknowledged event survives a broker failure. It lingers a few milliseconds to batch a burst of calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final
+
+import orjson
+
+from ..core import NormalisationError, Outcome, Policy, semantic_hash
+from ..wire import encode_telemetry
+from .kafka_config import KafkaClientConfig, KafkaConfigError
+
+if TYPE_CHECKING:
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.structs import RecordMetadata
+
+logger = logging.getLogger(__name__)
+
+#: Hash sent for a value with no JSON form. Every such value of a tool compares equal, which can only
+#: halt sooner (the core treats an unhashable result the same way): fail closed.
+UNHASHABLE: Final = "unhashable"
+
+
+def wall_clock_ms() -> int:
+    """Epoch milliseconds now. The SDK reads the clock; the core never does."""
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedCall:
+    """One finished tool call, as the runtime saw it. ``result`` is the body to report (for an
+    exception: its class and message)."""
+
+    run_id: str
+    tool: str
+    args: Mapping[str, Any]
+    outcome: Outcome
+    result: Any
+    ts_ms: int
+    latency_ms: float
+    seq: int | None = None
+    agent_id: str | None = None
+    tenant: str | None = None
+    #: None leaves it to the policy (an explicit False would override a policy's ``side_effect: true``).
+    side_effect: bool | None = None
+    retry_budget: int | None = None
+    plan_step: int | None = None
+    error_class: str | None = None
+    attrs: Mapping[str, Any] | None = None
+
+
+class TelemetryBuilder:
+    """Builds telemetry v1 events, hashing arguments and results with the policy's per-tool field filter
+    and whitespace setting, except for the tools in ``raw_tools``."""
+
+    def __init__(self, policy: Policy | None = None, raw_tools: Iterable[str] = ()) -> None:
+        self.policy = policy or Policy()
+        self.raw_tools = frozenset(raw_tools)
+        self._warned_strict: set[str] = set()
+
+    def args_hash(self, agent_id: str | None, tool: str, args: Mapping[str, Any]) -> str:
+        """The semantic hash of a call's arguments, as the detector computes it."""
+        return self._hashed(agent_id, tool, args)[0]
+
+    def build(self, call: FinishedCall, *, args_hash: str | None = None) -> dict[str, Any]:
+        """The telemetry v1 object of ``call``; pass ``args_hash`` if it is already known."""
+        event: dict[str, Any] = {
+            "schema_version": "1",
+            "run_id": call.run_id,
+            "event_id": uuid.uuid4().hex,  # unique across processes: a restarted run is never deduplicated
+            "tool": call.tool,
+            "ts_ms": call.ts_ms,
+            "outcome": call.outcome,
+        }
+        if call.tool in self.raw_tools:
+            for name, value in (("args", call.args), ("result", call.result)):
+                hashed, form = self._hashed(call.agent_id, call.tool, value)
+                if form is _NO_FORM:
+                    event[f"{name}_hash"] = hashed
+                else:
+                    event[name] = form  # may be null: a present ``result: null`` is a result
+        else:
+            self._warn_if_strict(call.agent_id, call.tool)
+            event["args_hash"] = args_hash or self.args_hash(call.agent_id, call.tool, call.args)
+            event["result_hash"] = self._hashed(call.agent_id, call.tool, call.result)[0]
+        event["latency_ms"] = round(max(call.latency_ms, 0.0), 3)
+        for name in ("seq", "agent_id", "tenant", "side_effect", "retry_budget", "plan_step", "error_class"):
+            value = getattr(call, name)
+            if value is not None:
+                event[name] = value
+        if call.attrs:
+            event["attrs"] = dict(call.attrs)
+        return event
+
+    def _hashed(self, agent_id: str | None, tool: str, value: Any) -> tuple[str, Any]:
+        """(semantic hash, JSON form) of a value; (UNHASHABLE, _NO_FORM) when it has no JSON form."""
+        call_policy = self.policy.resolve(agent_id, tool)
+        try:
+            form = _json_form(value)
+            return semantic_hash(form, call_policy.fields, call_policy.settings.collapse_whitespace), form
+        except NormalisationError as exc:
+            logger.debug("value of tool %s has no canonical form: %s", tool, exc, extra={"tool": tool})
+            return UNHASHABLE, _NO_FORM
+
+    def _warn_if_strict(self, agent_id: str | None, tool: str) -> None:
+        if tool in self._warned_strict or not self.policy.resolve(agent_id, tool).settings.strict_args:
+            return
+        self._warned_strict.add(tool)
+        logger.warning(
+            "tool %s has strict_args in the policy but its arguments travel only as a hash, so loopwarden "
+            "compares its calls by tool name alone; add it to raw_tools",
+            tool,
+            extra={"tool": tool},
+        )
+
+
+class _NoForm:
+    """Marks a value that has no JSON form (None is a valid JSON form)."""
+
+
+_NO_FORM: Final = _NoForm()
+
+
+def _json_form(value: Any) -> Any:
+    """``value`` as the JSON it would travel as (orjson's types; NaN becomes null); raise
+    NormalisationError if it has none."""
+    try:
+        return orjson.loads(orjson.dumps(value, default=_json_default, option=orjson.OPT_NON_STR_KEYS))
+    except TypeError as exc:  # orjson.JSONEncodeError is a TypeError
+        raise NormalisationError(f"no JSON form: {exc}") from exc
+
+
+def _json_default(value: Any) -> Any:
+    """JSON forms of common tool values orjson does not know: bytes, and pydantic v2 models."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return base64.b64encode(value).decode()
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        return dump(mode="json")
+    raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
+
+
+class TelemetryPublisher:
+    """Publishes telemetry events to Kafka, keyed by run id.
+
+    Telemetry must never stall the agent it describes: ``publish`` returns once the event is queued and
+    gives up after ``enqueue_timeout_s`` (TimeoutError) when the broker is unreachable and the buffer is
+    full; ``stop`` waits at most ``close_timeout_s`` for queued events. A failed delivery is logged and
+    counted in ``failed``.
+    """
+
+    def __init__(
+        self,
+        config: KafkaClientConfig,
+        topic: str = "agent.telemetry",
+        *,
+        linger_ms: int = 5,
+        enqueue_timeout_s: float = 1.0,
+        close_timeout_s: float = 10.0,
+        client_id: str = "loopwarden-sdk",
+    ) -> None:
+        self.config = config
+        self.topic = topic
+        self.linger_ms = linger_ms
+        self.enqueue_timeout_s = enqueue_timeout_s
+        self.close_timeout_s = close_timeout_s
+        self.client_id = client_id
+        self.published = 0
+        self.failed = 0
+        self.pending = 0
+        self._producer: AIOKafkaProducer | None = None
+        self._closing: asyncio.Future[None] | None = None
+
+    async def start(self) -> None:
+        """Connect, and check that the topic exists (so a wrong name fails here, not on a tool call)."""
+        from aiokafka import AIOKafkaProducer
+
+        if self._producer is not None:
+            return
+        producer = AIOKafkaProducer(
+            **self.config.aiokafka_kwargs(),
+            client_id=self.client_id,
+            acks="all",
+            enable_idempotence=True,
+            linger_ms=self.linger_ms,
+        )
+        await producer.start()
+        try:
+            if self.topic not in (await producer.client.fetch_all_metadata()).topics():
+                raise KafkaConfigError(
+                    f"telemetry topic {self.topic!r} does not exist. Operator action: create it, or start the "
+                    "worker with LOOPWARDEN_CREATE_TOPICS=true, or fix the topic name"
+                )
+            await producer.partitions_for(self.topic)  # the first send then needs no metadata round trip
+        except BaseException:
+            await producer.stop()
+            raise
+        self._producer = producer
+
+    async def stop(self) -> None:
+        """Deliver what is queued (waiting at most ``close_timeout_s``), then close."""
+        producer, self._producer = self._producer, None
+        if producer is None:
+            return
+        closing = asyncio.ensure_future(producer.stop())
+        try:
+            await asyncio.wait_for(asyncio.shield(closing), self.close_timeout_s)
+        except TimeoutError:
+            self._closing = closing  # it completes if the broker comes back; the loop's end cancels it
+            logger.warning(
+                "telemetry to %s: %d events undelivered after %.0f s; closing without them",
+                self.topic,
+                self.pending,
+                self.close_timeout_s,
+                extra={"topic": self.topic},
+            )
+
+    async def __aenter__(self) -> TelemetryPublisher:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    @property
+    def started(self) -> bool:
+        return self._producer is not None
+
+    async def publish(self, event: Mapping[str, Any]) -> None:
+        """Queue one telemetry event (a dict with at least ``run_id``)."""
+        if self._producer is None:
+            raise RuntimeError("TelemetryPublisher is not started: await start() or use 'async with'")
+        key, value = encode_telemetry(dict(event))
+        delivery = await asyncio.wait_for(
+            self._producer.send(self.topic, value, key=key), self.enqueue_timeout_s
+        )
+        self.pending += 1
+        delivery.add_done_callback(self._delivered)
+
+    async def flush(self) -> None:
+        """Wait until every queued event is acknowledged or has failed."""
+        if self._producer is not None:
+            await self._producer.flush()
+
+    def _delivered(self, delivery: asyncio.Future[RecordMetadata]) -> None:
+        self.pending -= 1
+        error = None if delivery.cancelled() else delivery.exception()
+        if delivery.cancelled() or error is not None:
+            self.failed += 1
+            logger.warning(
+                "telemetry delivery to %s failed: %r", self.topic, error, extra={"topic": self.topic}
+            )
+        else:
+            self.published += 1

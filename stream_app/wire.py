@@ -1,0 +1,71 @@
+"""Bytes on the bus: how telemetry and control messages are encoded, shared by the worker and the SDK.
+
+Control and alert messages are CloudEvents in Kafka binary mode: the value is the control v1 JSON, and
+the event attributes travel as ``ce_*`` headers, so any CloudEvents consumer can route them (by
+``ce_type``) without knowing our schema. The record key is the run id, the key runtimes consume by.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+from .core import Decision
+
+CE_TYPE_PREFIX = "dev.loopwarden."
+CONTENT_TYPE = b"application/json"
+
+Headers = list[tuple[str, bytes]]
+
+
+def encode_telemetry(event: dict[str, Any]) -> tuple[bytes, bytes]:
+    """(key, value) of one telemetry event: keyed by run id so a run stays in one partition."""
+    return event["run_id"].encode(), orjson.dumps(event)
+
+
+def traceparent(trace_id: str | None, span_id: str | None) -> str | None:
+    """W3C traceparent of the triggering call, when its ids are well-formed hex."""
+    if not trace_id or not span_id or len(trace_id) != 32 or len(span_id) != 16:
+        return None
+    try:
+        int(trace_id, 16), int(span_id, 16)
+    except ValueError:
+        return None
+    return f"00-{trace_id.lower()}-{span_id.lower()}-01"
+
+
+def encode_control(decision: Decision, source: str) -> tuple[bytes, bytes, Headers]:
+    """(key, value, headers) of a decision as a binary-mode CloudEvent. ``ce_time`` is the trigger's
+    event time, so re-sending the same decision yields byte-identical headers and value."""
+    value = orjson.dumps(decision.to_control())
+    headers: Headers = [
+        ("ce_specversion", b"1.0"),
+        ("ce_id", decision.decision_id.encode()),
+        ("ce_source", source.encode()),
+        ("ce_type", f"{CE_TYPE_PREFIX}{decision.action}".encode()),
+        ("ce_time", _rfc3339(decision.ts_ms).encode()),
+        ("ce_subject", decision.run_id.encode()),
+        ("ce_partitionkey", decision.run_id.encode()),
+        ("content-type", CONTENT_TYPE),
+    ]
+    parent = traceparent(decision.trace_id, decision.span_id)
+    if parent:
+        headers.append(("ce_traceparent", parent.encode()))
+    return decision.run_id.encode(), value, headers
+
+
+def header(headers: Any, name: str) -> bytes | None:
+    """The value of header ``name`` from a list of (name, value) pairs (aiokafka/faust shapes)."""
+    if not headers:
+        return None
+    items = headers.items() if isinstance(headers, dict) else headers
+    for key, value in items:
+        if key == name:
+            return value if isinstance(value, bytes) else str(value).encode()
+    return None
+
+
+def _rfc3339(ts_ms: int) -> str:
+    return datetime.fromtimestamp(ts_ms / 1000, tz=UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")

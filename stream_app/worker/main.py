@@ -1,0 +1,85 @@
+"""``loopwarden worker``: topics, metrics endpoint, then the Faust worker until a signal stops it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+from prometheus_client import start_http_server
+
+from ..policy_file import load_policy
+from .metrics import WorkerMetrics
+from .settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+class TopicMismatch(RuntimeError):
+    """An existing topic has the wrong partition count. Operator action: recreate it or change
+    LOOPWARDEN_PARTITIONS to match (the state table must have as many partitions as its input)."""
+
+
+async def ensure_topics(settings: WorkerSettings) -> None:
+    """Create the worker's topics if missing (the broker should not auto-create them), and refuse to
+    start when the input or changelog topic has a different partition count than the table."""
+    specs = {
+        settings.telemetry_topic: {},
+        settings.control_topic: {},
+        settings.alerts_topic: {},
+        settings.dlq_topic: {},
+        settings.changelog_topic: {"cleanup.policy": "compact"},
+    }
+    admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_kwargs())
+    await admin.start()
+    try:
+        if settings.create_topics:
+            existing = set(await admin.list_topics())
+            missing = [
+                NewTopic(name, settings.partitions, settings.replication_factor, topic_configs=configs)
+                for name, configs in specs.items() if name not in existing
+            ]
+            if missing:
+                try:
+                    await admin.create_topics(missing)
+                except TopicAlreadyExistsError:
+                    pass  # another worker created them first
+                log.info("created topics %s", [t.name for t in missing])
+        described = await admin.describe_topics([settings.telemetry_topic, settings.changelog_topic])
+        for topic in described:
+            count = len(topic.get("partitions", ()))
+            if topic.get("error_code"):
+                raise TopicMismatch(f"topic {topic['topic']} is missing (error {topic['error_code']}); "
+                                    "create it or set LOOPWARDEN_CREATE_TOPICS=true")
+            if count != settings.partitions:
+                raise TopicMismatch(f"topic {topic['topic']} has {count} partitions, LOOPWARDEN_PARTITIONS is "
+                                    f"{settings.partitions}")
+    finally:
+        await admin.close()
+
+
+def run_worker(settings: WorkerSettings) -> int:
+    """Run one worker in this process until SIGINT/SIGTERM; returns the exit status."""
+    import faust
+
+    from .app import create_app
+
+    level = settings.log_level.upper()
+    logging.basicConfig(level=level, format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s",'
+                                           '"msg":"%(message)s"}')
+    policy = load_policy(settings.policy_path)
+    asyncio.run(ensure_topics(settings))
+    metrics = WorkerMetrics()
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=metrics.registry)
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    app = create_app(settings, policy, metrics)
+
+    class Worker(faust.Worker):
+        async def on_startup_finished(self) -> None:
+            await super().on_startup_finished()
+            metrics.ready.set(1)  # state recovered, partitions assigned: tests and probes wait for this
+
+    Worker(app, loglevel=level, quiet=True, redirect_stdouts=False).execute_from_commandline()
+    return 0

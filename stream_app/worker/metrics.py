@@ -1,0 +1,41 @@
+"""Prometheus metrics of the worker (names follow Prometheus conventions; labels are bounded)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class WorkerMetrics:
+    """All worker metrics in one registry, so tests and several apps in one process stay apart."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.events = Counter("loopwarden_events_total", "Telemetry events applied, by outcome class.",
+                              ["outcome"], registry=r)
+        self.duplicates = Counter("loopwarden_duplicate_events_total",
+                                  "Redelivered events skipped (same event id or offset already applied).",
+                                  registry=r)
+        self.decisions = Counter("loopwarden_decisions_total", "Decisions published, by action and verdict.",
+                                 ["action", "verdict"], registry=r)
+        self.dlq = Counter("loopwarden_dlq_total", "Messages sent to the dead-letter topic, by reason.",
+                           ["reason"], registry=r)
+        self.rekeyed = Counter("loopwarden_rekeyed_total",
+                               "Messages that arrived keyed by something else, re-published keyed by run id.",
+                               registry=r)
+        self.evictions = Counter("loopwarden_evicted_runs_total",
+                                 "Runs forgotten after run_ttl_ms of event-time silence.", registry=r)
+        self.decision_latency = Histogram(
+            "loopwarden_decision_latency_seconds",
+            "From the triggering call's ts_ms to its decision being published (wall clock).",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.runs_tracked = Gauge("loopwarden_runs_tracked", "Runs with state in this worker's partitions "
+                                  "(RocksDB estimate).", registry=r)
+        self.consumer_lag = Gauge("loopwarden_consumer_lag", "Telemetry messages not yet processed, by partition.",
+                                  ["partition"], registry=r)
+        self.ready = Gauge("loopwarden_worker_ready", "1 once the worker has recovered its state and consumes.",
+                           registry=r)
+        self.batch_size = Histogram("loopwarden_batch_events", "Telemetry events per processed batch.",
+                                    buckets=(1, 10, 50, 100, 250, 500, 1000, 2500), registry=r)

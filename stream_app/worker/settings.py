@@ -1,0 +1,124 @@
+"""Worker settings, read once from the environment at start-up and validated there.
+
+Nothing else in the worker reads ``os.environ``. Each field names its variable and default; the
+README's table is generated from the same list.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from ..client.kafka_config import KafkaClientConfig
+
+
+class SettingsError(ValueError):
+    """An environment variable has a value the worker cannot use. Operator action: fix that variable."""
+
+
+# (field, env var, default, meaning) -- the single source of the worker's configuration.
+SETTINGS: tuple[tuple[str, str, str, str], ...] = (
+    ("app_id", "LOOPWARDEN_APP_ID", "loopwarden", "consumer group and changelog prefix; workers sharing it split the partitions"),
+    ("telemetry_topic", "LOOPWARDEN_TELEMETRY_TOPIC", "agent.telemetry", "input: telemetry v1, keyed by run id"),
+    ("control_topic", "LOOPWARDEN_CONTROL_TOPIC", "agent.control", "output: halt/suppress/alert decisions (CloudEvents)"),
+    ("alerts_topic", "LOOPWARDEN_ALERTS_TOPIC", "agent.alerts", "output: halts and circuit openings for on-call people"),
+    ("dlq_topic", "LOOPWARDEN_DLQ_TOPIC", "agent.telemetry.dlq", "output: rejected input, reason in the `error` header"),
+    ("partitions", "LOOPWARDEN_PARTITIONS", "8", "partitions of the telemetry topic and the state table (must match)"),
+    ("replication_factor", "LOOPWARDEN_REPLICATION_FACTOR", "1", "replication factor of topics the worker creates"),
+    ("create_topics", "LOOPWARDEN_CREATE_TOPICS", "true", "create missing topics at start-up"),
+    ("policy_path", "LOOPWARDEN_POLICY", "", "policy YAML file; empty means the built-in defaults"),
+    ("state_dir", "LOOPWARDEN_STATE_DIR", "var/state", "RocksDB state directory (one per worker instance)"),
+    ("metrics_port", "LOOPWARDEN_METRICS_PORT", "9464", "Prometheus metrics port; 0 disables"),
+    ("metrics_host", "LOOPWARDEN_METRICS_HOST", "0.0.0.0", "address the metrics endpoint listens on"),
+    ("batch_max", "LOOPWARDEN_BATCH_MAX", "1000", "most telemetry events processed (and state writes coalesced) per batch"),
+    ("batch_within_s", "LOOPWARDEN_BATCH_WITHIN_S", "0.002", "longest wait to fill a batch, seconds (adds to halt latency)"),
+    ("commit_interval_s", "LOOPWARDEN_COMMIT_INTERVAL_S", "1.0", "consumer offset commit interval, seconds"),
+    ("session_timeout_s", "LOOPWARDEN_SESSION_TIMEOUT_S", "10", "group session timeout: how soon a dead worker's partitions move"),
+    ("heartbeat_s", "LOOPWARDEN_HEARTBEAT_S", "2", "group heartbeat interval, seconds"),
+    ("standby_replicas", "LOOPWARDEN_STANDBY_REPLICAS", "1", "faust standby replicas of the state table"),
+    ("max_event_bytes", "LOOPWARDEN_MAX_EVENT_BYTES", "1048576", "larger telemetry messages go to the DLQ"),
+    ("rocksdb_block_cache_mb", "LOOPWARDEN_ROCKSDB_BLOCK_CACHE_MB", "32", "RocksDB block cache per table partition, MiB"),
+    ("rocksdb_write_buffer_mb", "LOOPWARDEN_ROCKSDB_WRITE_BUFFER_MB", "16", "RocksDB write buffer per table partition, MiB"),
+    ("rocksdb_max_open_files", "LOOPWARDEN_ROCKSDB_MAX_OPEN_FILES", "256", "RocksDB open files per table partition"),
+    ("evict_scan_per_batch", "LOOPWARDEN_EVICT_SCAN_PER_BATCH", "64", "stored runs checked for expiry per partition per batch"),
+    ("event_source", "LOOPWARDEN_EVENT_SOURCE", "", "CloudEvents source of decisions; empty means /loopwarden/<app_id>"),
+    ("log_level", "LOOPWARDEN_LOG_LEVEL", "warning", "worker log level"),
+)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    kafka: KafkaClientConfig
+    app_id: str
+    telemetry_topic: str
+    control_topic: str
+    alerts_topic: str
+    dlq_topic: str
+    partitions: int
+    replication_factor: int
+    create_topics: bool
+    policy_path: Path | None
+    state_dir: Path
+    metrics_port: int
+    metrics_host: str
+    batch_max: int
+    batch_within_s: float
+    commit_interval_s: float
+    session_timeout_s: float
+    heartbeat_s: float
+    standby_replicas: int
+    max_event_bytes: int
+    rocksdb_block_cache_mb: int
+    rocksdb_write_buffer_mb: int
+    rocksdb_max_open_files: int
+    evict_scan_per_batch: int
+    event_source: str
+    log_level: str
+
+    @property
+    def changelog_topic(self) -> str:
+        return f"{self.app_id}-runs-changelog"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerSettings:
+        """Build and validate the settings; raise SettingsError naming the variable at fault."""
+        env = os.environ if environ is None else environ
+        types = {f.name: f.type for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for name, var, default, _ in SETTINGS:
+            raw = env.get(var, default).strip()
+            kind = types[name]
+            try:
+                if kind == "int":
+                    values[name] = int(raw)
+                elif kind == "float":
+                    values[name] = float(raw)
+                elif kind == "bool":
+                    if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                        raise ValueError(raw)
+                    values[name] = raw.lower() in ("true", "1", "yes")
+                elif kind == "Path":
+                    values[name] = Path(raw)
+                elif kind == "Path | None":
+                    values[name] = Path(raw) if raw else None
+                else:
+                    values[name] = raw
+            except ValueError as exc:
+                raise SettingsError(f"{var}={raw!r}: expected {kind}") from exc
+        for name in ("partitions", "replication_factor", "batch_max", "max_event_bytes"):
+            if values[name] < 1:
+                raise SettingsError(f"{_var(name)} must be >= 1, got {values[name]}")
+        for name in ("batch_within_s", "commit_interval_s", "session_timeout_s", "heartbeat_s"):
+            if values[name] <= 0:
+                raise SettingsError(f"{_var(name)} must be > 0, got {values[name]}")
+        if values["heartbeat_s"] * 3 > values["session_timeout_s"]:
+            raise SettingsError("LOOPWARDEN_HEARTBEAT_S must be at most a third of LOOPWARDEN_SESSION_TIMEOUT_S")
+        values["event_source"] = values["event_source"] or f"/loopwarden/{values['app_id']}"
+        return cls(kafka=KafkaClientConfig.from_env(env), **values)
+
+
+def _var(name: str) -> str:
+    return next(var for field_name, var, _, _ in SETTINGS if field_name == name)
