@@ -21,9 +21,10 @@ test: install
 	@$(BIN)/python scripts/kafka_local.py resolve
 	@$(BIN)/python -m pytest
 
-## make run: the detector over the bundled simulated fleet; decisions on stdout, summary on stderr.
+## make run: a local Kafka (unless KAFKA_BOOTSTRAP_SERVERS is set), a worker and a simulated fleet of
+## agents guarded through the SDK; ends with what was halted. Ctrl-C stops everything.
 run: install
-	@$(BIN)/loopwarden replay schemas/examples/fleet.jsonl
+	@$(BIN)/python scripts/kafka_local.py exec -- $(BIN)/loopwarden demo
 
 ## make bench: benchmarks that print figures (never part of make test).
 bench: install

@@ -930,6 +930,30 @@ def _cmd_create_topics(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_exec(args: argparse.Namespace) -> int:
+    """Run a command with KAFKA_BOOTSTRAP_SERVERS set: the caller's broker if it is already set, else a
+    broker started for the command and stopped after it, also on Ctrl-C."""
+    command = [part for part in args.cmd if part != "--"]
+    if not command:
+        raise KafkaLocalError("exec needs a command after --")
+    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+        return subprocess.call(command)
+    with LocalKafka(version=args.kafka_version) as broker:
+        print(f"kafka_local: starting Apache Kafka {broker.version} ...", file=sys.stderr, flush=True)
+        broker.start()
+        print(f"kafka_local: broker ready at {broker.bootstrap}", file=sys.stderr, flush=True)
+        child = subprocess.Popen(command, env={**os.environ, "KAFKA_BOOTSTRAP_SERVERS": broker.bootstrap})
+        try:
+            return child.wait()
+        except KeyboardInterrupt:
+            # The terminal sent SIGINT to the whole process group: give the command time to clean up.
+            try:
+                return child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -969,6 +993,10 @@ def main(argv: list[str] | None = None) -> int:
     topics.add_argument("--bootstrap", help="default: $KAFKA_BOOTSTRAP_SERVERS, else the running broker")
     topics.add_argument("topics", nargs="+", metavar="TOPIC:PARTITIONS[:compact]")
     topics.set_defaults(run=_cmd_create_topics)
+    run_with = commands.add_parser("exec", help="run a command against a broker (started if none is set)")
+    run_with.add_argument("--kafka-version", help=f"default: $KAFKA_VERSION or {DEFAULT_VERSION}")
+    run_with.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+    run_with.set_defaults(run=_cmd_exec)
 
     args = parser.parse_args(argv)
     try:

@@ -1,4 +1,4 @@
-"""The ``loopwarden`` command: ``replay``, ``simulate`` and ``worker``."""
+"""The ``loopwarden`` command: ``replay``, ``simulate``, ``worker`` and ``demo``."""
 
 from __future__ import annotations
 
@@ -25,6 +25,12 @@ def _parser() -> argparse.ArgumentParser:
         "worker",
         help="run a fleet worker (Faust on Kafka); configured by environment variables, see README",
     )
+    demo = commands.add_parser(
+        "demo", help="a simulated fleet guarded through the SDK and a real worker; prints what was halted"
+    )
+    demo.add_argument("--runs", type=int, default=60, help="concurrent agent runs (default 60)")
+    demo.add_argument("--partitions", type=int, default=4, help="telemetry partitions (default 4)")
+    demo.add_argument("--seed", type=int, default=7, help="random seed of the fleet")
     simulate = commands.add_parser(
         "simulate", help="write the telemetry of a simulated mixed fleet as JSONL (input for replay)"
     )
@@ -43,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
         _, stream = simulate_fleet(args.runs, seed=args.seed)
         sys.stdout.buffer.writelines(orjson.dumps(event) + b"\n" for event in stream)
         return 0
+    if args.command == "demo":
+        import os
+
+        from .demo import main as demo_main
+
+        return demo_main(os.environ.get("KAFKA_BOOTSTRAP_SERVERS"), args.runs, args.partitions, args.seed)
     if args.command == "worker":
         from .worker.main import run_worker
         from .worker.settings import SettingsError, WorkerSettings

@@ -294,6 +294,11 @@ class GuardedRun:
     def halted(self) -> bool:
         return self.decision is not None
 
+    @property
+    def calls(self) -> int:
+        """Calls reported so far; the next call's telemetry carries this as its ``seq``."""
+        return self._seq
+
     def bind_task(self, task: asyncio.Task[Any] | None = None) -> asyncio.Task[Any]:
         """Have ``task`` (default: the current one) cancelled when the run is halted."""
         task = task or asyncio.current_task()
@@ -347,6 +352,9 @@ class GuardedRun:
             if suppressed or self._link.would_stop(repeat):
                 await self._record(repeat)
                 self._raise_if_halted()
+                # No tool ran, so nothing awaited: yield, or an agent retrying in a tight loop would
+                # starve the listener that is about to deliver its halt.
+                await asyncio.sleep(0)
                 logger.debug(
                     "duplicate call of %s handed the earlier result",
                     tool,

@@ -216,6 +216,8 @@ class Detector:
             "outcome": event.outcome,
             "result_hash": result_hash,
         }
+        if event.seq is not None:
+            evidence["seq"] = event.seq  # lets a runtime tell which of its calls triggered the decision
         if state.calls > settings.iteration_ceiling:
             evidence.update(count=state.calls, ceiling=settings.iteration_ceiling)
             return self._halt(state, event, "iteration_ceiling", evidence,

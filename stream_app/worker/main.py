@@ -46,17 +46,30 @@ async def ensure_topics(settings: WorkerSettings) -> None:
                 except TopicAlreadyExistsError:
                     pass  # another worker created them first
                 log.info("created topics %s", [t.name for t in missing])
-        described = await admin.describe_topics([settings.telemetry_topic, settings.changelog_topic])
-        for topic in described:
-            count = len(topic.get("partitions", ()))
-            if topic.get("error_code"):
-                raise TopicMismatch(f"topic {topic['topic']} is missing (error {topic['error_code']}); "
-                                    "create it or set LOOPWARDEN_CREATE_TOPICS=true")
-            if count != settings.partitions:
-                raise TopicMismatch(f"topic {topic['topic']} has {count} partitions, LOOPWARDEN_PARTITIONS is "
-                                    f"{settings.partitions}")
+        await _wait_for_partitions(admin, settings)
     finally:
         await admin.close()
+
+
+async def _wait_for_partitions(admin: AIOKafkaAdminClient, settings: WorkerSettings, timeout_s: float = 30.0) -> None:
+    """Wait until the input and changelog topics are visible with their partitions (a topic just created
+    takes a moment to appear in metadata); refuse a partition count that differs from the table's."""
+    topics = [settings.telemetry_topic, settings.changelog_topic]
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        described = await admin.describe_topics(topics)
+        missing = [t["topic"] for t in described if t.get("error_code") or not t.get("partitions")]
+        if not missing:
+            break
+        if asyncio.get_running_loop().time() > deadline:
+            raise TopicMismatch(f"topic(s) {', '.join(missing)} missing after {timeout_s:.0f} s; create them "
+                                "or set LOOPWARDEN_CREATE_TOPICS=true")
+        await asyncio.sleep(0.2)
+    for topic in described:
+        count = len(topic["partitions"])
+        if count != settings.partitions:
+            raise TopicMismatch(f"topic {topic['topic']} has {count} partitions, LOOPWARDEN_PARTITIONS is "
+                                f"{settings.partitions}")
 
 
 def run_worker(settings: WorkerSettings) -> int:

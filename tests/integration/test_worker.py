@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
+from stream_app.client import Guard, KafkaClientConfig, RunHalted
 from stream_app.core import Detector, RunTable, decode_event
 from stream_app.fleet_sim import simulate_fleet
 from stream_app.wire import header
@@ -205,3 +207,44 @@ def test_silent_runs_are_evicted_in_event_time(kafka_bootstrap: str, tmp_path: P
     finally:
         fleet.stop()
     assert halts == []
+
+
+async def _runaway_through_the_sdk(fleet: Fleet) -> tuple[int, RunHalted, int]:
+    """A runaway agent calling a failing tool through Guard.fleet until the guard refuses."""
+    executed = 0
+
+    async def search_docs(query: str) -> None:
+        nonlocal executed
+        executed += 1
+        await asyncio.sleep(0.05)  # the tool's own time
+        raise TimeoutError("index unavailable")
+
+    config = KafkaClientConfig(fleet.bootstrap)
+    async with Guard.fleet(config, fleet.telemetry_topic, fleet.control_topic) as guard:
+        run_ = guard.run("run-sdk-runaway", agent_id="support-agent")
+        for _ in range(100):
+            try:
+                await run_.call("search_docs", search_docs, {"query": "q3 report"})
+            except TimeoutError:
+                await asyncio.sleep(0.05)  # the model's turn
+            except RunHalted as halted:
+                refused_at = executed
+                with pytest.raises(RunHalted):
+                    await run_.call("search_docs", search_docs, {"query": "q3 report"})
+                return refused_at, halted, executed
+    raise AssertionError("the runaway was never halted")
+
+
+def test_runaway_through_the_sdk_is_halted_and_refused(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """A runaway published through the SDK is halted by the worker (recursion, on its 4th call), and the
+    runtime's guard refuses the next call before the tool runs, and every call after that."""
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=2)
+    fleet.start_worker()
+    try:
+        refused_at, halted, executed = run(_runaway_through_the_sdk(fleet))
+    finally:
+        fleet.stop()
+    assert halted.verdict == "recursion"
+    assert halted.decision["evidence"]["seq"] == 3  # the 4th call triggered it
+    assert 4 <= refused_at <= 6, "the guard let the runaway run on long after its halt"
+    assert executed == refused_at  # refused calls never reached the tool

@@ -1,4 +1,4 @@
-"""Fixtures for tests against a real Kafka broker.
+"""Fixtures for tests against a real Kafka broker (integration and end-to-end tiers).
 
 ``kafka_bootstrap`` uses ``$KAFKA_BOOTSTRAP_SERVERS`` when it is set (e.g. a broker started once with
 ``scripts/kafka_local.py start``); otherwise it starts a broker from ``scripts/kafka_local.py`` for the
@@ -23,7 +23,7 @@ import pytest
 
 def _load_kafka_local() -> ModuleType:
     """Import scripts/kafka_local.py by path: scripts/ is not a package."""
-    path = Path(__file__).resolve().parents[2] / "scripts" / "kafka_local.py"
+    path = Path(__file__).resolve().parents[1] / "scripts" / "kafka_local.py"
     spec = importlib.util.spec_from_file_location("kafka_local", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
