@@ -1,0 +1,38 @@
+"""The README's worker configuration table is the settings list itself, not a copy that drifts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stream_app.worker.settings import SETTINGS, SettingsError, WorkerSettings
+
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+
+
+@pytest.mark.parametrize(("name", "var", "default", "doc"), SETTINGS)
+def test_every_worker_setting_is_documented_with_its_default(name: str, var: str, default: str, doc: str) -> None:
+    shown = f"`{default}`" if default else "(empty)"
+    assert f"| `{var}` | {shown} | {doc} |" in README
+
+
+def test_defaults_build_valid_settings() -> None:
+    settings = WorkerSettings.from_env({})
+    assert settings.partitions == 8
+    assert settings.event_source == "/loopwarden/loopwarden"
+    assert settings.changelog_topic == "loopwarden-runs-changelog"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"LOOPWARDEN_PARTITIONS": "eight"}, "LOOPWARDEN_PARTITIONS='eight': expected int"),
+        ({"LOOPWARDEN_PARTITIONS": "0"}, "LOOPWARDEN_PARTITIONS must be >= 1"),
+        ({"LOOPWARDEN_CREATE_TOPICS": "maybe"}, "LOOPWARDEN_CREATE_TOPICS='maybe': expected bool"),
+        ({"LOOPWARDEN_HEARTBEAT_S": "5"}, "at most a third"),
+    ],
+)
+def test_bad_settings_name_the_variable(env: dict[str, str], message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        WorkerSettings.from_env(env)
