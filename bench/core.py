@@ -1,6 +1,7 @@
-"""Core benchmark: detector throughput with parsing, and memory per tracked run.
+"""Core benchmark: detector throughput with parsing, memory per tracked run, and the cost of one call
+as a run grows, beside the naive design that keeps and rescans the whole history (bench/naive.py).
 
-    python -m bench.core [--runs 10000] [--calls 100] [--repeat 3]
+    python -m bench.core [--runs 10000] [--calls 100] [--repeat 3] [--json bench/results/core.json]
 
 Generates ``runs x calls`` telemetry lines (1 million by default, 10,000 runs all active at once,
 interleaved call by call), then times the replay path (JSONL bytes -> orjson -> contract decode ->
@@ -14,6 +15,8 @@ from __future__ import annotations
 import argparse
 import gc
 import io
+import json
+import os
 import random
 import statistics
 import sys
@@ -24,8 +27,10 @@ from typing import Any
 
 import orjson
 
-from stream_app.core import Detector, Policy, RunTable, decode_event
+from stream_app.core import Detector, Policy, RunState, RunTable, TelemetryEvent, decode_event
 from stream_app.replay import replay
+
+from . import naive
 
 BENCH_POLICY = Policy.from_mapping({"defaults": {"iteration_ceiling": 1000}})
 
@@ -115,14 +120,55 @@ def bytes_per_run(runs: int, calls: int) -> float:
     return held / runs
 
 
+RUN_LENGTHS = (10, 100, 1_000, 10_000, 100_000)
+TIMED_CALLS = 300
+
+
+def _long_run_event(i: int) -> TelemetryEvent:
+    """Call ``i`` of a long healthy run: distinct arguments and results, 1 ms apart, never halted."""
+    return decode_event({"run_id": "long", "event_id": f"long-{i}", "tool": "browse", "ts_ms": 1_000_000 + i,
+                         "outcome": "success", "args": {"page": i}, "result": {"links": i}})
+
+
+def cost_vs_run_length() -> list[dict[str, float]]:
+    """Microseconds per call after a run already has N calls, ours and naive (median of 3 timings)."""
+    detector = Detector(Policy.from_mapping({"defaults": {"iteration_ceiling": 10**9}}))
+    rows = []
+    for length in RUN_LENGTHS:
+        timed = [_long_run_event(length + i) for i in range(TIMED_CALLS)]
+        ours, theirs = [], []
+        for _ in range(3):
+            state = RunState()
+            for i in range(length):
+                detector.evaluate(state, _long_run_event(i))
+            start = time.perf_counter()
+            for event in timed:
+                detector.evaluate(state, event)
+            ours.append((time.perf_counter() - start) / TIMED_CALLS * 1e6)
+            # The naive history is built directly (feeding it call by call would take O(N^2) to set up).
+            run = naive.NaiveRun([naive.Call("browse", f"a{i}", "success", f"r{i}", 1_000_000 + i, False)
+                                  for i in range(length)])
+            start = time.perf_counter()
+            for event in timed:
+                naive.observe(run, event)
+            theirs.append((time.perf_counter() - start) / TIMED_CALLS * 1e6)
+        rows.append({"calls": length, "ours_us": statistics.median(ours), "naive_us": statistics.median(theirs)})
+        print(f"  run length {length:>7,}: ours {rows[-1]['ours_us']:8.1f} us/call, "
+              f"naive {rows[-1]['naive_us']:10.1f} us/call", file=sys.stderr, flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=10_000)
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON (for BENCHMARKS.md)")
     args = parser.parse_args(argv)
     n = args.runs * args.calls
     print(f"core: generating {n:,} events across {args.runs:,} runs ...", file=sys.stderr, flush=True)
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     lines = generate_lines(args.runs, args.calls)
     rates = []
     for attempt in range(args.repeat):
@@ -133,9 +179,26 @@ def main(argv: list[str] | None = None) -> int:
     core_rate = n / time_core_only(lines)
     del lines
     per_run = bytes_per_run(args.runs, 30)
-    print(f"core.replay_events_per_s (median of {args.repeat}, parsing included): {statistics.median(rates):,.0f}")
+    print("core: cost of one call as a run grows (ours vs naive history rescan) ...", file=sys.stderr, flush=True)
+    growth = cost_vs_run_length()
+    result = {
+        "events": n,
+        "runs": args.runs,
+        "replay_events_per_s": statistics.median(rates),
+        "replay_passes": rates,
+        "detector_only_events_per_s": core_rate,
+        "bytes_per_tracked_run": per_run,
+        "cost_vs_run_length": growth,
+    }
+    print(f"core.replay_events_per_s (median of {args.repeat}, parsing included): {result['replay_events_per_s']:,.0f}")
     print(f"core.detector_only_events_per_s (pre-decoded events): {core_rate:,.0f}")
-    print(f"core.bytes_per_tracked_run (10,000 runs x 30 calls, tracemalloc): {per_run:,.0f}")
+    print(f"core.bytes_per_tracked_run ({args.runs:,} runs x 30 calls, tracemalloc): {per_run:,.0f}")
+    first, last = growth[0], growth[-1]
+    print(f"core.cost_per_call_us at {first['calls']:,} -> {last['calls']:,} calls: ours {first['ours_us']:.1f} -> "
+          f"{last['ours_us']:.1f}, naive {first['naive_us']:.1f} -> {last['naive_us']:.1f}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(result, out, indent=2)
     return 0
 
 
