@@ -40,9 +40,13 @@ class ToolFailed(Exception):
 class Outcome:
     scenario: str
     expected: str | None
-    calls: int = 0
+    run: GuardedRun | None = None
     verdict: str | None = None
     overshoot: int | None = None
+
+    @property
+    def calls(self) -> int:
+        return self.run.calls if self.run is not None else 0
 
 
 @dataclass
@@ -250,7 +254,7 @@ class Worker:
 
 async def _agent(guard: Guard, scene: Scene, run_id: str, seed: int, outcome: Outcome) -> None:
     rng = random.Random(seed)
-    run = guard.run(run_id, agent_id=f"{scene.name.replace('_', '-')}-agent")
+    run = outcome.run = guard.run(run_id, agent_id=f"{scene.name.replace('_', '-')}-agent")
     await asyncio.sleep(rng.uniform(0, 1.0))  # agents start staggered, like a real fleet
     try:
         await scene.behave(ThinkingRun(run, rng), rng)
@@ -259,8 +263,6 @@ async def _agent(guard: Guard, scene: Scene, run_id: str, seed: int, outcome: Ou
         trigger_seq = halted.decision.get("evidence", {}).get("seq")
         if trigger_seq is not None:
             outcome.overshoot = run.calls - (trigger_seq + 1)
-    finally:
-        outcome.calls = run.calls
 
 
 def _progress(outcomes: list[Outcome], started: float, done: int) -> str:
@@ -318,12 +320,18 @@ async def run_demo(bootstrap: str, runs: int, partitions: int, seed: int, workdi
                 asyncio.create_task(_agent(guard, scene, f"{name}-run-{i:03d}", seed * 1000 + i, outcomes[i]))
                 for i, scene in enumerate(plan)
             ]
-            while True:
-                done = sum(task.done() for task in tasks)
-                print(_progress(outcomes, started, done), file=sys.stderr, flush=True)
-                if done == len(tasks):
-                    break
-                await asyncio.wait(tasks, timeout=1.0)
+            try:
+                while True:
+                    done = sum(task.done() for task in tasks)
+                    print(_progress(outcomes, started, done), file=sys.stderr, flush=True)
+                    if done == len(tasks):
+                        break
+                    await asyncio.wait(tasks, timeout=1.0)
+            finally:
+                # On Ctrl-C the agents stop before the guard they call through does.
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
             for task in tasks:
                 task.result()  # surface a crashed agent instead of a wrong table
         table, false_halts, missed = summary_table(outcomes)

@@ -14,6 +14,7 @@ from .contract import (
     TelemetryEvent,
     Verdict,
     decode_event,
+    parse_event,
 )
 from .detector import DUPLICATE, Detector, Evaluation, RunState, decision_id
 from .errors import InvalidEvent, LoopwardenError, NormalisationError, PolicyError
@@ -47,5 +48,6 @@ __all__ = [
     "decision_id",
     "decode_event",
     "normalise",
+    "parse_event",
     "semantic_hash",
 ]

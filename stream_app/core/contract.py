@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+import orjson
+
 from .errors import InvalidEvent
 
 Outcome = Literal["success", "error", "empty", "noop"]
@@ -29,6 +31,8 @@ SCHEMA_VERSION: Final = "1"
 
 #: Longest accepted identifier (run id, event id, tool name, trace ids...).
 MAX_ID_LENGTH: Final = 512
+#: Largest accepted encoded event, by default (a runaway payload must not exhaust memory).
+MAX_EVENT_BYTES: Final = 1 << 20
 #: Largest accepted retry budget; anything above is a mistake, not a policy.
 MAX_RETRY_BUDGET: Final = 10_000
 _MAX_SAFE_INT: Final = 2**63 - 1
@@ -139,6 +143,20 @@ def _check_optional(obj: dict[str, Any], name: str) -> None:
             raise InvalidEvent(name, f"must be an object, got {_json_type(value)}")
     elif name == "schema_version" and value != SCHEMA_VERSION:
         raise InvalidEvent(name, f"unsupported version {value!r}; this reader speaks '1'"[:200])
+
+
+def parse_event(raw: bytes, max_bytes: int = MAX_EVENT_BYTES) -> TelemetryEvent:
+    """Decode one encoded event (a JSONL line, a Kafka message value); raise InvalidEvent with a reason
+    a person can act on: too large, not JSON (invalid UTF-8, NaN, nesting past 1024 levels), or a
+    contract violation naming the field. orjson reads integers past 64 bits as floats (lossy, but the
+    same every time), so a ``ts_ms`` that large is refused as not an integer."""
+    if len(raw) > max_bytes:
+        raise InvalidEvent("", f"event is {len(raw)} bytes, over the {max_bytes}-byte limit")
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidEvent("", f"not JSON: {exc}") from exc
+    return decode_event(obj)
 
 
 def decode_event(obj: Any) -> TelemetryEvent:

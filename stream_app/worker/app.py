@@ -31,7 +31,7 @@ import orjson
 from faust.streams import _current_event
 from faust.types import EventT, StreamT
 
-from ..core import Decision, Detector, InvalidEvent, Policy, TelemetryEvent, decode_event
+from ..core import Decision, Detector, InvalidEvent, Policy, TelemetryEvent, parse_event
 from ..wire import Headers, encode_control
 from .codecs import StoredRun, decode_run, encode_run
 from .metrics import WorkerMetrics
@@ -166,14 +166,7 @@ class BatchProcessor:
         try:
             if not isinstance(raw, bytes | bytearray):
                 raise InvalidEvent("", "message has no value")
-            if len(raw) > self.settings.max_event_bytes:
-                raise InvalidEvent("", f"message is {len(raw)} bytes, over the "
-                                       f"{self.settings.max_event_bytes}-byte limit")
-            try:
-                obj = orjson.loads(raw)
-            except orjson.JSONDecodeError as exc:
-                raise InvalidEvent("", f"not JSON: {exc}") from exc
-            return decode_event(obj)
+            return parse_event(raw, self.settings.max_event_bytes)
         except InvalidEvent as exc:
             await self._dead_letter(event, exc)
             return None
