@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install test run bench lint clean
+.PHONY: install test run bench chaos lint clean
 
 $(STAMP): pyproject.toml
 	@echo "==> installing loopwarden and its test tools into $(VENV)"
@@ -29,6 +29,17 @@ run: install
 ## make bench: benchmarks that print figures (never part of make test).
 bench: install
 	@$(BIN)/python -m bench.core
+
+## make chaos: the full fault-injection suite (20 worker crashes, rebalances, broker restarts, slow
+## workers, a 30-minute soak) on a real broker; regenerates RELIABILITY.md. Not part of make test.
+CHAOS_RESULTS := var/chaos-results.jsonl
+chaos: install
+	@$(BIN)/python scripts/kafka_local.py resolve
+	@mkdir -p var && rm -f $(CHAOS_RESULTS)
+	@CHAOS_TRIALS=$${CHAOS_TRIALS:-20} CHAOS_SOAK_MINUTES=$${CHAOS_SOAK_MINUTES:-30} \
+	  CHAOS_SOAK_RUNS=$${CHAOS_SOAK_RUNS:-1000000} CHAOS_RESULTS=$(CHAOS_RESULTS) \
+	  $(BIN)/python -m pytest tests/chaos -m chaos -v -s --timeout=4000
+	@$(BIN)/python -m tests.chaos.report $(CHAOS_RESULTS) RELIABILITY.md
 
 lint: install
 	@$(BIN)/ruff check stream_app tests bench scripts

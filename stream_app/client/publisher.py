@@ -159,12 +159,13 @@ def _json_default(value: Any) -> Any:
 
 
 class TelemetryPublisher:
-    """Publishes telemetry events to Kafka, keyed by run id.
+    """Publishes telemetry events to Kafka, keyed by run id, in order.
 
-    Telemetry must never stall the agent it describes: ``publish`` returns once the event is queued and
-    gives up after ``enqueue_timeout_s`` (TimeoutError) when the broker is unreachable and the buffer is
-    full; ``stop`` waits at most ``close_timeout_s`` for queued events. A failed delivery is logged and
-    counted in ``failed``.
+    Telemetry must never stall the agent it describes, nor be lost to a broker blip: ``publish`` puts
+    the event in a bounded local buffer and returns at once; a background task hands events to the
+    idempotent producer in order, waiting out an unreachable broker (retrying with backoff) instead of
+    dropping. Only a full buffer (``buffer_events``) drops events, counted in ``failed`` like deliveries
+    the producer gave up on. ``stop`` waits at most ``close_timeout_s`` for what is buffered.
     """
 
     def __init__(
@@ -173,20 +174,21 @@ class TelemetryPublisher:
         topic: str = "agent.telemetry",
         *,
         linger_ms: int = 5,
-        enqueue_timeout_s: float = 1.0,
+        buffer_events: int = 100_000,
         close_timeout_s: float = 10.0,
         client_id: str = "loopwarden-sdk",
     ) -> None:
         self.config = config
         self.topic = topic
         self.linger_ms = linger_ms
-        self.enqueue_timeout_s = enqueue_timeout_s
         self.close_timeout_s = close_timeout_s
         self.client_id = client_id
         self.published = 0
         self.failed = 0
         self.pending = 0
+        self._buffer: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue(buffer_events)
         self._producer: AIOKafkaProducer | None = None
+        self._pump: asyncio.Task[None] | None = None
         self._closing: asyncio.Future[None] | None = None
 
     async def start(self) -> None:
@@ -214,24 +216,31 @@ class TelemetryPublisher:
             await producer.stop()
             raise
         self._producer = producer
+        self._pump = asyncio.create_task(self._send_buffered(producer))
 
     async def stop(self) -> None:
-        """Deliver what is queued (waiting at most ``close_timeout_s``), then close."""
+        """Deliver what is buffered (waiting at most ``close_timeout_s``), then close."""
         producer, self._producer = self._producer, None
         if producer is None:
             return
+        pump, self._pump = self._pump, None
+        try:
+            await asyncio.wait_for(self._drain(producer), self.close_timeout_s)
+        except TimeoutError:
+            logger.warning(
+                "telemetry to %s: %d events undelivered after %.0f s; closing without them",
+                self.topic,
+                self.pending + self._buffer.qsize(),
+                self.close_timeout_s,
+                extra={"topic": self.topic},
+            )
+        if pump is not None:
+            pump.cancel()
         closing = asyncio.ensure_future(producer.stop())
         try:
             await asyncio.wait_for(asyncio.shield(closing), self.close_timeout_s)
         except TimeoutError:
             self._closing = closing  # it completes if the broker comes back; the loop's end cancels it
-            logger.warning(
-                "telemetry to %s: %d events undelivered after %.0f s; closing without them",
-                self.topic,
-                self.pending,
-                self.close_timeout_s,
-                extra={"topic": self.topic},
-            )
 
     async def __aenter__(self) -> TelemetryPublisher:
         await self.start()
@@ -247,20 +256,44 @@ class TelemetryPublisher:
         return self._producer is not None
 
     async def publish(self, event: Mapping[str, Any]) -> None:
-        """Queue one telemetry event (a dict with at least ``run_id``)."""
+        """Buffer one telemetry event (a dict with at least ``run_id``); returns at once."""
         if self._producer is None:
             raise RuntimeError("TelemetryPublisher is not started: await start() or use 'async with'")
-        key, value = encode_telemetry(dict(event))
-        delivery = await asyncio.wait_for(
-            self._producer.send(self.topic, value, key=key), self.enqueue_timeout_s
-        )
-        self.pending += 1
-        delivery.add_done_callback(self._delivered)
+        try:
+            self._buffer.put_nowait(encode_telemetry(dict(event)))
+        except asyncio.QueueFull:
+            self.failed += 1
+            logger.warning("telemetry buffer for %s is full; event dropped", self.topic, extra={"topic": self.topic})
 
     async def flush(self) -> None:
-        """Wait until every queued event is acknowledged or has failed."""
+        """Wait until every buffered event is acknowledged or has failed."""
         if self._producer is not None:
-            await self._producer.flush()
+            await self._drain(self._producer)
+
+    async def _drain(self, producer: AIOKafkaProducer) -> None:
+        await self._buffer.join()
+        await producer.flush()
+
+    async def _send_buffered(self, producer: AIOKafkaProducer) -> None:
+        """Hand buffered events to the producer in order; an unreachable broker is waited out."""
+        from aiokafka.errors import KafkaError
+
+        backoff = 0.1
+        while True:
+            key, value = await self._buffer.get()
+            while True:
+                try:
+                    delivery = await producer.send(self.topic, value, key=key)
+                    break
+                except (KafkaError, TimeoutError) as exc:
+                    logger.warning("telemetry to %s waits for the broker: %r", self.topic, exc,
+                                   extra={"topic": self.topic})
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+            backoff = 0.1
+            self.pending += 1
+            delivery.add_done_callback(self._delivered)
+            self._buffer.task_done()
 
     def _delivered(self, delivery: asyncio.Future[RecordMetadata]) -> None:
         self.pending -= 1

@@ -393,12 +393,12 @@ async def test_runaway_is_halted_through_the_bus_by_the_core_detector(
 async def test_publisher_never_stalls_the_agent_when_the_broker_is_down(
     kafka_broker_factory: Callable[..., Any],
 ) -> None:
-    """With the broker gone, publish gives up after enqueue_timeout_s once the buffer is full (instead of
-    aiokafka's 40 s), and stop returns after close_timeout_s with the undelivered events counted."""
+    """With the broker gone, publish still returns at once (events wait in the bounded local buffer for
+    the broker to come back); a full buffer drops and counts; stop returns after close_timeout_s."""
     broker = kafka_broker_factory().start()
     create_topics(broker.bootstrap, [TopicSpec("telemetry", 1)])
     publisher = TelemetryPublisher(
-        KafkaClientConfig(broker.bootstrap), "telemetry", enqueue_timeout_s=0.2, close_timeout_s=0.5
+        KafkaClientConfig(broker.bootstrap), "telemetry", buffer_events=5, close_timeout_s=0.5
     )
     await publisher.start()
     await publisher.publish({"run_id": "run-o", "seq": 0})
@@ -407,14 +407,14 @@ async def test_publisher_never_stalls_the_agent_when_the_broker_is_down(
     broker.kill()
 
     started = time.perf_counter()
-    with pytest.raises(TimeoutError):
-        for seq in range(1, 20):  # 8 KB each: the 16 KiB batch is full after two
-            await publisher.publish({"run_id": "run-o", "seq": seq, "pad": "x" * 8_000})
-    assert time.perf_counter() - started < 2.0
+    for seq in range(1, 20):
+        await publisher.publish({"run_id": "run-o", "seq": seq})
+    assert time.perf_counter() - started < 1.0
+    assert publisher.failed >= 19 - 5 - 1  # the buffer holds 5, the sender holds at most one more
     started = time.perf_counter()
     await publisher.stop()
-    assert time.perf_counter() - started < 2.0
-    assert publisher.pending >= 2 and not publisher.started
+    assert time.perf_counter() - started < 2.5
+    assert not publisher.started
 
 
 async def test_missing_telemetry_topic_is_reported_at_start(kafka_bootstrap: str) -> None:

@@ -1,0 +1,109 @@
+"""The chaos suite: faults a fleet sees, on the real broker and real worker processes.
+
+``make test`` runs one fast trial of each scenario; ``make chaos`` runs the full suite (20 worker-crash
+trials, several of the others, a 30-minute soak) and writes RELIABILITY.md from the results.
+Environment: CHAOS_TRIALS (default 1), CHAOS_SOAK_MINUTES (default 0.25), CHAOS_SOAK_RUNS (default
+2000), CHAOS_RESULTS (a JSONL file each trial appends to).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from ..integration.workers import Fleet
+from . import harness
+
+pytestmark = pytest.mark.chaos
+
+TRIALS = int(os.environ.get("CHAOS_TRIALS", "1"))
+RESULTS = os.environ.get("CHAOS_RESULTS")
+
+
+def _check(result: harness.TrialResult) -> None:
+    harness.save(result, RESULTS)
+    assert (result.missing_halts, result.extra_halts, result.wrong_content, result.applied_twice) == (0, 0, 0, 0), result
+    assert (result.missing_other, result.extra_other, result.publish_failed) == (0, 0, 0), result
+
+
+@pytest.mark.parametrize("trial", range(max(1, TRIALS)))
+def test_worker_crash(kafka_bootstrap: str, tmp_path: Path, trial: int) -> None:
+    """SIGKILL the worker at a random moment and restart it (alternately on its local state and on
+    none): every halt replay makes arrives, none other, and the runtime applies each decision once."""
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4)
+    fleet.start_worker(0)
+    try:
+        fault = harness.worker_crash(fleet, fresh_state=trial % 2 == 1)
+        _check(asyncio.run(harness.run_trial("worker_crash", trial, fleet, fault, seed=1000 + trial)))
+    finally:
+        fleet.stop()
+
+
+@pytest.mark.parametrize("trial", range(max(1, TRIALS // 5)))
+def test_rebalance(kafka_bootstrap: str, tmp_path: Path, trial: int) -> None:
+    """Two workers under load; one is killed (its partitions move to the other) and later restarted."""
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4)
+    fleet.start_worker(0)
+    fleet.start_worker(1)
+    try:
+        _check(asyncio.run(harness.run_trial("rebalance", trial, fleet, harness.rebalance(fleet), seed=2000 + trial)))
+    finally:
+        fleet.stop()
+
+
+@pytest.mark.parametrize("trial", range(max(1, TRIALS // 5)))
+def test_broker_restart(kafka_broker_factory: Any, tmp_path: Path, trial: int) -> None:
+    """The broker is stopped (SIGTERM) and started again on the same data mid-stream: publisher,
+    listener and worker recover on their own and no telemetry is lost."""
+    broker = kafka_broker_factory().start()
+    fleet = Fleet(broker.bootstrap, tmp_path, partitions=4)
+    fleet.start_worker(0)
+    try:
+        _check(asyncio.run(harness.run_trial("broker_restart", trial, fleet, harness.broker_restart(broker),
+                                             seed=3000 + trial)))
+    finally:
+        fleet.stop()
+
+
+@pytest.mark.parametrize("trial", range(max(1, TRIALS // 5)))
+def test_slow_worker(kafka_bootstrap: str, tmp_path: Path, trial: int) -> None:
+    """A worker throttled below the input rate builds lag (the lag metric shows it), catches up after,
+    and no decision changes."""
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4)
+    worker = fleet.start_worker(0)
+    try:
+        result = asyncio.run(harness.run_trial("slow_worker", trial, fleet, harness.slow_worker(worker),
+                                               seed=4000 + trial))
+    finally:
+        fleet.stop()
+    _check(result)
+    assert result.fault["max_lag"] > 0, "the throttled worker never showed lag"
+    assert result.fault["lag_after"] == 0
+
+
+def test_soak(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """Distinct runs at a steady rate: memory and state stay flat (eviction works), decisions stay right."""
+    minutes = float(os.environ.get("CHAOS_SOAK_MINUTES", "0.25"))
+    runs = int(os.environ.get("CHAOS_SOAK_RUNS", "2000"))
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("defaults:\n  run_ttl_ms: 30000\n")
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4, extra_env={"LOOPWARDEN_POLICY": str(policy),
+                                                                        "LOOPWARDEN_EVICT_SCAN_PER_BATCH": "256"})
+    worker = fleet.start_worker(0)
+    try:
+        result = asyncio.run(harness.soak(fleet, worker, minutes, runs, seed=5, progress=print))
+    finally:
+        fleet.stop()
+    if RESULTS:
+        with Path(RESULTS).open("ab") as out:
+            out.write(orjson.dumps({"scenario": "soak", **result}) + b"\n")
+    assert (result["missing_halts"], result["false_halts"], result["halts_applied_twice"]) == (0, 0, 0), result
+    assert result["publish_failed"] == 0
+    if minutes >= 5:  # flatness needs time to show; the short representative only checks correctness
+        assert result["rss_mb_last_third"] < result["rss_mb_first_third"] * 1.5, result
+        assert result["evicted"] > 0
