@@ -40,6 +40,7 @@ from .settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 RUNS_TABLE = "runs"
+SWEEP_INTERVAL_S = 0.5  # how often stored runs are checked for expiry (a timer, off the per-batch path)
 _FAUST_RESERVED = b"__faust"  # faust keeps its own bookkeeping (the persisted offset) in the same DB
 
 
@@ -82,6 +83,13 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics)
     )
     processor = BatchProcessor(app, telemetry, runs, Detector(policy), settings, metrics)
 
+    if settings.evict_scan_per_sweep:
+
+        async def expire_silent_runs() -> None:
+            processor.sweep()
+
+        app.timer(SWEEP_INTERVAL_S)(expire_silent_runs)
+
     @app.agent(telemetry, concurrency=1, name="loopwarden.detect")
     async def detect(stream: StreamT) -> None:
         async for batch in stream.take_events(settings.batch_max, within=settings.batch_within_s):
@@ -108,6 +116,8 @@ class BatchProcessor:
         self._run_ttl_ms = detector.policy.defaults.run_ttl_ms
         self._watermark_ms: dict[int, int] = {}
         self._sweep_from: dict[int, bytes] = {}
+        #: The latest message of each partition: the context (partition) for the sweep's table deletes.
+        self._last_event: dict[int, EventT] = {}
 
     async def process(self, batch: Sequence[EventT]) -> None:
         self.metrics.batch_size.observe(len(batch))
@@ -155,10 +165,18 @@ class BatchProcessor:
         for event, key, stored in updates:
             _enter_partition_of(event)
             self.runs[key] = encode_run(stored)
-        for partition, event in last_of_partition.items():
+        for event in last_of_partition.values():
             self._report_lag(event)
-            if self.settings.evict_scan_per_batch:
+        self._last_event.update(last_of_partition)
+
+    def sweep(self) -> None:
+        """Expire silent runs in every assigned partition (called on a timer, off the per-batch path)."""
+        assigned = {tp.partition for tp in self.app.consumer.assignment() if tp.topic == self.telemetry.get_topic_name()}
+        for partition, event in list(self._last_event.items()):
+            if partition in assigned:
                 self._sweep(partition, event)
+            else:
+                del self._last_event[partition]  # revoked: its DB belongs to another worker now
 
     async def _decode(self, event: EventT) -> TelemetryEvent | None:
         """The telemetry event, or None after dead-lettering a bad message."""
@@ -220,7 +238,7 @@ class BatchProcessor:
         cursor = db.iter()
         cursor.seek(self._sweep_from.get(partition, b""))
         expired: list[bytes] = []
-        for _ in range(self.settings.evict_scan_per_batch):
+        for _ in range(self.settings.evict_scan_per_sweep):
             if not cursor.valid():
                 cursor.seek_to_first()  # wrap around: the next batch starts a new pass
                 break

@@ -34,7 +34,7 @@ SETTINGS: tuple[tuple[str, str, str, str], ...] = (
     ("metrics_port", "LOOPWARDEN_METRICS_PORT", "9464", "Prometheus metrics port; 0 disables"),
     ("metrics_host", "LOOPWARDEN_METRICS_HOST", "0.0.0.0", "address the metrics endpoint listens on"),
     ("batch_max", "LOOPWARDEN_BATCH_MAX", "1000", "most telemetry events processed (and state writes coalesced) per batch"),
-    ("batch_within_s", "LOOPWARDEN_BATCH_WITHIN_S", "0.002", "longest wait to fill a batch, seconds (adds to halt latency)"),
+    ("batch_within_s", "LOOPWARDEN_BATCH_WITHIN_S", "0.005", "longest wait to fill a batch, seconds (adds to halt latency)"),
     ("commit_interval_s", "LOOPWARDEN_COMMIT_INTERVAL_S", "1.0", "consumer offset commit interval, seconds"),
     ("session_timeout_s", "LOOPWARDEN_SESSION_TIMEOUT_S", "10", "group session timeout: how soon a dead worker's partitions move"),
     ("heartbeat_s", "LOOPWARDEN_HEARTBEAT_S", "2", "group heartbeat interval, seconds"),
@@ -43,7 +43,7 @@ SETTINGS: tuple[tuple[str, str, str, str], ...] = (
     ("rocksdb_block_cache_mb", "LOOPWARDEN_ROCKSDB_BLOCK_CACHE_MB", "32", "RocksDB block cache per table partition, MiB"),
     ("rocksdb_write_buffer_mb", "LOOPWARDEN_ROCKSDB_WRITE_BUFFER_MB", "16", "RocksDB write buffer per table partition, MiB"),
     ("rocksdb_max_open_files", "LOOPWARDEN_ROCKSDB_MAX_OPEN_FILES", "256", "RocksDB open files per table partition"),
-    ("evict_scan_per_batch", "LOOPWARDEN_EVICT_SCAN_PER_BATCH", "64", "stored runs checked for expiry per partition per batch"),
+    ("evict_scan_per_sweep", "LOOPWARDEN_EVICT_SCAN_PER_SWEEP", "256", "stored runs checked for expiry per partition per sweep (every 0.5 s)"),
     ("event_source", "LOOPWARDEN_EVENT_SOURCE", "", "CloudEvents source of decisions; empty means /loopwarden/<app_id>"),
     ("log_level", "LOOPWARDEN_LOG_LEVEL", "warning", "worker log level"),
 )
@@ -74,7 +74,7 @@ class WorkerSettings:
     rocksdb_block_cache_mb: int
     rocksdb_write_buffer_mb: int
     rocksdb_max_open_files: int
-    evict_scan_per_batch: int
+    evict_scan_per_sweep: int
     event_source: str
     log_level: str
 

@@ -92,8 +92,7 @@ def test_soak(kafka_bootstrap: str, tmp_path: Path) -> None:
     runs = int(os.environ.get("CHAOS_SOAK_RUNS", "2000"))
     policy = tmp_path / "policy.yaml"
     policy.write_text("defaults:\n  run_ttl_ms: 30000\n")
-    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4, extra_env={"LOOPWARDEN_POLICY": str(policy),
-                                                                        "LOOPWARDEN_EVICT_SCAN_PER_BATCH": "256"})
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4, extra_env={"LOOPWARDEN_POLICY": str(policy)})
     worker = fleet.start_worker(0)
     try:
         result = asyncio.run(harness.soak(fleet, worker, minutes, runs, seed=5, progress=print))
