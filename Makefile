@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install test run bench chaos lint clean
+.PHONY: install deploy-tools test test-deploy run bench chaos lint clean
 
 $(STAMP): pyproject.toml
 	@echo "==> installing loopwarden and its test tools into $(VENV)"
@@ -16,19 +16,32 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-## make test: install, fetch the Kafka jars, start a local broker (unless KAFKA_BOOTSTRAP_SERVERS is set), run every test.
-test: install
+## make deploy-tools: helm, compose-check, promtool/prometheus/alertmanager/amtool for the deploy tests
+## (built or installed once, cached in .cache/tools; see scripts/install-deploy-tools).
+deploy-tools:
+	@scripts/install-deploy-tools
+
+## make test: install, fetch the Kafka jars and the deploy tools, start a local broker (unless
+## KAFKA_BOOTSTRAP_SERVERS is set), run every test.
+test: install deploy-tools
 	@$(BIN)/python scripts/kafka_local.py resolve
-	@$(BIN)/python -m pytest
+	@$(BIN)/python -m pytest -m "not chaos"
+
+## make test-deploy: only the deploy tier (compose, Helm chart, alert rules, Prometheus against a worker).
+test-deploy: install deploy-tools
+	@$(BIN)/python scripts/kafka_local.py resolve
+	@$(BIN)/python -m pytest -m deploy
 
 ## make run: a local Kafka (unless KAFKA_BOOTSTRAP_SERVERS is set), a worker and a simulated fleet of
 ## agents guarded through the SDK; ends with what was halted. Ctrl-C stops everything.
 run: install
 	@$(BIN)/python scripts/kafka_local.py exec -- $(BIN)/loopwarden demo
 
-## make bench: benchmarks that print figures (never part of make test).
+## make bench: the core benchmark, then the Kafka benchmarks (a local broker unless KAFKA_BOOTSTRAP_SERVERS
+## is set, real workers); rewrites BENCHMARKS.md and bench/results/ (never part of make test; ~15 min).
 bench: install
-	@$(BIN)/python -m bench.core
+	@$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/pip install --quiet --disable-pip-version-check -e '.[worker,dev,bench]'
+	@$(BIN)/python -m bench
 
 ## make chaos: the full fault-injection suite (20 worker crashes, rebalances, broker restarts, slow
 ## workers, a 30-minute soak) on a real broker; regenerates RELIABILITY.md. Not part of make test.

@@ -116,6 +116,10 @@ def compare(scenario: str, trial: int, fault: dict[str, Any], stream: list[dict[
         wrong_content=sum(1 for i, d in got.items() if i in expected and expected[i] != d),
         applied_twice=twice, redeliveries_deduplicated=counters.get("duplicate", 0),
         publish_failed=failed, seconds=round(seconds, 1),
+        notes={"missing": sorted((expected[i]["run_id"], expected[i]["verdict"], expected[i]["trigger_event_id"])
+                                 for i in halts - got_halts)[:10],
+               "extra": sorted((got[i]["run_id"], got[i]["verdict"], got[i]["trigger_event_id"])
+                               for i in got_halts - halts)[:10]},
     )
 
 
