@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install deploy-tools test test-deploy run bench chaos lint clean
+.PHONY: install deploy-tools kafka-jars test-setup test test-deploy run bench chaos lint clean
 
 $(STAMP): pyproject.toml
 	@echo "==> installing loopwarden and its test tools into $(VENV)"
@@ -21,15 +21,21 @@ install: $(STAMP)
 deploy-tools:
 	@scripts/install-deploy-tools
 
+## Set-up that test runs need: the venv and the Kafka jars, side by side with the deploy tools (on a
+## fresh machine compiling helm takes minutes; the venv and the jars are mostly downloads meanwhile).
+test-setup:
+	@$(MAKE) --no-print-directory -j2 kafka-jars deploy-tools
+
+kafka-jars: install
+	@$(BIN)/python scripts/kafka_local.py resolve
+
 ## make test: install, fetch the Kafka jars and the deploy tools, start a local broker (unless
 ## KAFKA_BOOTSTRAP_SERVERS is set), run every test.
-test: install deploy-tools
-	@$(BIN)/python scripts/kafka_local.py resolve
+test: test-setup
 	@$(BIN)/python -m pytest -m "not chaos"
 
 ## make test-deploy: only the deploy tier (compose, Helm chart, alert rules, Prometheus against a worker).
-test-deploy: install deploy-tools
-	@$(BIN)/python scripts/kafka_local.py resolve
+test-deploy: test-setup
 	@$(BIN)/python -m pytest -m deploy
 
 ## make run: a local Kafka (unless KAFKA_BOOTSTRAP_SERVERS is set), a worker and a simulated fleet of

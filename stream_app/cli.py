@@ -1,4 +1,4 @@
-"""The ``loopwarden`` command: ``replay``, ``simulate``, ``worker`` and ``demo``."""
+"""The ``loopwarden`` command: ``replay``, ``simulate``, ``worker``, ``notify`` and ``demo``."""
 
 from __future__ import annotations
 
@@ -25,6 +25,14 @@ def _parser() -> argparse.ArgumentParser:
         "worker",
         help="run a fleet worker (Faust on Kafka); configured by environment variables, see README",
     )
+    notify = commands.add_parser(
+        "notify",
+        help="post each halt on the alerts topic to a webhook (CloudEvents JSON or Slack); configured by "
+             "environment variables, see README",
+    )
+    notify.add_argument("--url", help="webhook URL (default: $LOOPWARDEN_NOTIFY_URL)")
+    notify.add_argument("--format", choices=("json", "slack"),
+                        help="json: a CloudEvent; slack: an incoming-webhook message (default: $LOOPWARDEN_NOTIFY_FORMAT or json)")
     demo = commands.add_parser(
         "demo", help="a simulated fleet guarded through the SDK and a real worker; prints what was halted"
     )
@@ -65,6 +73,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"loopwarden worker: {exc}", file=sys.stderr)
             return 2
         return run_worker(settings)
+    if args.command == "notify":
+        from .client.kafka_config import KafkaConfigError
+        from .notify import NotifySettings, NotifySettingsError, run_notify
+
+        try:
+            notify_settings = NotifySettings.from_env(url=args.url, format=args.format)
+        except (NotifySettingsError, KafkaConfigError) as exc:
+            print(f"loopwarden notify: {exc}", file=sys.stderr)
+            return 2
+        return run_notify(notify_settings)
     try:
         policy = load_policy(getattr(args, "policy", None))
     except PolicyError as exc:

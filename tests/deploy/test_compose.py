@@ -1,0 +1,286 @@
+"""docker-compose.yml, loaded by compose-check (scripts/compose-check: compose-go's LoadProject, what
+`docker compose config` runs, with the schema and consistency checks; no Docker engine needed), and
+checked against the worker's settings, the Dockerfile and the Prometheus config."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from stream_app.notify import NOTIFY_SETTINGS
+from stream_app.policy_file import load_policy
+from stream_app.worker.settings import SETTINGS, WorkerSettings
+from tests.conftest import kafka_local
+
+from .tools import REPO, run, tool
+
+pytestmark = pytest.mark.deploy
+
+COMPOSE = REPO / "docker-compose.yml"
+WORKER_VARS = {var for _, var, _, _ in SETTINGS}
+NOTIFY_VARS = {var for _, var, _, _ in NOTIFY_SETTINGS}
+KAFKA_VARS = {"KAFKA_BOOTSTRAP_SERVERS", "KAFKA_SECURITY_PROTOCOL", "KAFKA_SASL_MECHANISM", "KAFKA_SASL_USERNAME",
+              "KAFKA_SASL_PASSWORD", "KAFKA_SSL_CAFILE", "KAFKA_SSL_CERTFILE", "KAFKA_SSL_KEYFILE",
+              "KAFKA_SSL_CHECK_HOSTNAME"}
+
+
+@cache
+def model() -> dict[str, Any]:
+    """The compose project as compose-go resolves it (anchors merged, paths absolute, all profiles)."""
+    result = run(tool("compose-check"), str(COMPOSE))
+    return dict(json.loads(result.stdout))
+
+
+def services() -> dict[str, Any]:
+    return dict(model()["services"])
+
+
+def workers() -> dict[str, Any]:
+    return {name: s for name, s in services().items() if s.get("command") in (None, ["worker"])
+            and s.get("image", "").startswith("loopwarden")}
+
+
+def test_compose_loader_accepts_the_file() -> None:
+    """compose-go loads the file: schema, interpolation, consistency (every depends_on, volume and
+    network a service names exists)."""
+    assert set(services()) == {"kafka", "kafka-init", "worker-1", "worker-2", "prometheus", "alertmanager", "notify"}
+
+
+@pytest.mark.parametrize(("service", "error"), [
+    ("depends_on: {b: {condition: service_healthy}}", 'depends on undefined service "b"'),  # consistency
+    ("volumes: [missing:/data]", "undefined volume missing"),                                # consistency
+    ("healthcheck: {tset: [CMD, 'true']}", "additional properties 'tset' not allowed"),       # schema
+])
+def test_compose_loader_refuses_broken_files(tmp_path: Path, service: str, error: str) -> None:
+    """The validator is real: what `docker compose config` refuses, it refuses."""
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(f"services:\n  a:\n    image: busybox\n    {service}\n")
+    result = run(tool("compose-check"), check=False, cwd=tmp_path)
+    assert result.returncode == 1 and error in result.stderr
+
+
+def test_no_obsolete_version_key() -> None:
+    """The Compose Specification has no top-level `version:`."""
+    assert "version" not in yaml.safe_load(COMPOSE.read_text())
+
+
+def test_kafka_is_the_official_image_at_the_local_scripts_version() -> None:
+    """The broker and the topic job run apache/kafka at the version scripts/kafka_local.py runs for tests."""
+    image = f"apache/kafka:{kafka_local.DEFAULT_VERSION}"
+    assert services()["kafka"]["image"] == image and services()["kafka-init"]["image"] == image
+
+
+def test_kafka_is_kraft_with_an_internal_and_a_host_listener() -> None:
+    """KRaft (combined broker and controller), an INTERNAL listener the containers use and a HOST
+    listener published on the host and advertised as localhost."""
+    kafka = services()["kafka"]
+    env = kafka["environment"]
+    assert env["KAFKA_PROCESS_ROLES"] == "broker,controller"
+    listeners = dict(item.split("://") for item in env["KAFKA_ADVERTISED_LISTENERS"].split(","))
+    assert set(listeners) == {"INTERNAL", "HOST"}
+    host_port = listeners["HOST"].rsplit(":", 1)[1]
+    assert listeners["HOST"].startswith("localhost:")
+    assert [p["published"] for p in kafka["ports"] if str(p["target"]) == host_port] == [host_port]
+    assert env["KAFKA_INTER_BROKER_LISTENER_NAME"] == "INTERNAL"
+    assert "KAFKA_BOOTSTRAP_SERVERS" not in env
+    for name in workers():
+        assert services()[name]["environment"]["KAFKA_BOOTSTRAP_SERVERS"] == listeners["INTERNAL"]
+    assert kafka["volumes"][0]["target"] == env["KAFKA_LOG_DIRS"]
+
+
+def test_dependencies_wait_for_health_or_completion() -> None:
+    """Every depends_on has a condition; a service waited on as healthy has a healthcheck."""
+    for name, service in services().items():
+        for dependency, spec in service.get("depends_on", {}).items():
+            assert spec["condition"] in ("service_healthy", "service_completed_successfully"), (name, dependency)
+            if spec["condition"] == "service_healthy":
+                assert services()[dependency].get("healthcheck"), dependency
+    assert services()["kafka-init"]["depends_on"]["kafka"]["condition"] == "service_healthy"
+    for name in workers():
+        assert services()[name]["depends_on"]["kafka-init"]["condition"] == "service_completed_successfully"
+        assert services()[name]["healthcheck"]["test"][0] == "CMD"
+
+
+@pytest.mark.parametrize("name", sorted(workers()))
+def test_worker_environment_is_real_settings(name: str) -> None:
+    """Every LOOPWARDEN_* variable a worker gets is a worker setting (SETTINGS), the KAFKA_* ones are
+    connection settings, and the whole environment passes the worker's own validation."""
+    env = services()[name]["environment"]
+    assert {v for v in env if v.startswith("LOOPWARDEN_")} <= WORKER_VARS
+    assert {v for v in env if v.startswith("KAFKA_")} <= KAFKA_VARS
+    settings = WorkerSettings.from_env(env)
+    assert settings.create_topics is False and settings.standby_replicas == 1
+
+
+@pytest.mark.parametrize("name", sorted(workers()))
+def test_worker_state_dir_is_its_own_volume_and_policy_is_mounted(name: str) -> None:
+    """LOOPWARDEN_STATE_DIR is a named volume of this worker alone; LOOPWARDEN_POLICY is a read-only
+    bind mount of a policy file the worker accepts."""
+    service = services()[name]
+    env = service["environment"]
+    mounts = {v["target"]: v for v in service["volumes"]}
+    state = mounts[env["LOOPWARDEN_STATE_DIR"]]
+    assert state["type"] == "volume" and state["source"] in model()["volumes"]
+    others = [v["source"] for other, s in workers().items() if other != name for v in s["volumes"]]
+    assert state["source"] not in others
+    policy = mounts[env["LOOPWARDEN_POLICY"]]
+    assert policy["type"] == "bind" and policy["read_only"] is True
+    load_policy(policy["source"])
+
+
+def test_metrics_port_is_the_prometheus_scrape_target() -> None:
+    """Prometheus' loopwarden job scrapes each worker at its LOOPWARDEN_METRICS_PORT, listening on all
+    interfaces; the job name is the one the alert rules select."""
+    config = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    targets = {t for sc in jobs["loopwarden"]["static_configs"] for t in sc["targets"]}
+    expected = set()
+    for name, service in workers().items():
+        env = service["environment"]
+        assert env["LOOPWARDEN_METRICS_HOST"] == "0.0.0.0"
+        expected.add(f"{service.get('hostname', name)}:{env['LOOPWARDEN_METRICS_PORT']}")
+        assert name == service.get("hostname", name)  # the service name resolves too
+    assert targets == expected
+    alertmanagers = {t for am in config["alerting"]["alertmanagers"] for sc in am["static_configs"] for t in sc["targets"]}
+    assert alertmanagers == {f"alertmanager:{services()['alertmanager']['ports'][0]['target']}"}
+
+
+def test_prometheus_and_alertmanager_mount_the_project_files() -> None:
+    """Prometheus mounts the single rules file (the one the Helm chart embeds) and its config;
+    Alertmanager its config."""
+    prometheus = {v["target"]: v["source"] for v in services()["prometheus"]["volumes"]}
+    assert prometheus["/etc/prometheus/rules/loopwarden-rules.yml"] == str(REPO / "helm/loopwarden/files/loopwarden-rules.yml")
+    assert prometheus["/etc/prometheus/prometheus.yml"] == str(REPO / "deploy/prometheus/prometheus.yml")
+    alertmanager = {v["target"]: v["source"] for v in services()["alertmanager"]["volumes"]}
+    assert alertmanager["/etc/alertmanager/alertmanager.yml"] == str(REPO / "deploy/alertmanager/alertmanager.yml")
+    for name in ("prometheus", "alertmanager"):
+        assert re.fullmatch(r"prom/[a-z]+:v\d+\.\d+\.\d+", services()[name]["image"])
+
+
+def test_notify_environment_is_real_settings() -> None:
+    """The optional notify service uses notifier settings (NOTIFY_SETTINGS) and the workers' alerts topic."""
+    env = services()["notify"]["environment"]
+    assert {v for v in env if v.startswith("LOOPWARDEN_")} <= NOTIFY_VARS
+    assert services()["notify"]["profiles"] == ["notify"] and services()["notify"]["command"] == ["notify"]
+    assert env["LOOPWARDEN_ALERTS_TOPIC"] == services()["worker-1"]["environment"]["LOOPWARDEN_ALERTS_TOPIC"]
+
+
+def test_topic_job_creates_the_workers_topics(tmp_path: Path) -> None:
+    """kafka-init's script, run with a stand-in kafka-topics.sh that records its arguments, creates
+    the four topics and the compacted changelog, with the partitions and replication the workers
+    expect (the same names the worker's ensure_topics would create)."""
+    init = services()["kafka-init"]
+    assert init["entrypoint"] == ["/bin/bash", "-ec"]
+    calls = tmp_path / "calls.jsonl"
+    stub = tmp_path / "kafka-topics.sh"
+    stub.write_text(f'#!/usr/bin/env python3\nimport json, sys\nopen("{calls}", "a").write(json.dumps(sys.argv[1:]) + "\\n")\n')
+    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    script = init["command"][0].replace("/opt/kafka/bin/kafka-topics.sh", str(stub))
+    subprocess.run(["/bin/bash", "-ec", script], env={**os.environ, **init["environment"]}, check=True)
+
+    def flag(args: list[str], name: str) -> str:
+        return args[args.index(name) + 1]
+
+    created = {}
+    for line in calls.read_text().splitlines():
+        args = json.loads(line)
+        if "--create" in args:
+            configs = [args[i + 1] for i, a in enumerate(args) if a == "--config"]
+            created[flag(args, "--topic")] = (int(flag(args, "--partitions")),
+                                              int(flag(args, "--replication-factor")), configs)
+            assert flag(args, "--bootstrap-server") == "kafka:19092"
+    for name in workers():
+        settings = WorkerSettings.from_env(services()[name]["environment"])
+        expected = {topic: (settings.partitions, settings.replication_factor, [])
+                    for topic in (settings.telemetry_topic, settings.control_topic, settings.alerts_topic,
+                                  settings.dlq_topic)}
+        expected[settings.changelog_topic] = (settings.partitions, settings.replication_factor,
+                                              ["cleanup.policy=compact"])
+        assert created == expected
+
+
+# --------------------------------------------------------------------------------------------------
+# The Dockerfile the workers are built from
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(instruction, arguments) of the Dockerfile, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n\s*", " ", (REPO / "Dockerfile").read_text())
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line else "")
+            for line in (raw.strip() for raw in text.splitlines()) if line and not line.startswith("#")]
+
+
+def test_workers_run_the_image_built_from_the_dockerfile() -> None:
+    """The worker and notify services build the repository's Dockerfile into one local image."""
+    for name in [*workers(), "notify"]:
+        service = services()[name]
+        assert service["build"] == {"context": str(REPO), "dockerfile": "Dockerfile"}
+        assert service["image"] == "loopwarden:local"
+
+
+def test_dockerfile_is_multi_stage_slim_and_non_root() -> None:
+    """Two stages on a slim Python base, the final one running as a numeric non-root user, the worker as
+    entrypoint, the state directory a volume and the metrics port exposed: and they agree with the
+    worker's defaults and with compose."""
+    instructions = dockerfile()
+    stages = [args for op, args in instructions if op == "FROM"]
+    assert len(stages) == 2 and all("-slim" in s for s in stages) and stages[0].endswith(" AS build")
+    final = instructions[[op for op, _ in instructions].index("FROM", 1):]
+    user = [args for op, args in final if op == "USER"]
+    assert user and user[-1].split(":")[0].isdigit() and int(user[-1].split(":")[0]) >= 1000
+    assert [json.loads(args) for op, args in final if op == "ENTRYPOINT"] == [["loopwarden"]]
+    assert [json.loads(args) for op, args in final if op == "CMD"] == [["worker"]]
+    env = dict(re.findall(r"(\w+)=(\S+)", " ".join(args for op, args in final if op == "ENV")))
+    assert {v for v in env if v.startswith("LOOPWARDEN_")} <= WORKER_VARS
+    volumes = [v for op, args in final if op == "VOLUME" for v in json.loads(args)]
+    assert volumes == [env["LOOPWARDEN_STATE_DIR"]]
+    assert [args for op, args in final if op == "EXPOSE"] == [env["LOOPWARDEN_METRICS_PORT"]]
+    for service in workers().values():
+        assert service["environment"]["LOOPWARDEN_STATE_DIR"] == env["LOOPWARDEN_STATE_DIR"]
+        assert service["environment"]["LOOPWARDEN_METRICS_PORT"] == env["LOOPWARDEN_METRICS_PORT"]
+
+
+def test_dockerignore_keeps_what_the_dockerfile_copies() -> None:
+    """Each path the build stage COPYs is let through .dockerignore (which excludes everything else)."""
+    ignore = (REPO / ".dockerignore").read_text().splitlines()
+    allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    copied = {src for op, args in dockerfile() if op == "COPY" and "--from" not in args
+              for src in args.split()[:-1]}
+    assert copied and copied <= allowed
+    assert "*" in ignore
+
+
+def test_the_docker_build_context_builds_the_package(tmp_path: Path) -> None:
+    """What .dockerignore lets into the build context is enough for the Dockerfile's `pip install
+    '.[worker]'`: the wheel built from it has the worker, the notifier, the schemas and the entry point.
+    (No Docker engine here: the same pip step, outside a container.)"""
+    import shutil
+    import sys
+    import zipfile
+
+    context = tmp_path / "context"
+    context.mkdir()
+    for line in (REPO / ".dockerignore").read_text().splitlines():
+        if line.startswith("!"):
+            source = REPO / line[1:].rstrip("/")
+            if source.is_dir():
+                shutil.copytree(source, context / source.name, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy(source, context / source.name)
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--disable-pip-version-check",
+                             "-w", str(tmp_path / "dist"), str(context)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    (wheel,) = (tmp_path / "dist").glob("loopwarden-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"stream_app/worker/main.py", "stream_app/notify.py", "stream_app/_schemas/control.v1.json"} <= names
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "loopwarden = stream_app.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
