@@ -291,7 +291,7 @@ def summary_table(outcomes: list[Outcome]) -> tuple[str, int, int]:
                      ", ".join(f"{v} {n}" for v, n in sorted(verdicts.items())) or "-", str(false_halts),
                      str(missed), f"{statistics.median(over):g} / {max(over)}" if over else "-"))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in [header, *rows]]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) for row in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines), false_total, missed_total
 

@@ -18,6 +18,7 @@ import orjson
 
 from .core import Detector, InvalidEvent, Policy, RunTable, parse_event
 
+
 @dataclass
 class ReplaySummary:
     events: int = 0

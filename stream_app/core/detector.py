@@ -32,8 +32,8 @@ from typing import Any, NamedTuple
 
 from .contract import Action, Decision, TelemetryEvent, Verdict
 from .errors import NormalisationError
-from .policy import CallPolicy, Policy, Settings
 from .normalize import semantic_hash
+from .policy import CallPolicy, Policy, Settings
 
 # Digests are 8 bytes: a collision needs ~2**32 distinct values within one run's small windows. They are
 # cut from the SHA-256 hashes already computed (no second hash), or from two checksums for ids and names.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -41,10 +42,8 @@ async def ensure_topics(settings: WorkerSettings) -> None:
                 for name, configs in specs.items() if name not in existing
             ]
             if missing:
-                try:
+                with contextlib.suppress(TopicAlreadyExistsError):  # another worker created them first
                     await admin.create_topics(missing)
-                except TopicAlreadyExistsError:
-                    pass  # another worker created them first
                 log.info("created topics %s", [t.name for t in missing])
         await _wait_for_partitions(admin, settings)
     finally:

@@ -43,7 +43,7 @@ def test_retry_that_succeeds_within_budget_never_halts(run: Run) -> None:
 def test_any_change_of_outcome_or_result_breaks_the_streak(run: Run, outcomes: list[str],
                                                            results: list[str]) -> None:
     """A changing outcome or result hash is progress of a kind: no recursion halt."""
-    run.feed_all([event(outcome=o, result=r, ts_ms=i) for i, (o, r) in enumerate(zip(outcomes, results))])
+    run.feed_all([event(outcome=o, result=r, ts_ms=i) for i, (o, r) in enumerate(zip(outcomes, results, strict=False))])
     assert [v for _, v in run.halts() if v in ("recursion", "semantic_loop")] == []
 
 
@@ -183,7 +183,7 @@ def test_policy_can_mark_a_tool_side_effecting() -> None:
 def test_redelivered_event_counts_once(run: Run) -> None:
     """The same event_id delivered three times counts as one call."""
     first = [event(event_id=f"e{i}", ts_ms=i) for i in range(3)]
-    run.feed_all(first + [event(event_id="e2", ts_ms=2), event(event_id="e1", ts_ms=1)])
+    run.feed_all([*first, event(event_id="e2", ts_ms=2), event(event_id="e1", ts_ms=1)])
     assert run.halts() == []
     run.feed(event(event_id="e3", ts_ms=3))
     assert run.halts() == [(6, "recursion")]
