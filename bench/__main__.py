@@ -1,0 +1,298 @@
+"""``make bench``: every benchmark in one run, then BENCHMARKS.md and its plots.
+
+    python -m bench [--quick] [--skip-core] [--only limit,fleet,halt,overshoot,settings]
+
+1. The core benchmark (``python -m bench.core --json bench/results/core.json``), skipped with a note
+   if that module cannot write JSON yet.
+2. On one broker (``KAFKA_BOOTSTRAP_SERVERS``, else a local one started here): the limit (raw
+   consume, round trip), fleet throughput (one and two workers), halt latency at three loads,
+   overshoot at three call rates, and worker settings tried through their environment variables.
+   Workers are real ``python -m stream_app worker`` processes with RocksDB state and changelogs.
+3. Results go to ``bench/results/*.json``; ``bench.report`` renders BENCHMARKS.md and the PNG plots
+   from them (``python -m bench.report`` re-renders without measuring).
+
+Progress lines go to stderr. ``--quick`` shortens every phase (for trying the harness, not for figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stream_app.client import Guard
+
+from . import corpus, fleet, halt, limit, report
+from .kafka import broker
+from .stats import progress
+from .workers import REPO, Deployment
+
+RESULTS = REPO / "bench" / "results"
+WORKDIR = REPO / "var" / "bench"
+SECTIONS = ("limit", "fleet", "halt", "overshoot", "settings")
+
+#: Settings tried against the default, one worker, saturation probe: (label, worker environment).
+#: PRODUCER_LINGER_MS is faust's own variable (faust reads it over the app's ``producer_linger_ms=1``).
+SETTINGS_TRIED: tuple[tuple[str, dict[str, str]], ...] = (
+    ("producer linger 10 ms: PRODUCER_LINGER_MS=10", {"PRODUCER_LINGER_MS": "10"}),
+    ("batch window 20 ms: LOOPWARDEN_BATCH_WITHIN_S=0.02", {"LOOPWARDEN_BATCH_WITHIN_S": "0.02"}),
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How long and how often each phase runs."""
+
+    template_runs: int = 10_000
+    raw_messages: int = 100_000
+    repeats: int = 3
+    round_trips: int = 200
+    #: First saturation backlog; later probes size theirs from the first probe (``backlog_for``).
+    backlog: int = 8_000
+    warm_s: float = 3.0
+    measure_s: float = 8.0
+    step_fractions: tuple[float, ...] = (0.6, 0.8, 1.0)
+    step_s: float = 15.0
+    load_levels: tuple[float, ...] = (0.1, 0.5, 0.9)
+    halt_s: float = 8.0
+    overshoot_rates: tuple[float, ...] = (10, 100, 1000)
+    overshoot_runs: int = 5
+    settings_rounds: int = 2
+
+    def backlog_for(self, capacity: float | None, measure_s: float, margin: float = 1.5) -> int:
+        """A saturation backlog that outlasts warm-up and measuring ``margin`` times at ``capacity``."""
+        return int(margin * (self.warm_s + measure_s) * capacity) if capacity else self.backlog
+
+
+QUICK = Plan(template_runs=4_000, raw_messages=40_000, repeats=2, round_trips=100, measure_s=4,
+             step_fractions=(0.5, 0.9), step_s=6, halt_s=5, overshoot_runs=3, settings_rounds=1)
+
+
+def run_core(results: Path) -> None:
+    """The lead's core benchmark, if it can write JSON; its progress goes straight to our stderr."""
+    help_text = subprocess.run([sys.executable, "-m", "bench.core", "--help"], cwd=REPO, capture_output=True,
+                               text=True, check=False).stdout
+    if "--json" not in help_text:
+        progress("core: bench.core has no --json option yet; core section skipped")
+        return
+    progress("core: python -m bench.core --json bench/results/core.json")
+    status = subprocess.call([sys.executable, "-m", "bench.core", "--json", str(results / "core.json")], cwd=REPO)
+    if status != 0:
+        progress(f"core: bench.core exited with {status}; core section left as it was")
+
+
+async def kafka_benches(bootstrap: str, plan: Plan, sections: set[str], results: Path,
+                        template: Path) -> None:
+    """Every Kafka benchmark in ``sections``, each writing its JSON as soon as it is done."""
+    name = f"bench-{uuid.uuid4().hex[:6]}"
+
+    def save(section: str, data: dict[str, Any]) -> None:
+        (results / f"{section}.json").write_text(json.dumps(data, indent=1) + "\n")
+
+    if "limit" in sections:
+        progress("limit: raw aiokafka consume and one-message round trip")
+        started = os.getloadavg()[0]
+        data = await limit.measure(bootstrap, name, template, plan.raw_messages, plan.repeats, plan.round_trips)
+        save("limit", data | {"load_before": started, "load_after": os.getloadavg()[0]})
+
+    capacity_one: float | None = None
+    sustained_one: float | None = None
+    if "fleet" in sections:
+        fleet_data = await fleet_section(bootstrap, template, plan, results)
+        save("fleet", fleet_data)
+        capacity_one = fleet_data["1w"]["probe"]["applied_per_s"]
+        sustained_one = fleet_data["1w"]["sustained_per_s"] or 0.5 * capacity_one
+    elif (results / "fleet.json").exists():
+        previous = json.loads((results / "fleet.json").read_text())["1w"]
+        capacity_one, sustained_one = previous["probe"]["applied_per_s"], previous["sustained_per_s"]
+
+    if sections & {"halt", "overshoot"}:
+        base = sustained_one or 1000.0
+        deployment = Deployment(bootstrap, WORKDIR)
+        try:
+            await deployment.start_worker()
+            await fleet.warm_up(deployment, template, "hw")
+            guard = await halt.guard_for(deployment)
+            try:
+                if "halt" in sections:
+                    save("halt", await halt_section(deployment, guard, template, plan, base)
+                         | {"commit_overruns": deployment.workers[0].commit_overruns()})
+                if "overshoot" in sections:
+                    save("overshoot", await overshoot_section(deployment, guard, template, plan, base))
+            finally:
+                await guard.stop()
+        finally:
+            deployment.stop()
+
+    if "settings" in sections:
+        save("settings", await settings_section(bootstrap, template, plan, capacity_one))
+
+
+async def fleet_section(bootstrap: str, template: Path, plan: Plan, results: Path) -> dict[str, Any]:
+    """Saturation probe, then open-loop steps, for one worker and for two in one group."""
+    data: dict[str, Any] = {"step_s": plan.step_s, "step_fractions": plan.step_fractions,
+                            "definition": {"max_backlog_slope": fleet.MAX_BACKLOG_SLOPE,
+                                           "max_end_backlog_s": fleet.MAX_END_BACKLOG_S,
+                                           "min_producer_share": fleet.MIN_PRODUCER_SHARE}}
+    capacity_one: float | None = None
+    for workers in (1, 2):
+        load_before = os.getloadavg()[0]
+        deployment = Deployment(bootstrap, WORKDIR)
+        try:
+            progress(f"fleet: starting {workers} worker(s)")
+            for _ in range(workers):
+                await deployment.start_worker()
+            await fleet.warm_up(deployment, template, f"f{workers}w")
+            backlog = plan.backlog_for(capacity_one, plan.measure_s)
+            progress(f"fleet: {workers} worker(s), saturation probe ({backlog:,} events backlog)")
+            probe = await fleet.capacity(deployment, template, backlog, f"f{workers}p",
+                                         results / "profile-1w.txt" if workers == 1 else None, plan.warm_s,
+                                         plan.measure_s)
+            progress(f"fleet: {workers} worker(s) apply {probe['applied_per_s']:,.0f} ev/s saturated "
+                     f"({probe['worker_cpu_us_per_event']:,.0f} us worker CPU per event)")
+            capacity_one = capacity_one or probe["applied_per_s"]
+            steps = await fleet.sustained(deployment, template, probe["applied_per_s"], plan.step_fractions,
+                                          plan.step_s, f"f{workers}s")
+            overruns = deployment.workers[0].commit_overruns()
+        finally:
+            deployment.stop()
+        data[f"{workers}w"] = {"probe": probe, **steps, "commit_overruns": overruns, "load_before": load_before,
+                               "load_after": os.getloadavg()[0]}
+        progress(f"fleet: {workers} worker(s) sustain {steps['sustained_per_s']:,.0f} ev/s")
+    return data
+
+
+async def halt_section(deployment: Deployment, guard: Guard, template: Path, plan: Plan,
+                       sustained: float) -> dict[str, Any]:
+    """Halt latency at each load level, ``plan.repeats`` times."""
+    clock = halt.HaltClock()
+    guard.on_decision(clock.on_decision)
+    tap = asyncio.create_task(clock.tap(deployment.bootstrap, deployment.control_topic, deployment.partitions))
+    try:
+        levels = await _halt_levels(deployment, guard, clock, template, plan, sustained)
+    finally:
+        if tap.done() and tap.exception() is not None:
+            progress(f"halt: the control-topic tap failed ({tap.exception()!r}); no inbound/outbound split")
+        tap.cancel()
+        await asyncio.gather(tap, return_exceptions=True)
+    return {"sustained_per_s": sustained, "duration_s": plan.halt_s, "levels": levels,
+            "wrong_trigger": clock.wrong_trigger}
+
+
+async def _halt_levels(deployment: Deployment, guard: Guard, clock: halt.HaltClock, template: Path, plan: Plan,
+                       sustained: float) -> list[dict[str, Any]]:
+    levels = []
+    for level in plan.load_levels:
+        load = level * sustained
+        inject = min(10.0, max(2.0, 0.1 * load / 4))  # runaways bring at most ~10% of the load
+        background = max(0.0, load - 4 * inject)
+        runs = []
+        for repeat in range(plan.repeats):
+            result = await halt.halt_latency(deployment, guard, clock, template, background, inject, plan.halt_s,
+                                             f"h{int(level * 100)}r{repeat}")
+            runs.append(result)
+            cuts = result.get("latency_ms")
+            progress(f"halt: {level:.0%} load ({load:,.0f} ev/s), run {repeat + 1}/{plan.repeats}: "
+                     + (f"p50 {cuts['p50']:.0f} ms, p99 {cuts['p99']:.0f} ms, "
+                        f"{result['halted']}/{result['injected']} halted" if cuts else "no halts received"))
+        ok = [r["latency_ms"] for r in runs if "latency_ms" in r]
+        splits = [r["split_ms"] for r in runs if r.get("split_ms")]
+        levels.append({"level": level, "load_per_s": load, "runs": runs,
+                       "median": {k: statistics.median(c[k] for c in ok) for k in ("p50", "p95", "p99", "max")}
+                       if ok else None,
+                       "split_median": {k: statistics.median(c[k] for c in splits) for k in splits[0]}
+                       if splits else None})
+    return levels
+
+
+async def overshoot_section(deployment: Deployment, guard: Guard, template: Path, plan: Plan,
+                            sustained: float) -> dict[str, Any]:
+    """Overshoot per call rate on an idle fleet, and at 50% load for the paces with a target."""
+    loads = []
+    for level, rates in ((0.0, plan.overshoot_rates), (0.5, tuple(r for r in plan.overshoot_rates if r <= 100))):
+        progress(f"overshoot: runaways at {', '.join(f'{r:g}' for r in rates)} calls/s, "
+                 f"{level:.0%} background load")
+        loads.append({"level": level} | await halt.overshoot(
+            deployment, guard, template, rates, plan.overshoot_runs, level * sustained, f"o{int(level * 100)}"))
+    return {"loads": loads}
+
+
+async def settings_section(bootstrap: str, template: Path, plan: Plan, capacity_one: float | None) -> dict[str, Any]:
+    """Saturation throughput of one worker with the default and each setting in SETTINGS_TRIED, in
+    ``plan.settings_rounds`` interleaved rounds (so drift in the machine's load hits all of them)."""
+    # Settings may be much faster than the default, and these deployments are not reused: a generous
+    # backlog costs only its production, a backlog that runs out costs a second probe.
+    backlog = plan.backlog_for(capacity_one, plan.measure_s - 2, margin=3.0)
+    configs = (("default", {}), *SETTINGS_TRIED)
+    probes: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in configs}
+    for round_ in range(plan.settings_rounds):
+        for label, env in configs:
+            deployment = Deployment(bootstrap, WORKDIR, env=env)
+            try:
+                await deployment.start_worker()
+                probe = await fleet.capacity(deployment, template, backlog, f"v{round_}{len(probes[label])}",
+                                             None, plan.warm_s, plan.measure_s - 2, drain=False)
+            finally:
+                deployment.stop()
+            probes[label].append(probe)
+            progress(f"settings: round {round_ + 1}/{plan.settings_rounds}, {label}: "
+                     f"{probe['applied_per_s']:,.0f} ev/s, {probe['worker_cpu_us_per_event']:,.0f} us CPU per event")
+    return {"tried": [{"label": label, "env": env, "probes": probes[label],
+                       "applied_per_s": statistics.median(p["applied_per_s"] for p in probes[label]),
+                       "worker_cpu_us_per_event": statistics.median(p["worker_cpu_us_per_event"]
+                                                                    for p in probes[label])}
+                      for label, env in configs]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="short phases, to try the harness")
+    parser.add_argument("--skip-core", action="store_true", help="do not run bench.core")
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"Kafka sections (default: {','.join(SECTIONS)})")
+    args = parser.parse_args(argv)
+    sections = {s.strip() for s in args.only.split(",") if s.strip()}
+    unknown = sections - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
+    plan = QUICK if args.quick else Plan()
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # a fresh broker's first group join is noisy
+    began = time.monotonic()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "machine.json").write_text(json.dumps(report.machine(), indent=1) + "\n")
+    if not args.skip_core:
+        run_core(RESULTS)
+    if sections:
+        template = WORKDIR / "corpus.tsv"
+        progress(f"corpus: {plan.template_runs:,} simulated runs (stream_app.fleet_sim) -> {template}")
+        events = corpus.write_template(template, plan.template_runs)
+        corpus.check_renamed(corpus.read_template(template)[:1])
+        with broker() as (bootstrap, version):
+            progress(f"broker: Apache Kafka {version} at {bootstrap}")
+            machine = json.loads((RESULTS / "machine.json").read_text())
+            machine |= {"kafka": version, "corpus_events": events,
+                        "corpus_mean_bytes": corpus.mean_size(corpus.read_template(template)),
+                        "plan": "quick" if args.quick else "full"}
+            (RESULTS / "machine.json").write_text(json.dumps(machine, indent=1) + "\n")
+            asyncio.run(kafka_benches(bootstrap, plan, sections, RESULTS, template))
+    elapsed = time.monotonic() - began
+    machine = json.loads((RESULTS / "machine.json").read_text()) | {"elapsed_s": elapsed,
+                                                                     "load_at_end": os.getloadavg()[0]}
+    (RESULTS / "machine.json").write_text(json.dumps(machine, indent=1) + "\n")
+    report.write(RESULTS, REPO / "BENCHMARKS.md")
+    progress(f"done in {elapsed / 60:.1f} min: BENCHMARKS.md and bench/results/*.png written")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,202 @@
+"""Halt latency under load, and overshoot: what a runaway agent costs before the guard refuses.
+
+Both use the runtime SDK as an agent runtime does (``Guard.fleet``, its publisher and halt listener) in
+this process, against real workers, while ``bench.loadgen`` adds background telemetry from its own
+process.
+
+- Halt latency: runaway runs (4 identical failing calls; the 4th triggers ``recursion``) are injected
+  at a steady pace. Latency is from the moment the SDK has produced the triggering event (the 4th
+  ``call`` returned, its telemetry queued to the producer) to the moment ``Guard.on_decision`` receives
+  the halt.
+- Overshoot: one agent at a time calls a failing tool at a fixed pace through the guard until
+  ``RunHalted``; overshoot is the calls it made after the triggering one (``evidence.seq``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import TopicPartition
+
+from stream_app.client import Guard, GuardedRun, KafkaClientConfig, RunHalted
+
+from .loadgen import LoadGen
+from .stats import percentiles, progress
+from .workers import Deployment
+
+#: A runaway that is not halted by then gives up (and is reported as never halted).
+MAX_CALLS = 5_000
+
+
+class ToolFailed(Exception):
+    """What the runaway's tool raises, every time, with the same message."""
+
+
+def _failing_tool(query: str) -> None:
+    raise ToolFailed("index unavailable")
+
+
+async def _call(run: GuardedRun, query: str) -> None:
+    with contextlib.suppress(ToolFailed):
+        await run.call("search_docs", _failing_tool, {"query": query})
+
+
+class HaltClock:
+    """Matches halts received by the guard to the moment their trigger was produced, and splits the
+    latency at the control record's timestamp (set by the worker's producer when it sends the halt):
+    inbound (trigger produced -> halt sent) and outbound (halt sent -> runtime holds it)."""
+
+    def __init__(self) -> None:
+        self.produced: dict[str, float] = {}
+        self.produced_epoch_ms: dict[str, float] = {}
+        self.latency_ms: dict[str, float] = {}
+        self.received_epoch_ms: dict[str, float] = {}
+        self.sent_epoch_ms: dict[str, int] = {}
+        self.wrong_trigger = 0
+
+    def on_decision(self, decision: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        run_id = decision["run_id"]
+        if decision["action"] != "halt" or run_id not in self.produced or run_id in self.latency_ms:
+            return
+        if decision.get("evidence", {}).get("seq") != 3:
+            self.wrong_trigger += 1
+        self.latency_ms[run_id] = (now - self.produced[run_id]) * 1000
+        self.received_epoch_ms[run_id] = time.time() * 1000
+
+    async def runaway(self, guard: Guard, run_id: str) -> None:
+        """Four identical failing calls, back to back; the time the 4th was produced is kept."""
+        run = guard.run(run_id, agent_id="bench-runaway")
+        for _ in range(4):
+            await _call(run, "quarterly report")
+        self.produced[run_id] = time.perf_counter()
+        self.produced_epoch_ms[run_id] = time.time() * 1000
+
+    async def tap(self, bootstrap: str, topic: str, partitions: int) -> None:
+        """Read the control topic from its end and keep each injected run's first record timestamp."""
+        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+                                    fetch_max_wait_ms=20)
+        await consumer.start()
+        try:
+            tps = [TopicPartition(topic, p) for p in range(partitions)]
+            consumer.assign(tps)
+            await consumer.seek_to_end(*tps)
+            while True:
+                for records in (await consumer.getmany(timeout_ms=200)).values():
+                    for record in records:
+                        run_id = record.key.decode() if record.key else ""
+                        if run_id in self.produced_epoch_ms:
+                            self.sent_epoch_ms.setdefault(run_id, record.timestamp)
+        finally:
+            await consumer.stop()
+
+    def split(self, run_ids: list[str]) -> dict[str, float]:
+        """Median inbound and outbound milliseconds of these runs' halts."""
+        both = [r for r in run_ids if r in self.sent_epoch_ms and r in self.received_epoch_ms]
+        if not both:
+            return {}
+        return {"inbound_p50": statistics.median(self.sent_epoch_ms[r] - self.produced_epoch_ms[r] for r in both),
+                "outbound_p50": statistics.median(self.received_epoch_ms[r] - self.sent_epoch_ms[r] for r in both)}
+
+
+async def halt_latency(deployment: Deployment, guard: Guard, clock: HaltClock, template: Path,
+                       background_per_s: float, inject_per_s: float, duration_s: float,
+                       prefix: str) -> dict[str, Any]:
+    """Inject runaways at ``inject_per_s`` for ``duration_s`` over ``background_per_s`` of telemetry."""
+    await deployment.wait_idle()
+    gen = None
+    if background_per_s > 0:
+        gen = LoadGen(deployment.bootstrap, deployment.telemetry_topic, template, background_per_s,
+                      duration_s, prefix)
+        await gen.prepare()
+        await gen.go()
+    injected: list[str] = []
+    tasks = []
+    start = time.monotonic()
+    try:
+        while (due := start + len(injected) / inject_per_s) < start + duration_s:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            run_id = f"{prefix}-runaway-{len(injected)}"
+            injected.append(run_id)
+            tasks.append(asyncio.create_task(clock.runaway(guard, run_id)))
+        await asyncio.gather(*tasks)
+        deadline = time.monotonic() + 15
+        while any(r not in clock.latency_ms for r in injected) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        final = await gen.wait() if gen is not None else None
+    finally:
+        if gen is not None:
+            await gen.kill()
+    samples = [clock.latency_ms[r] for r in injected if r in clock.latency_ms]
+    result: dict[str, Any] = {
+        "background_per_s": background_per_s,
+        "inject_per_s": inject_per_s,
+        "injected": len(injected),
+        "halted": len(samples),
+        "background_produced_per_s": (final["acked"] / duration_s) if final else 0.0,
+    }
+    if len(samples) >= 2:
+        result["latency_ms"] = percentiles(samples)
+        result["split_ms"] = clock.split(injected)
+    return result
+
+
+async def overshoot_run(guard: Guard, run_id: str, calls_per_s: float) -> dict[str, Any]:
+    """A runaway calling at ``calls_per_s`` (absolute schedule) until the guard refuses."""
+    run = guard.run(run_id, agent_id="bench-overshoot")
+    interval = 1.0 / calls_per_s
+    next_at = time.monotonic()
+    try:
+        while run.calls < MAX_CALLS:
+            await _call(run, "q3 report")
+            next_at += interval
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+    except RunHalted as halted:
+        trigger = halted.decision.get("evidence", {}).get("seq")
+        return {"calls": run.calls, "trigger_seq": trigger,
+                "overshoot": None if trigger is None else run.calls - (trigger + 1)}
+    return {"calls": run.calls, "trigger_seq": None, "overshoot": None}
+
+
+async def overshoot(deployment: Deployment, guard: Guard, template: Path, rates: tuple[float, ...], runs: int,
+                    background_per_s: float, prefix: str) -> dict[str, Any]:
+    """``runs`` sequential runaways per pace in ``rates``, over ``background_per_s`` of telemetry; the
+    worker is let drain before, and between paces when there is no background (a fast runaway can
+    leave a backlog behind)."""
+    await deployment.wait_idle()
+    gen = None
+    if background_per_s > 0:
+        expected_s = sum(runs * (4 / rate + 0.5) for rate in rates) + 30
+        gen = LoadGen(deployment.bootstrap, deployment.telemetry_topic, template, background_per_s, expected_s,
+                      prefix)
+        await gen.prepare()
+        await gen.go()
+    try:
+        by_rate: dict[str, list[dict[str, Any]]] = {}
+        for rate in rates:
+            if background_per_s == 0:
+                await deployment.wait_idle()
+            results = [await overshoot_run(guard, f"{prefix}-{rate:g}-{i}-{uuid.uuid4().hex[:4]}", rate)
+                       for i in range(runs)]
+            by_rate[f"{rate:g}"] = results
+            counts = [r["overshoot"] for r in results if r["overshoot"] is not None]
+            progress(f"  {rate:g} calls/s: overshoot {sorted(counts)} (background {background_per_s:,.0f} ev/s)")
+        return {"background_per_s": background_per_s, "runs": by_rate}
+    finally:
+        if gen is not None:
+            await gen.kill()
+
+
+async def guard_for(deployment: Deployment) -> Guard:
+    """A started fleet guard on the deployment's topics."""
+    guard = Guard.fleet(KafkaClientConfig(deployment.bootstrap), deployment.telemetry_topic,
+                        deployment.control_topic, lookback_ms=0)
+    await guard.start()
+    return guard

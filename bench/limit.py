@@ -1,0 +1,128 @@
+"""The limit: what the broker and client library give before loopwarden does anything.
+
+Two figures every loopwarden figure is compared with, measured on the same broker in the same run:
+
+- raw consume throughput: an aiokafka group consumer reading the fleet benchmark's telemetry messages
+  with ``getmany`` and doing nothing with them (the ceiling of any Python consumer of this topic);
+- produce-to-consume round trip of one message with latency-oriented settings (no linger, short
+  fetch wait): the floor of any halt latency, which needs two such trips (telemetry in, decision out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.structs import TopicPartition
+
+from .loadgen import LoadGen
+from .stats import percentiles, progress
+
+PARTITIONS = 8
+
+
+async def fill_topic(bootstrap: str, topic: str, template: Path, count: int) -> None:
+    """Produce ``count`` corpus messages to ``topic`` as fast as the load generator can."""
+    gen = LoadGen(bootstrap, topic, template, rate=count * 1000.0, duration_s=0.001, prefix="raw")
+    await gen.prepare()
+    await gen.go()
+    final = await gen.wait()
+    if final["acked"] != count:
+        raise RuntimeError(f"filling {topic}: {final['acked']} of {count} messages acknowledged")
+
+
+async def consume_rate(bootstrap: str, topic: str, count: int) -> float:
+    """Messages per second for a fresh group consumer to ``getmany`` all ``count`` messages, timed from
+    the first batch (group join excluded)."""
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=f"raw-{uuid.uuid4().hex[:8]}",
+                                auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    try:
+        seen = 0
+        started: float | None = None
+        deadline = time.monotonic() + 120
+        while seen < count and time.monotonic() < deadline:
+            batches = await consumer.getmany(timeout_ms=500)
+            if batches and started is None:
+                started = time.perf_counter()
+            seen += sum(len(records) for records in batches.values())
+        if seen < count or started is None:
+            raise RuntimeError(f"raw consume: {seen} of {count} messages in 120 s")
+        return count / (time.perf_counter() - started)
+    finally:
+        await consumer.stop()
+
+
+async def round_trips(bootstrap: str, topic: str, trips: int, pause_s: float = 0.005) -> list[float]:
+    """Milliseconds from ``send`` of one message to a consumer holding it, ``trips`` times in a row."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+                                fetch_max_wait_ms=5)
+    await producer.start()
+    await consumer.start()
+    try:
+        tp = TopicPartition(topic, 0)
+        consumer.assign([tp])
+        await consumer.seek_to_end(tp)
+        await consumer.position(tp)
+        arrived: asyncio.Queue[float] = asyncio.Queue()
+
+        async def receive() -> None:
+            while True:
+                batches = await consumer.getmany(tp, timeout_ms=100)
+                now = time.perf_counter()
+                for _ in batches.get(tp, ()):
+                    arrived.put_nowait(now)
+
+        receiver = asyncio.create_task(receive())
+        samples = []
+        try:
+            for i in range(trips + 20):  # the first 20 warm connections and the fetch session up
+                sent = time.perf_counter()
+                await producer.send(topic, b"%d" % i, partition=0)
+                received = await asyncio.wait_for(arrived.get(), 10)
+                if i >= 20:
+                    samples.append((received - sent) * 1000)
+                await asyncio.sleep(pause_s)
+        finally:
+            receiver.cancel()
+            await asyncio.gather(receiver, return_exceptions=True)
+        return samples
+    finally:
+        await consumer.stop()
+        await producer.stop()
+
+
+async def measure(bootstrap: str, name: str, template: Path, messages: int, repeats: int,
+                  trips: int) -> dict[str, Any]:
+    """The limit figures; ``name`` prefixes the topics (created here)."""
+    from .kafka import create_topics
+
+    raw_topic, rtt_topic = f"{name}.raw", f"{name}.rtt"
+    create_topics(bootstrap, [(raw_topic, PARTITIONS), (rtt_topic, 1)])
+    progress(f"limit: producing {messages:,} corpus messages to {raw_topic}")
+    await fill_topic(bootstrap, raw_topic, template, messages)
+    rates = []
+    for attempt in range(repeats):
+        rates.append(await consume_rate(bootstrap, raw_topic, messages))
+        progress(f"limit: raw group consume {attempt + 1}/{repeats}: {rates[-1]:,.0f} msg/s")
+    rtts: list[dict[str, float]] = []
+    for attempt in range(repeats):
+        cuts = percentiles(await round_trips(bootstrap, rtt_topic, trips))
+        rtts.append(cuts)
+        progress(f"limit: round trip {attempt + 1}/{repeats}: p50 {cuts['p50']:.2f} ms, "
+                 f"p99 {cuts['p99']:.2f} ms")
+    return {
+        "messages": messages,
+        "partitions": PARTITIONS,
+        "consume_msgs_per_s": rates,
+        "consume_msgs_per_s_median": statistics.median(rates),
+        "round_trip_ms": rtts,
+        "round_trip_ms_median": {k: statistics.median(r[k] for r in rtts) for k in rtts[0]},
+        "round_trips_per_repeat": trips,
+    }
