@@ -4,6 +4,8 @@ Two figures every loopwarden figure is compared with, measured on the same broke
 
 - raw consume throughput: an aiokafka group consumer reading the fleet benchmark's telemetry messages
   with ``getmany`` and doing nothing with them (the ceiling of any Python consumer of this topic);
+- the Faust ceiling (``bench.faust_ceiling``): the worker's own Faust configuration with an agent that
+  does nothing, on the same topic (the ceiling of any Faust worker of this topic here);
 - produce-to-consume round trip of one message with latency-oriented settings (no linger, short
   fetch wait): the floor of any halt latency, which needs two such trips (telemetry in, decision out).
 """
@@ -11,7 +13,11 @@ Two figures every loopwarden figure is compared with, measured on the same broke
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import statistics
+import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -56,6 +62,30 @@ async def consume_rate(bootstrap: str, topic: str, count: int) -> float:
         return count / (time.perf_counter() - started)
     finally:
         await consumer.stop()
+
+
+#: Events a Faust ceiling run counts (at a few thousand per second: seconds, not minutes).
+FAUST_CEILING_EVENTS = 30_000
+
+
+async def faust_ceiling(bootstrap: str, topic: str, count: int) -> float:
+    """Events per second of ``bench.faust_ceiling`` reading ``topic`` from the start (a fresh group)."""
+    with tempfile.TemporaryDirectory(prefix="faust-ceiling-") as state:
+        env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "LOOPWARDEN_TELEMETRY_TOPIC": topic,
+               "LOOPWARDEN_APP_ID": f"ceiling-{uuid.uuid4().hex[:8]}", "LOOPWARDEN_PARTITIONS": str(PARTITIONS),
+               "LOOPWARDEN_STATE_DIR": state}
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench.faust_ceiling", str(count), env=env, cwd=Path(__file__).parent.parent,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            out, err = await asyncio.wait_for(process.communicate(), timeout=300)
+        except TimeoutError:
+            process.kill()
+            raise RuntimeError("faust ceiling: no result in 300 s") from None
+    lines = [line for line in out.decode().splitlines() if line.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"faust ceiling: no result (exit {process.returncode}):\n{err.decode()[-2000:]}")
+    return float(json.loads(lines[-1])["events_per_s"])
 
 
 async def round_trips(bootstrap: str, topic: str, trips: int, pause_s: float = 0.005) -> list[float]:
@@ -111,6 +141,11 @@ async def measure(bootstrap: str, name: str, template: Path, messages: int, repe
     for attempt in range(repeats):
         rates.append(await consume_rate(bootstrap, raw_topic, messages))
         progress(f"limit: raw group consume {attempt + 1}/{repeats}: {rates[-1]:,.0f} msg/s")
+    ceiling_count = min(messages, FAUST_CEILING_EVENTS)
+    ceilings = []
+    for attempt in range(repeats):
+        ceilings.append(await faust_ceiling(bootstrap, raw_topic, ceiling_count))
+        progress(f"limit: faust no-op agent {attempt + 1}/{repeats}: {ceilings[-1]:,.0f} events/s")
     rtts: list[dict[str, float]] = []
     for attempt in range(repeats):
         cuts = percentiles(await round_trips(bootstrap, rtt_topic, trips))
@@ -122,6 +157,9 @@ async def measure(bootstrap: str, name: str, template: Path, messages: int, repe
         "partitions": PARTITIONS,
         "consume_msgs_per_s": rates,
         "consume_msgs_per_s_median": statistics.median(rates),
+        "faust_ceiling_events": ceiling_count,
+        "faust_ceiling_per_s": ceilings,
+        "faust_ceiling_per_s_median": statistics.median(ceilings),
         "round_trip_ms": rtts,
         "round_trip_ms_median": {k: statistics.median(r[k] for r in rtts) for k in rtts[0]},
         "round_trips_per_repeat": trips,

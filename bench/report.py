@@ -217,7 +217,7 @@ class Page:
         lim = self.limit
         rtt = lim["round_trip_ms_median"]
         self.add(
-            "## The limit: the broker and aiokafka alone",
+            "## The limit: the broker, aiokafka and Faust alone",
             "",
             "Command: `python -m bench --skip-core --only limit`.",
             "",
@@ -225,6 +225,14 @@ class Page:
             f"  same telemetry messages from {lim['partitions']} partitions: **{_n(lim['consume_msgs_per_s_median'])}"
             f" msg/s** (median of {len(lim['consume_msgs_per_s'])}: "
             f"{', '.join(_n(r) for r in lim['consume_msgs_per_s'])}).",
+            *(["- The Faust ceiling (`bench.faust_ceiling`): the worker's exact Faust configuration with an agent",
+               f"  that only counts its batches, over {_n(lim['faust_ceiling_events'])} of the same messages: "
+               f"**{_n(lim['faust_ceiling_per_s_median'])} events/s**",
+               f"  (median of {len(lim['faust_ceiling_per_s'])}: {', '.join(_n(r) for r in lim['faust_ceiling_per_s'])};"
+               f" {lim['faust_ceiling_per_s_median'] / lim['consume_msgs_per_s_median']:.2%} of raw consume).",
+               "  This is what Faust's per-event delivery (consumer thread, conductor, channel, stream, acks)",
+               "  leaves of the raw rate on this machine, before any work: no Faust worker of this topic goes faster."]
+              if "faust_ceiling_per_s_median" in lim else []),
             "- Produce-to-consume round trip of one message (`linger_ms=0`, `acks=all`, consumer",
             f"  `fetch_max_wait_ms=5`), {lim['round_trips_per_repeat']} sequential trips per run: p50 **{rtt['p50']:.2f} ms**,"
             f" p95 {rtt['p95']:.2f} ms, p99 **{rtt['p99']:.2f} ms** (medians of {len(lim['round_trip_ms'])} runs).",
@@ -264,16 +272,19 @@ class Page:
             "size (one probe, one series of steps), not medians: the default worker's repeated probes in the",
             "settings section show how much one probe varies on this machine.",
             "",
-            "| workers | saturated, events/s | sustained, events/s | worker CPU per event | vs raw consume |",
-            "|---|---|---|---|---|",
+            "| workers | saturated, events/s | sustained, events/s | worker CPU per event | vs raw consume "
+            "| vs Faust ceiling |",
+            "|---|---|---|---|---|---|",
         )
+        ceiling = self.limit.get("faust_ceiling_per_s_median") if self.limit else None
         for key, label in (("1w", "1"), ("2w", "2 (one group)")):
             if key not in f:
                 continue
             g = f[key]
             ratio = f"{g['sustained_per_s'] / raw:.2%}" if raw else "-"
+            to_ceiling = f"{g['sustained_per_s'] / ceiling:.0%}" if ceiling else "-"
             self.add(f"| {label} | {_n(g['probe']['applied_per_s'])} | {_n(g['sustained_per_s'])} | "
-                     f"{_n(g['probe']['worker_cpu_us_per_event'])} us | {ratio} |")
+                     f"{_n(g['probe']['worker_cpu_us_per_event'])} us | {ratio} | {to_ceiling} |")
         self.add("", "Steps:", "", "| workers | offered | produced | applied | backlog at end | backlog slope "
                  "| drained in | keeps up |", "|---|---|---|---|---|---|---|---|")
         for key in ("1w", "2w"):
@@ -464,8 +475,8 @@ class Page:
         framework = sum(v for k, v in layers.items() if k.split()[0] in ("faust", "mode", "aiokafka", "asyncio",
                                                                            "logging"))
         sweep = stages.get("  expiry sweep + runs_tracked gauge", 0.0)
-        changelog = (stages.get("faust changelog producer buffer", 0.0)
-                     + stages.get("aiokafka producer sender", 0.0))
+        write = stages.get("  state write (RocksDB batch + changelog sends)", 0.0)
+        changelog = stages.get("aiokafka producer sender", 0.0)
         core_alone = (f" (`bench.core` puts the detector alone at {1e6 / self.core['detector_only_events_per_s']:.0f}"
                       " us per event)") if self.core and self.core.get("detector_only_events_per_s") else ""
         self.add(
@@ -475,15 +486,13 @@ class Page:
             f"  {_n(cpu_us)} us of CPU; {core:.0%} of the samples are in the detector core{core_alone}, {framework:.0%} in",
             "  faust, mode, aiokafka and the asyncio loop. Nearly all of it is the main thread: one core, Python.",
             *self._sweep_bullet(sweep),
-            f"- **Changelog writes go one message at a time**: {changelog:.0%} of samples are in faust's changelog",
-            "  producer buffer and aiokafka's sender. Each run updated in a batch is one table write, queued by",
-            "  faust and sent one message per loop turn, with the app's `producer_linger_ms=1`, so produce",
-            "  requests carry few messages. *Recommendation*: a `LOOPWARDEN_PRODUCER_LINGER_MS` setting"
-            + (f" (measured through faust's own `PRODUCER_LINGER_MS=10`: {self._setting('producer linger')};"
-               if self._setting("producer linger") else " (")
-            + " it adds up to the linger to every decision's publish, hence to halt latency); beyond that, write",
-            "  run state to rocksdict directly and produce the batch's changelog messages in one go, flushing",
-            "  with the offset commit (as Quix Streams does), instead of faust's per-key table path.",
+            "- **State is written a batch at a time** (`stream_app/worker/state.py`): one RocksDB `WriteBatch` per",
+            "  partition per batch, the changelog sent through the app's producer, the persisted offset once per",
+            f"  partition; {write:.0%} of samples in that write, {changelog:.0%} in aiokafka's sender (changelog and",
+            "  decisions). Through Faust's Table API (a FutureMessage, a buffered send and a RocksDB offset write",
+            "  per key) the same saturation probe gave 960-985 events/s at ~900 us CPU per event (commit ef0c50d,",
+            "  `python -m bench --skip-core --only settings`); faust's terminal spinner had also set the root",
+            "  logger to DEBUG, building a log record for every aiokafka and faust debug call (now off).",
             *self._batch_bullet(probe),
             *self._lag_bullet(),
             *self._halt_bullets(),
@@ -552,11 +561,10 @@ class Page:
             lines.append(
                 f"- **Offset commits stall the worker**: during the halt and overshoot runs faust logged {overruns['count']}"
                 f" commits overrunning their 1 s interval, the longest {overruns['max_s']:.1f} s. Before committing,"
-                " faust flushes its changelog buffer one message at a time (`ProducerBuffer.flush_atmost` waits on"
-                " an event per message), and a halt published meanwhile queues behind that traffic in the same"
-                " producer: the likeliest source of the halt latency's long tail (not isolated here). *Recommendation*: the same"
-                " changelog batching as above; and publish decisions through a producer of their own, so a"
-                " halt never waits behind changelog writes.")
+                " faust waits until the producer has delivered everything queued (the batch's changelog messages),"
+                " and a halt published meanwhile queues behind that traffic in the same producer: the likeliest"
+                " source of the halt latency's long tail (not isolated here). *Recommendation*: publish decisions"
+                " through a producer of their own, so a halt never waits behind changelog writes.")
         capacity = self.fleet["1w"]["probe"]["applied_per_s"] if self.fleet else None
         overload = (f" At 1000 calls/s one runaway alone sends more telemetry than one worker applies"
                     f" ({_n(capacity)} events/s saturated)." if capacity and capacity < 1000 else "")
@@ -583,7 +591,12 @@ class Page:
                         f", leaving {budget_us - core_us:.0f} us for consuming, state, changelog and decisions."))
         if self.limit:
             text += (f" Consuming alone costs {1e6 / self.limit['consume_msgs_per_s_median']:.1f} us per message"
-                     " (raw aiokafka).")
+                     " (raw aiokafka)")
+            ceiling = self.limit.get("faust_ceiling_per_s_median")
+            text += (f"; Faust's delivery to an agent that does nothing costs {1e6 / ceiling:.0f} us"
+                     f" ({_n(ceiling)} events/s), so no Faust worker process reaches the target on this"
+                     " machine: getting there needs a consumer path that hands records to the batch without"
+                     " Faust's per-event machinery, or more processes." if ceiling else ".")
         return text + (" Beyond the fixes above, the target is reached by partitions spread over worker processes"
                        " on enough cores; the two-worker figure here shares two cores with the broker and the"
                        " producer, so it cannot show that scaling.")

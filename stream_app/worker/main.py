@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
@@ -73,8 +75,6 @@ async def _wait_for_partitions(admin: AIOKafkaAdminClient, settings: WorkerSetti
 
 def run_worker(settings: WorkerSettings) -> int:
     """Run one worker in this process until SIGINT/SIGTERM; returns the exit status."""
-    import faust
-
     from .app import create_app
 
     level = settings.log_level.upper()
@@ -88,10 +88,23 @@ def run_worker(settings: WorkerSettings) -> int:
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     app = create_app(settings, policy, metrics)
 
+    serve(app, level, on_ready=lambda: metrics.ready.set(1))
+    return 0
+
+
+def serve(app: Any, level: str, on_ready: Callable[[], None]) -> None:
+    """Run ``app`` (a faust.App) in a Faust worker until a signal stops it; ``on_ready`` once state is
+    recovered and partitions are assigned (tests and probes wait for that)."""
+    import faust
+
     class Worker(faust.Worker):
+        def on_setup_root_logger(self, logger: logging.Logger, level: int) -> None:
+            # No terminal spinner: faust's spinner handler lowers the root logger to DEBUG, so every
+            # debug call in faust and aiokafka would build a log record.
+            self.spinner = None
+
         async def on_startup_finished(self) -> None:
             await super().on_startup_finished()
-            metrics.ready.set(1)  # state recovered, partitions assigned: tests and probes wait for this
+            on_ready()
 
     Worker(app, loglevel=level, quiet=True, redirect_stdouts=False).execute_from_commandline()
-    return 0

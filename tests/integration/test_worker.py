@@ -146,9 +146,11 @@ def _wait_for(predicate: Any, timeout: float = 30.0) -> None:
         time.sleep(0.2)
 
 
-def test_state_survives_a_killed_worker(kafka_bootstrap: str, tmp_path: Path) -> None:
-    """A worker SIGKILLed after the 2nd identical failing call; a new worker (fresh local state, so only
-    the changelog can tell it) halts the run on the 4th call, exactly once."""
+@pytest.mark.parametrize("local_state", ["fresh", "kept"])
+def test_state_survives_a_killed_worker(kafka_bootstrap: str, tmp_path: Path, local_state: str) -> None:
+    """A worker SIGKILLed after the 2nd identical failing call; a new worker halts the run on the 4th
+    call, exactly once: with fresh local state only the changelog can tell it; with the killed worker's
+    RocksDB kept, recovery resumes from the offset persisted there."""
     fleet = Fleet(kafka_bootstrap, tmp_path, partitions=2)
     first = fleet.start_worker()
     try:
@@ -156,7 +158,7 @@ def test_state_survives_a_killed_worker(kafka_bootstrap: str, tmp_path: Path) ->
         _wait_for(lambda: first.metrics().get('loopwarden_events_total{outcome="error"}') == 2)
         time.sleep(1.5)  # past a commit interval, so the changelog holds the state
         first.kill()
-        fleet.start_worker()
+        fleet.start_worker(index=0 if local_state == "kept" else None)
         run(produce(kafka_bootstrap, fleet.telemetry_topic, [_failing_call("run-k", n) for n in (3, 4, 5, 6)]))
         halts = decisions_of(run(consume(kafka_bootstrap, fleet.control_topic, 1, settle=3.0)))
     finally:

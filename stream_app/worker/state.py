@@ -1,0 +1,94 @@
+"""The runs table's storage, read and written a batch at a time.
+
+Faust's Table API costs ~400 us of worker CPU per write here (a FutureMessage, a buffered changelog
+send, a callback that writes the persisted offset to RocksDB for every key), which capped the worker
+near 1,000 events/s. The worker keeps the Table for what Faust does well (changelog topic, recovery,
+standbys, partition assignment) and writes its storage directly:
+
+* one rocksdict ``WriteBatch`` per partition per batch;
+* one changelog message per written key, sent through the app's own producer, in the same order;
+* the persisted offset (where changelog recovery resumes on restart) once per partition, when the last
+  changelog message of the batch is acknowledged, as Faust's own callback does.
+
+Restart safety is unchanged: Faust flushes that producer before it commits input offsets, so a
+committed input offset never runs ahead of the changelog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import faust
+import rocksdict
+from faust.types import TP
+
+#: faust keeps its own bookkeeping (the persisted changelog offset) under this prefix in the same DB.
+FAUST_RESERVED_PREFIX = b"__faust"
+
+Change = tuple[bytes, bytes | None]  # (key, new value or None to delete)
+
+
+class RunStore:
+    """Per-partition reads and batched writes of the runs table (keys and values are raw bytes)."""
+
+    def __init__(self, app: faust.App, table: faust.Table, changelog_topic: str) -> None:
+        self.app = app
+        self.table = table
+        self.changelog_topic = changelog_topic
+
+    @property
+    def _store(self) -> Any:
+        # faust's RocksDB store (pinned faust-streaming version): one DB per partition.
+        return self.table.data
+
+    def get(self, partition: int, key: bytes) -> bytes | None:
+        return self._store._db_for_partition(partition).get(key)
+
+    async def write(self, changes: Mapping[int, Sequence[Change]]) -> None:
+        """Apply ``changes`` (by partition) locally and queue their changelog messages; returns once
+        the messages are handed to the producer (not acknowledged: the commit waits for that)."""
+        store = self._store
+        producer = self.app.producer
+        for partition, items in changes.items():
+            if not items:
+                continue
+            batch = rocksdict.WriteBatch(raw_mode=True)
+            for key, value in items:
+                if value is None:
+                    batch.delete(key)
+                else:
+                    batch.put(key, value)
+            store._db_for_partition(partition).write(batch)
+            last: asyncio.Future[Any] | None = None
+            for key, value in items:
+                last = await producer.send(self.changelog_topic, key, value, partition, None, None)
+            assert last is not None
+            last.add_done_callback(self._persist_offset)
+
+    def _persist_offset(self, sent: asyncio.Future[Any]) -> None:
+        if sent.cancelled() or sent.exception() is not None:
+            return  # the producer fails the app on send errors; recovery then replays from the older offset
+        metadata = sent.result()
+        if metadata.partition in self._store._dbs:  # still ours (not closed by a rebalance)
+            self._store.set_persisted_offset(TP(metadata.topic, metadata.partition), metadata.offset)
+
+    def scan(self, partition: int, start: bytes, limit: int) -> tuple[list[tuple[bytes, bytes]], bytes]:
+        """Up to ``limit`` (key, value) pairs of ``partition`` from ``start`` on (faust's own keys
+        skipped), and where the next scan resumes (``b""``: back to the first key)."""
+        cursor = self._store._db_for_partition(partition).iter()
+        cursor.seek(start)
+        found: list[tuple[bytes, bytes]] = []
+        for _ in range(limit):
+            if not cursor.valid():
+                return found, b""
+            key = cursor.key()
+            if not key.startswith(FAUST_RESERVED_PREFIX):
+                found.append((key, cursor.value()))
+            cursor.next()
+        return found, cursor.key() if cursor.valid() else b""
+
+    def estimated_keys(self) -> int:
+        """Runs stored in the open partition DBs (RocksDB's estimate)."""
+        return sum(db.property_int_value("rocksdb.estimate-num-keys") or 0 for db in self._store._dbs.values())
