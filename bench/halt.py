@@ -197,6 +197,6 @@ async def overshoot(deployment: Deployment, guard: Guard, template: Path, rates:
 async def guard_for(deployment: Deployment) -> Guard:
     """A started fleet guard on the deployment's topics."""
     guard = Guard.fleet(KafkaClientConfig(deployment.bootstrap), deployment.telemetry_topic,
-                        deployment.control_topic, lookback_ms=0)
+                        deployment.control_topic, trusted_keys=deployment.trusted_keys(), lookback_ms=0)
     await guard.start()
     return guard

@@ -22,6 +22,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stream_app.signing import KeyRing, generate
+
 REPO = Path(__file__).resolve().parent.parent
 _COMMIT_OVERLAP = re.compile(r"Timer commit is overlapping \(interval=[\d.]+ runtime=([\d.]+)\)")
 
@@ -116,6 +118,17 @@ class Deployment:
     def control_topic(self) -> str:
         return f"{self.name}.control"
 
+    @property
+    def keys(self) -> Path:
+        """The deployment's worker key pair (signs decisions), generated on first use."""
+        folder = self.workdir / self.name / "keys"
+        if not (folder / "worker.key").exists():
+            generate(folder, "worker")
+        return folder
+
+    def trusted_keys(self) -> KeyRing:
+        return KeyRing.from_paths([self.keys / "worker.pub"])
+
     def _env(self, index: int, metrics_port: int) -> dict[str, str]:
         return {
             **os.environ,
@@ -129,6 +142,7 @@ class Deployment:
             "LOOPWARDEN_STATE_DIR": str(self.workdir / self.name / f"state-{index}"),
             "LOOPWARDEN_METRICS_PORT": str(metrics_port),
             "LOOPWARDEN_METRICS_HOST": "127.0.0.1",
+            "LOOPWARDEN_SIGNING_KEY": str(self.keys / "worker.key"),
             **self.env,
         }
 

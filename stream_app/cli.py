@@ -1,4 +1,5 @@
-"""The ``loopwarden`` command: ``replay``, ``simulate``, ``worker``, ``notify`` and ``demo``."""
+"""The ``loopwarden`` command: ``replay``, ``simulate``, ``worker``, ``notify``, ``demo``, ``halt``,
+``resume`` and ``keys``."""
 
 from __future__ import annotations
 
@@ -39,6 +40,18 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--runs", type=int, default=60, help="concurrent agent runs (default 60)")
     demo.add_argument("--partitions", type=int, default=4, help="telemetry partitions (default 4)")
     demo.add_argument("--seed", type=int, default=7, help="random seed of the fleet")
+    for action, text in (("halt", "halt a run now"), ("resume", "lift a halt; the run starts with fresh streaks")):
+        override = commands.add_parser(
+            action, help=f"operator override: {text} (signed with your operator key, recorded on the alerts topic)"
+        )
+        override.add_argument("run_id", help="the run to act on")
+        override.add_argument("--reason", required=True, help="why (recorded with the decision)")
+        override.add_argument("--operator", help="who (default: $LOOPWARDEN_OPERATOR, else the login name)")
+        override.add_argument("--key", help="operator's Ed25519 private key, PEM (default: $LOOPWARDEN_OPERATOR_KEY)")
+    keys = commands.add_parser("keys", help="generate an Ed25519 key pair (worker signing key or operator key)")
+    keys.add_argument("action", choices=("generate",))
+    keys.add_argument("--out", default=".", help="directory for NAME.key (private, mode 0600) and NAME.pub")
+    keys.add_argument("--name", default="loopwarden", help="file name stem (default: loopwarden)")
     simulate = commands.add_parser(
         "simulate", help="write the telemetry of a simulated mixed fleet as JSONL (input for replay)"
     )
@@ -64,15 +77,30 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(os.environ.get("KAFKA_BOOTSTRAP_SERVERS"), args.runs, args.partitions, args.seed)
     if args.command == "worker":
+        from .signing import KeyFileError
         from .worker.main import run_worker
         from .worker.settings import SettingsError, WorkerSettings
 
         try:
             settings = WorkerSettings.from_env()
-        except SettingsError as exc:
+            return run_worker(settings)
+        except (SettingsError, KeyFileError) as exc:
             print(f"loopwarden worker: {exc}", file=sys.stderr)
             return 2
-        return run_worker(settings)
+    if args.command in ("halt", "resume"):
+        from .overrides import run_operator_command
+
+        return run_operator_command(args.command, args.run_id, args.reason, args.operator, args.key)
+    if args.command == "keys":
+        from .signing import KeyFileError, generate
+
+        try:
+            private, public, kid = generate(args.out, args.name)
+        except KeyFileError as exc:
+            print(f"loopwarden keys: {exc}", file=sys.stderr)
+            return 2
+        print(f"{kid}\n  private: {private}\n  public:  {public}")
+        return 0
     if args.command == "notify":
         from .client.kafka_config import KafkaConfigError
         from .notify import NotifySettings, NotifySettingsError, run_notify

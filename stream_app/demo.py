@@ -24,10 +24,12 @@ import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from .client import Guard, GuardedRun, KafkaClientConfig, RunHalted
+from .signing import KeyRing, generate
 
 MAX_CALLS = 200  # a runaway the fleet never stops gives up here, and is reported as missed
 
@@ -116,12 +118,12 @@ async def runaway(run: ThinkingRun, rng: random.Random) -> None:
 
 
 async def mutating_loop(run: ThinkingRun, rng: random.Random) -> None:
-    async def search(query: str, attempt: int, session_token: str) -> dict[str, Any]:
+    async def search(query: str, attempt: int, client_state: str) -> dict[str, Any]:
         await _latency(rng)
         raise ToolFailed("429 rate limited")
 
     for attempt in range(MAX_CALLS):
-        args = {"query": "refund policy", "attempt": attempt, "session_token": f"{rng.getrandbits(64):016x}"}
+        args = {"query": "refund policy", "attempt": attempt, "client_state": f"{rng.getrandbits(64):016x}"}
         try:
             await run.call("search_docs", search, args)
         except ToolFailed:
@@ -199,6 +201,12 @@ class Worker:
     def topics(self) -> tuple[str, str]:
         return f"{self.name}.telemetry", f"{self.name}.control"
 
+    @cached_property
+    def keys(self) -> Path:
+        """A development key pair: the worker signs its decisions with it, the agents' guard trusts it."""
+        generate(self.workdir / "keys", "worker")
+        return self.workdir / "keys"
+
     def start(self, bootstrap: str, partitions: int) -> None:
         import socket
 
@@ -218,6 +226,7 @@ class Worker:
             "LOOPWARDEN_STATE_DIR": str(self.workdir / "state"),
             "LOOPWARDEN_METRICS_PORT": str(self.metrics_port),
             "LOOPWARDEN_METRICS_HOST": "127.0.0.1",
+            "LOOPWARDEN_SIGNING_KEY": str(self.keys / "worker.key"),
         }
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = (self.workdir / "worker.log").open("wb")
@@ -311,7 +320,8 @@ async def run_demo(bootstrap: str, runs: int, partitions: int, seed: int, workdi
         outcomes = [Outcome(scene.name, scene.expected) for scene in plan]
         config = KafkaClientConfig(bootstrap)
         halt_latency_ms: list[float] = []
-        async with Guard.fleet(config, telemetry, control) as guard:
+        trusted = KeyRing.from_paths([worker.keys / "worker.pub"])
+        async with Guard.fleet(config, telemetry, control, trusted_keys=trusted) as guard:
             guard.on_decision(lambda d: halt_latency_ms.append(time.time() * 1000 - d["ts_ms"])
                               if d["action"] == "halt" else None)
             print(f"loopwarden demo: {len(plan)} agent runs calling tools ...", file=sys.stderr, flush=True)

@@ -12,12 +12,17 @@ from typing import Any
 
 import orjson
 
-from .core import Decision
+from .core import Decision, OperatorCommand
 
 CE_TYPE_PREFIX = "dev.loopwarden."
 CONTENT_TYPE = b"application/json"
 
 Headers = list[tuple[str, bytes]]
+
+#: Marks an operator command on the telemetry topic (``loopwarden halt|resume``), so the worker tells
+#: it from a tool call without parsing it as one.
+KIND_HEADER = "lw_kind"
+OPERATOR_KIND = b"operator"
 
 
 def encode_telemetry(event: dict[str, Any]) -> tuple[bytes, bytes]:
@@ -54,6 +59,12 @@ def encode_control(decision: Decision, source: str) -> tuple[bytes, bytes, Heade
     if parent:
         headers.append(("ce_traceparent", parent.encode()))
     return decision.run_id.encode(), value, headers
+
+
+def encode_operator(command: OperatorCommand) -> tuple[bytes, bytes, Headers]:
+    """(key, value, headers) of an operator command, keyed by run id like the run's telemetry (so it
+    is applied in order with the run's calls). The signature headers are added by the sender."""
+    return command.run_id.encode(), orjson.dumps(command.to_json()), [(KIND_HEADER, OPERATOR_KIND)]
 
 
 def header(headers: Any, name: str) -> bytes | None:

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from ..core import (
     OUTCOMES,
@@ -45,6 +45,9 @@ from ..core.contract import MAX_ID_LENGTH, MAX_RETRY_BUDGET
 from .kafka_config import KafkaClientConfig
 from .listener import ControlBoard, DecisionCallback, HaltListener
 from .publisher import FinishedCall, TelemetryBuilder, TelemetryPublisher, wall_clock_ms
+
+if TYPE_CHECKING:
+    from ..signing import KeyRing
 
 logger = logging.getLogger(__name__)
 
@@ -214,16 +217,20 @@ class Guard:
         control_topic: str = "agent.control",
         policy: Policy | None = None,
         *,
+        trusted_keys: KeyRing | None = None,
+        allow_unsigned: bool = False,
         raw_tools: Iterable[str] = (),
         lookback_ms: int = 60_000,
         clock: Callable[[], int] = wall_clock_ms,
     ) -> Guard:
-        """A guard that publishes telemetry and obeys the fleet's decisions. Give it the workers' policy,
-        so field filters and side-effect windows agree. Start it before use (``async with``)."""
+        """A guard that publishes telemetry and obeys the fleet's decisions signed by ``trusted_keys``
+        (the workers' public keys; ``allow_unsigned`` only for development). Give it the workers'
+        policy, so field filters and side-effect windows agree. Start it before use (``async with``)."""
         board = ControlBoard()
         link = _FleetLink(
             TelemetryPublisher(config, telemetry_topic),
-            HaltListener(config, control_topic, board=board, lookback_ms=lookback_ms),
+            HaltListener(config, control_topic, trusted_keys=trusted_keys, allow_unsigned=allow_unsigned,
+                         board=board, lookback_ms=lookback_ms),
         )
         return cls(TelemetryBuilder(policy, raw_tools), board, link, clock)
 

@@ -8,7 +8,10 @@ The in-process guard feeds it the local detector's decisions; ``HaltListener`` f
 topic.
 
 ``HaltListener`` reads every partition of the control topic without a consumer group: each runtime
-process must see every decision for its runs, and a group would split them between processes. On
+process must see every decision for its runs, and a group would split them between processes. It acts
+only on messages signed by a trusted worker key (``signing.KeyRing``) and no older than ``max_age_ms``;
+the rest are counted by reason (``unsigned``, ``unknown_key``, ``bad_signature``, ``expired``) and
+dropped, and a decision id already applied counts as ``duplicate``. On
 start it rewinds ``lookback_ms`` (by record timestamp) and waits until it has caught up, so a halt
 issued while the process was starting or restarting is applied before its first tool call. Decisions
 for runs not watched yet are parked (bounded) and applied when the run is first watched.
@@ -33,7 +36,9 @@ from .publisher import wall_clock_ms
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaConsumer
-    from aiokafka.structs import TopicPartition
+    from aiokafka.structs import ConsumerRecord, TopicPartition
+
+    from ..signing import KeyRing
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +80,8 @@ class ControlBoard:
         self.max_parked_runs = max_parked_runs
         #: Suppression window when a suppress decision carries none in its evidence.
         self.default_window_ms = default_window_ms
-        self.counters: dict[str, int] = {"applied": 0, "duplicate": 0, "malformed": 0, "ignored": 0}
+        self.counters: dict[str, int] = {"applied": 0, "duplicate": 0, "malformed": 0, "ignored": 0,
+                                         "unsigned": 0, "unknown_key": 0, "bad_signature": 0, "expired": 0}
         self._runs: OrderedDict[str, _RunView] = OrderedDict()
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._parked: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
@@ -244,14 +250,23 @@ def _cancel(run_id: str, tasks: list[asyncio.Task[Any]]) -> None:
             task.cancel(f"loopwarden halted run {run_id}")
 
 
+#: Default age beyond which a signed decision is refused as a replay (its ``ts_ms`` is the trigger's
+#: event time); comfortably above the default lookback and any halt latency.
+MAX_DECISION_AGE_MS: Final = 300_000
+
+
 class HaltListener:
-    """Feeds a ``ControlBoard`` from the control topic: every partition, no consumer group."""
+    """Feeds a ``ControlBoard`` from the control topic: every partition, no consumer group, signed
+    messages only. ``trusted_keys`` is required unless ``allow_unsigned`` (development only) is set."""
 
     def __init__(
         self,
         config: KafkaClientConfig,
         topic: str = "agent.control",
         *,
+        trusted_keys: KeyRing | None = None,
+        allow_unsigned: bool = False,
+        max_age_ms: int | None = MAX_DECISION_AGE_MS,
         board: ControlBoard | None = None,
         watch_all: bool = False,
         lookback_ms: int = 60_000,
@@ -260,8 +275,16 @@ class HaltListener:
         metadata_max_age_ms: int = 30_000,
         client_id: str = "loopwarden-sdk",
     ) -> None:
+        if trusted_keys is None and not allow_unsigned:
+            raise KafkaConfigError(
+                "trusted_keys: required, the public key(s) of the workers that sign control messages "
+                "(signing.KeyRing.from_setting, e.g. from LOOPWARDEN_CONTROL_KEYS); allow_unsigned=True "
+                "accepts unsigned halts from anyone who can write the topic (development only)"
+            )
         self.config = config
         self.topic = topic
+        self.trusted_keys = trusted_keys
+        self.max_age_ms = max_age_ms
         self.board = board if board is not None else ControlBoard(watch_all=watch_all)
         self.lookback_ms = lookback_ms
         self.catch_up_timeout_s = catch_up_timeout_s
@@ -369,7 +392,7 @@ class HaltListener:
                 batches = await consumer.getmany(timeout_ms=1_000)
                 for records in batches.values():
                     for record in records:
-                        self.board.apply_json(record.value)
+                        self.receive(record)
                 for tp in list(behind):
                     if await consumer.position(tp) >= behind[tp]:
                         del behind[tp]
@@ -379,6 +402,33 @@ class HaltListener:
             except Exception:
                 logger.exception("control topic %s: consuming failed; retrying in 1 s", self.topic)
                 await asyncio.sleep(1.0)
+
+    def receive(self, record: ConsumerRecord[bytes, bytes]) -> Applied | str:
+        """Check one record's signature and age, then apply it; returns what happened to it."""
+        value = record.value if record.value is not None else b""
+        if self.trusted_keys is not None:
+            from ..signing import SignatureRejected
+
+            try:
+                self.trusted_keys.verify(value, record.headers)
+            except SignatureRejected as exc:
+                return self._reject(exc.reason, str(exc), record)
+        try:
+            message = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            message = None
+        if self.max_age_ms is not None and type(message) is dict and type(message.get("ts_ms")) is int:
+            age_ms = wall_clock_ms() - message["ts_ms"]
+            if age_ms > self.max_age_ms:
+                return self._reject("expired", f"decision is {age_ms // 1000} s old", record)
+        return self.board.apply(message)
+
+    def _reject(self, reason: str, detail: str, record: ConsumerRecord[bytes, bytes]) -> str:
+        self.board.counters[reason] += 1
+        logger.warning("control message refused (%s): %s", reason, detail,
+                       extra={"topic": record.topic, "partition": record.partition, "offset": record.offset,
+                              "reason": reason})
+        return reason
 
     async def _follow_new_partitions(self, consumer: AIOKafkaConsumer) -> None:
         """Assign partitions added to the topic since start, from their beginning, keeping positions.

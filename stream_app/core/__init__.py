@@ -10,10 +10,12 @@ from .contract import (
     OUTCOMES,
     Action,
     Decision,
+    OperatorCommand,
     Outcome,
     TelemetryEvent,
     Verdict,
     decode_event,
+    decode_operator_command,
     parse_event,
 )
 from .detector import DUPLICATE, Detector, Evaluation, RunState, decision_id
@@ -36,6 +38,7 @@ __all__ = [
     "InvalidEvent",
     "LoopwardenError",
     "NormalisationError",
+    "OperatorCommand",
     "Outcome",
     "Policy",
     "PolicyError",
@@ -47,6 +50,7 @@ __all__ = [
     "canonical_json",
     "decision_id",
     "decode_event",
+    "decode_operator_command",
     "normalise",
     "parse_event",
     "semantic_hash",

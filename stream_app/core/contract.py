@@ -23,7 +23,10 @@ Verdict = Literal[
     "duplicate_call",
     "circuit_open",
     "polling",
+    "operator_halt",
+    "operator_resume",
 ]
+OperatorAction = Literal["halt", "resume"]
 
 OUTCOMES: Final = frozenset(("success", "error", "empty", "noop"))
 FAILING_OUTCOMES: Final = frozenset(("error", "empty", "noop"))
@@ -202,6 +205,48 @@ def decode_event(obj: Any) -> TelemetryEvent:
         get("agent_id"), get("tenant"), get("seq"), get("trace_id"), get("span_id"), get("parent_span_id"),
         get("retry_budget"), get("plan_step"), get("side_effect"), get("error_class"),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorCommand:
+    """An operator's halt or resume of one run (``loopwarden halt|resume``). It travels on the telemetry
+    topic, keyed by run id, so it is applied in order with the run's calls; the adapter has verified
+    its signature (``key_id``) before the core sees it."""
+
+    run_id: str
+    action: OperatorAction
+    command_id: str
+    operator: str
+    reason: str
+    ts_ms: int
+    key_id: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """The command's wire object (``key_id`` travels in a header, with the signature)."""
+        return {"schema_version": SCHEMA_VERSION, "kind": "operator", "run_id": self.run_id,
+                "action": self.action, "command_id": self.command_id, "operator": self.operator,
+                "reason": self.reason, "ts_ms": self.ts_ms}
+
+
+def decode_operator_command(raw: bytes, key_id: str = "") -> OperatorCommand:
+    """Decode an operator command's value; raise InvalidEvent naming the field."""
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidEvent("", f"not JSON: {exc}") from exc
+    if type(obj) is not dict or obj.get("kind") != "operator":
+        raise InvalidEvent("kind", "not an operator command")
+    for name in ("run_id", "command_id", "operator", "reason"):
+        value = obj.get(name)
+        if type(value) is not str or not 0 < len(value) <= MAX_ID_LENGTH * (4 if name == "reason" else 1):
+            raise InvalidEvent(name, "required: a non-empty string")
+    if obj.get("action") not in ("halt", "resume"):
+        raise InvalidEvent("action", f"must be halt or resume, got {str(obj.get('action'))[:40]!r}")
+    ts_ms = obj.get("ts_ms")
+    if type(ts_ms) is not int or not 0 <= ts_ms <= _MAX_SAFE_INT:
+        raise InvalidEvent("ts_ms", "required: an integer >= 0 (epoch milliseconds)")
+    return OperatorCommand(obj["run_id"], obj["action"], obj["command_id"], obj["operator"], obj["reason"],
+                           ts_ms, key_id)
 
 
 def _json_type(value: Any) -> str:

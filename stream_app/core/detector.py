@@ -16,6 +16,10 @@ The rules, in the order they win when several fire on one event (at most one dec
    earlier result instead of acting again).
 6. ``polling`` alert: the same call succeeded with the same result many times in a row (advisory).
 
+In shadow mode (a policy setting, per agent or tool) rules 1-5 publish an ``alert`` instead, and the run
+carries on as if halted and resumed at once. ``Detector.operate`` applies an operator's (verified) halt
+or resume, in order with the run's calls.
+
 Repetition of a call is not a loop; repetition of a call *with an identical failing outcome* is. Any
 change of outcome or result hash breaks a streak, and an advancing ``plan_step`` resets every streak.
 
@@ -30,7 +34,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from .contract import Action, Decision, TelemetryEvent, Verdict
+from .contract import Action, Decision, OperatorCommand, TelemetryEvent, Verdict
 from .errors import NormalisationError
 from .normalize import semantic_hash
 from .policy import CallPolicy, Policy, Settings
@@ -220,12 +224,12 @@ class Detector:
             evidence["seq"] = event.seq  # lets a runtime tell which of its calls triggered the decision
         if state.calls > settings.iteration_ceiling:
             evidence.update(count=state.calls, ceiling=settings.iteration_ceiling)
-            return self._halt(state, event, "iteration_ceiling", evidence,
+            return self._halt(state, event, settings, "iteration_ceiling", evidence,
                               f"run reached its iteration ceiling: call {state.calls} exceeds "
                               f"{settings.iteration_ceiling}")
         if occurrences >= settings.circuit_open_at:
             evidence.update(count=occurrences, window_ms=settings.side_effect_window_ms)
-            return self._halt(state, event, "circuit_open", evidence,
+            return self._halt(state, event, settings, "circuit_open", evidence,
                               f"side-effecting call {event.tool} repeated {occurrences} times within "
                               f"{settings.side_effect_window_ms // 1000} s; circuit opened")
         if failing and count > budget:
@@ -233,21 +237,23 @@ class Detector:
             evidence.update(count=count, budget=budget, window_ms=settings.window_ms,
                             window_calls=settings.window_calls, first_event_id=state.streak_first_event_id)
             same = "with mutating arguments" if state.streak_varied else "with identical arguments"
-            return self._halt(state, event, verdict, evidence,
+            return self._halt(state, event, settings, verdict, evidence,
                               f"{event.tool} {same} returned the identical {event.outcome} result "
                               f"{result_hash[:12]} {count} times in a row within "
                               f"{settings.window_ms // 1000} s; retry budget is {budget}")
         if period:
             evidence.update(count=settings.cycle_occurrences, period=period, window_ms=settings.window_ms)
-            return self._halt(state, event, "cycle", evidence,
+            return self._halt(state, event, settings, "cycle", evidence,
                               f"a {period}-call cycle ending in {event.tool} repeated "
                               f"{settings.cycle_occurrences} times with identical outcomes")
         if occurrences >= 2:
             evidence.update(count=occurrences, window_ms=settings.side_effect_window_ms)
-            return self._decide(event, "suppress", "duplicate_call", evidence,
-                                f"side-effecting call {event.tool} is a duplicate (occurrence "
-                                f"{occurrences} within {settings.side_effect_window_ms // 1000} s); "
-                                "hand back the earlier result instead of acting again")
+            reason = (f"side-effecting call {event.tool} is a duplicate (occurrence {occurrences} within "
+                      f"{settings.side_effect_window_ms // 1000} s); hand back the earlier result instead of "
+                      "acting again")
+            if settings.shadow:
+                return self._shadow(event, "suppress", "duplicate_call", evidence, reason)
+            return self._decide(event, "suppress", "duplicate_call", evidence, reason)
         if not failing and not state.streak_varied and not state.streak_alerted:
             state.streak_alerted = True
             evidence.update(count=count, first_event_id=state.streak_first_event_id)
@@ -262,6 +268,37 @@ class Detector:
         state.calls = 0
         state.side_effects = None
         state.reset_streaks()
+
+    def operate(self, state: RunState, command: OperatorCommand) -> Evaluation:
+        """Apply an operator's halt or resume (its signature already verified by the adapter). The
+        decision carries who, when and why; a command id seen before in the run is a duplicate."""
+        digest = _checksum(command.command_id)
+        if _contains(state.seen_ids, digest):
+            return DUPLICATE
+        state.seen_ids = (state.seen_ids + digest)[-_DIGEST * self.policy.defaults.dedupe_window :]
+        if command.ts_ms > state.last_ts_ms:
+            state.last_ts_ms = command.ts_ms
+        evidence = {"operator": command.operator, "reason": command.reason, "command_id": command.command_id,
+                    "key_id": command.key_id}
+        if command.action == "resume":
+            self.resume(state)
+            action: Action = "resume"
+            verdict: Verdict = "operator_resume"
+        else:
+            action, verdict = "halt", "operator_halt"
+        decision = Decision(
+            run_id=command.run_id,
+            action=action,
+            verdict=verdict,
+            trigger_event_id=command.command_id,
+            decision_id=decision_id(command.run_id, command.command_id, action, verdict),
+            ts_ms=command.ts_ms,
+            reason=f"{action} by operator {command.operator}: {command.reason}",
+            evidence=evidence,
+        )
+        if action == "halt":
+            state.halted_by = decision.decision_id
+        return Evaluation(False, (decision,))
 
     @staticmethod
     def _side_effect_occurrence(state: RunState, event: TelemetryEvent, call: bytes,
@@ -348,11 +385,20 @@ class Detector:
                 return period
         return 0
 
-    def _halt(self, state: RunState, event: TelemetryEvent, verdict: Verdict, evidence: dict[str, Any],
-              reason: str) -> Evaluation:
+    def _halt(self, state: RunState, event: TelemetryEvent, settings: Settings, verdict: Verdict,
+              evidence: dict[str, Any], reason: str) -> Evaluation:
+        if settings.shadow:
+            # As if halted and resumed at once: the loop must fill a whole budget again to alert again.
+            self.resume(state)
+            return self._shadow(event, "halt", verdict, evidence, reason)
         evaluation = self._decide(event, "halt", verdict, evidence, reason)
         state.halted_by = evaluation.decisions[0].decision_id
         return evaluation
+
+    def _shadow(self, event: TelemetryEvent, would: Action, verdict: Verdict, evidence: dict[str, Any],
+                reason: str) -> Evaluation:
+        evidence.update(shadow=True, would=would)
+        return self._decide(event, "alert", verdict, evidence, f"shadow mode, would {would}: {reason}")
 
     @staticmethod
     def _decide(event: TelemetryEvent, action: Action, verdict: Verdict, evidence: dict[str, Any],

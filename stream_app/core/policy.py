@@ -57,6 +57,9 @@ class Settings:
     dedupe_window: int = 32
     #: A run with no event for this much event time is forgotten.
     run_ttl_ms: int = 3_600_000
+    #: Shadow mode (rolling the detector out): decide as usual, but publish what would be a halt or a
+    #: suppress as an ``alert`` (evidence ``shadow: true``, ``would``: the action); the run goes on.
+    shadow: bool = False
 
     def __post_init__(self) -> None:
         for name in ("retry_budget", "window_calls", "iteration_ceiling", "poll_alert_after"):

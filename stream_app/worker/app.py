@@ -4,12 +4,14 @@ One agent (concurrency 1, faust #606) takes telemetry in batches (``take_events`
 only after it was processed) and hands each batch to ``BatchProcessor``, which:
 
 1. decodes every message; bad ones go to the DLQ with the reason in a header, wrongly keyed ones are
-   re-published keyed by run id;
+   re-published keyed by run id; an operator command (``loopwarden halt|resume``) is applied only if
+   signed by one of the operator keys and recent (else DLQ), in order with the run's calls;
 2. folds each run's events through the core, reading and writing the run's table value once per batch
    (one changelog message per run per batch instead of one per event), straight to the table's
    RocksDB partitions and changelog (``state.RunStore``: Faust's Table API costs 2x the throughput);
-3. publishes the decisions (CloudEvents on the control topic, halts also on the alerts topic) and waits
-   for the broker to acknowledge them *before* writing the new state, so a crash can duplicate a
+3. publishes the decisions, signed with the worker's Ed25519 key (CloudEvents on the control topic;
+   halts and operator decisions also on the alerts topic), and waits for the broker to acknowledge
+   them *before* writing the new state, so a crash can duplicate a
    decision (same id, deduplicated by runtimes) but never lose one;
 4. skips messages at or below the offset stored with the run: Faust re-delivers everything after the
    last commit, and re-applying an event must not change state or decisions.
@@ -29,8 +31,18 @@ import faust
 import orjson
 from faust.types import EventT, StreamT
 
-from ..core import Decision, Detector, InvalidEvent, Policy, TelemetryEvent, parse_event
-from ..wire import Headers, encode_control
+from ..core import (
+    Decision,
+    Detector,
+    InvalidEvent,
+    OperatorCommand,
+    Policy,
+    TelemetryEvent,
+    decode_operator_command,
+    parse_event,
+)
+from ..signing import KeyRing, SignatureRejected, Signer
+from ..wire import KIND_HEADER, OPERATOR_KIND, Headers, encode_control, header
 from .codecs import decode_run, encode_run
 from .metrics import WorkerMetrics
 from .settings import WorkerSettings
@@ -72,8 +84,11 @@ def telemetry_topic(app: faust.App, settings: WorkerSettings) -> faust.TopicT:
                      key_serializer="raw", value_serializer="raw")
 
 
-def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics) -> faust.App:
-    """A configured Faust app with its topics, the runs table and the detection agent."""
+def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics, signer: Signer | None = None,
+               operator_keys: KeyRing | None = None) -> faust.App:
+    """A configured Faust app with its topics, the runs table and the detection agent. Decisions are
+    signed with ``signer`` (None: unsigned, development only); operator commands are accepted from
+    ``operator_keys`` only."""
     app = configured_app(settings)
     telemetry = telemetry_topic(app, settings)
     runs = app.Table(
@@ -89,7 +104,7 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics)
             "max_open_files": settings.rocksdb_max_open_files,
         },
     )
-    processor = BatchProcessor(app, telemetry, runs, Detector(policy), settings, metrics)
+    processor = BatchProcessor(app, telemetry, runs, Detector(policy), settings, metrics, signer, operator_keys)
 
     if settings.evict_scan_per_sweep:
 
@@ -110,8 +125,11 @@ class BatchProcessor:
     """Applies one batch of telemetry messages; see the module docstring for the order of things."""
 
     def __init__(self, app: faust.App, telemetry: faust.TopicT, runs: faust.Table, detector: Detector,
-                 settings: WorkerSettings, metrics: WorkerMetrics) -> None:
+                 settings: WorkerSettings, metrics: WorkerMetrics, signer: Signer | None,
+                 operator_keys: KeyRing | None) -> None:
         self.app = app
+        self.signer = signer
+        self.operator_keys = operator_keys
         self.telemetry = telemetry
         self.store = RunStore(app, runs, settings.changelog_topic)
         self.detector = detector
@@ -133,41 +151,47 @@ class BatchProcessor:
 
     async def _process(self, batch: Sequence[EventT]) -> None:
         self.metrics.batch_size.observe(len(batch))
-        by_run: dict[tuple[int, bytes], list[tuple[int, TelemetryEvent]]] = {}
+        by_run: dict[tuple[int, bytes], list[tuple[int, TelemetryEvent | OperatorCommand]]] = {}
         last_of_partition: dict[int, EventT] = {}
         for event in batch:
             message = event.message
             last_of_partition[message.partition] = event
-            telemetry = await self._decode(event)
-            if telemetry is None:
+            if message.headers and header(message.headers, KIND_HEADER) == OPERATOR_KIND:
+                item: TelemetryEvent | OperatorCommand | None = await self._operator_command(event)
+            else:
+                item = await self._decode(event)
+            if item is None:
                 continue
-            key = telemetry.run_id.encode()
+            key = item.run_id.encode()
             if message.key != key:
                 self.metrics.rekeyed.inc()
-                await self.telemetry.send(key=key, value=event.value)
+                await self.telemetry.send(key=key, value=event.value, headers=list(message.headers or ()))
                 continue
-            by_run.setdefault((message.partition, key), []).append((message.offset, telemetry))
+            by_run.setdefault((message.partition, key), []).append((message.offset, item))
             watermarks = self._watermark_ms
-            if telemetry.ts_ms > watermarks.get(message.partition, 0):
-                watermarks[message.partition] = telemetry.ts_ms
+            if item.ts_ms > watermarks.get(message.partition, 0):
+                watermarks[message.partition] = item.ts_ms
 
         decisions: list[Decision] = []
         changes: dict[int, list[Change]] = {}
         for (partition, key), items in by_run.items():
             stored = decode_run(self.store.get(partition, key))
             applied = False
-            for offset, telemetry in items:
+            for offset, item in items:
                 if offset <= stored.offset:
                     self.metrics.duplicates.inc()
                     continue
-                evaluation = self.detector.evaluate(stored.state, telemetry)
+                if isinstance(item, OperatorCommand):
+                    evaluation = self.detector.operate(stored.state, item)
+                else:
+                    evaluation = self.detector.evaluate(stored.state, item)
+                    if not evaluation.duplicate:
+                        self._events_by_outcome[item.outcome].inc()
                 stored.offset = offset
                 applied = True
                 if evaluation.duplicate:
                     self.metrics.duplicates.inc()
-                else:
-                    self._events_by_outcome[telemetry.outcome].inc()
-                    decisions.extend(evaluation.decisions)
+                decisions.extend(evaluation.decisions)
             if applied:
                 changes.setdefault(partition, []).append((key, encode_run(stored)))
 
@@ -210,6 +234,29 @@ class BatchProcessor:
             await self._dead_letter(event, exc)
             return None
 
+    async def _operator_command(self, event: EventT) -> OperatorCommand | None:
+        """The operator command, or None after dead-lettering one that is unsigned, signed by an unknown
+        key, tampered with, malformed or too old (a replay)."""
+        raw = event.value
+        try:
+            if not isinstance(raw, bytes | bytearray):
+                raise InvalidEvent("", "message has no value")
+            if self.operator_keys is None:
+                raise InvalidEvent("signature", "operator commands are disabled: LOOPWARDEN_OPERATOR_KEYS is empty")
+            try:
+                key_id = self.operator_keys.verify(bytes(raw), event.message.headers)
+            except SignatureRejected as exc:
+                raise InvalidEvent("signature", f"operator command refused ({exc.reason}): {exc}") from exc
+            command = decode_operator_command(bytes(raw), key_id)
+            age_s = time.time() - command.ts_ms / 1000
+            if age_s > self.settings.operator_max_age_s:
+                raise InvalidEvent("ts_ms", f"operator command is {age_s:.0f} s old, over "
+                                            "LOOPWARDEN_OPERATOR_MAX_AGE_S: refused as a replay")
+            return command
+        except InvalidEvent as exc:
+            await self._dead_letter(event, exc)
+            return None
+
     async def _dead_letter(self, event: EventT, error: InvalidEvent) -> None:
         message = event.message
         reason = error.field or ("json" if str(error).startswith("not JSON") else "payload")
@@ -231,8 +278,10 @@ class BatchProcessor:
         source = self.settings.event_source
         for decision in decisions:
             key, value, headers = encode_control(decision, source)
+            if self.signer is not None:
+                headers.extend(self.signer.headers(value))
             pending.append(await self.control.send(key=key, value=value, headers=headers))
-            if decision.action == "halt":
+            if decision.action == "halt" or decision.verdict in ("operator_halt", "operator_resume"):
                 pending.append(await self.alerts.send(key=key, value=value, headers=headers))
         await asyncio.gather(*pending)
         now = time.time()

@@ -13,6 +13,7 @@ from aiokafka.errors import TopicAlreadyExistsError
 from prometheus_client import start_http_server
 
 from ..policy_file import load_policy
+from ..signing import KeyRing, Signer
 from .metrics import WorkerMetrics
 from .settings import WorkerSettings
 
@@ -81,12 +82,17 @@ def run_worker(settings: WorkerSettings) -> int:
     logging.basicConfig(level=level, format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s",'
                                            '"msg":"%(message)s"}')
     policy = load_policy(settings.policy_path)
+    signer = Signer.from_file(settings.signing_key) if settings.signing_key else None
+    operator_keys = KeyRing.from_setting(settings.operator_keys) if settings.operator_keys else None
+    if signer is None:
+        log.warning("LOOPWARDEN_ALLOW_UNSIGNED=true: control messages are unsigned; runtimes that verify "
+                    "signatures refuse them, and anyone who can write the control topic can forge them")
     asyncio.run(ensure_topics(settings))
     metrics = WorkerMetrics()
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=metrics.registry)
     settings.state_dir.mkdir(parents=True, exist_ok=True)
-    app = create_app(settings, policy, metrics)
+    app = create_app(settings, policy, metrics, signer, operator_keys)
 
     serve(app, level, on_ready=lambda: metrics.ready.set(1))
     return 0

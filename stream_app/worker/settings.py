@@ -44,6 +44,10 @@ SETTINGS: tuple[tuple[str, str, str, str], ...] = (
     ("rocksdb_write_buffer_mb", "LOOPWARDEN_ROCKSDB_WRITE_BUFFER_MB", "16", "RocksDB write buffer per table partition, MiB"),
     ("rocksdb_max_open_files", "LOOPWARDEN_ROCKSDB_MAX_OPEN_FILES", "256", "RocksDB open files per table partition"),
     ("evict_scan_per_sweep", "LOOPWARDEN_EVICT_SCAN_PER_SWEEP", "256", "stored runs checked for expiry per partition per sweep (every 0.5 s)"),
+    ("signing_key", "LOOPWARDEN_SIGNING_KEY", "", "Ed25519 private key (PEM file) that signs every control message; required unless LOOPWARDEN_ALLOW_UNSIGNED=true"),
+    ("allow_unsigned", "LOOPWARDEN_ALLOW_UNSIGNED", "false", "publish control messages unsigned (development only: runtimes that verify refuse them)"),
+    ("operator_keys", "LOOPWARDEN_OPERATOR_KEYS", "", "operators' Ed25519 public keys (PEM files or directories, comma-separated) whose `loopwarden halt/resume` commands are applied; empty: operator commands go to the DLQ"),
+    ("operator_max_age_s", "LOOPWARDEN_OPERATOR_MAX_AGE_S", "900", "operator commands older than this (by their ts_ms) go to the DLQ as replays"),
     ("event_source", "LOOPWARDEN_EVENT_SOURCE", "", "CloudEvents source of decisions; empty means /loopwarden/<app_id>"),
     ("log_level", "LOOPWARDEN_LOG_LEVEL", "warning", "worker log level"),
 )
@@ -75,6 +79,10 @@ class WorkerSettings:
     rocksdb_write_buffer_mb: int
     rocksdb_max_open_files: int
     evict_scan_per_sweep: int
+    signing_key: Path | None
+    allow_unsigned: bool
+    operator_keys: str
+    operator_max_age_s: float
     event_source: str
     log_level: str
 
@@ -111,11 +119,15 @@ class WorkerSettings:
         for name in ("partitions", "replication_factor", "batch_max", "max_event_bytes"):
             if values[name] < 1:
                 raise SettingsError(f"{_var(name)} must be >= 1, got {values[name]}")
-        for name in ("batch_within_s", "commit_interval_s", "session_timeout_s", "heartbeat_s"):
+        for name in ("batch_within_s", "commit_interval_s", "session_timeout_s", "heartbeat_s", "operator_max_age_s"):
             if values[name] <= 0:
                 raise SettingsError(f"{_var(name)} must be > 0, got {values[name]}")
         if values["heartbeat_s"] * 3 > values["session_timeout_s"]:
             raise SettingsError("LOOPWARDEN_HEARTBEAT_S must be at most a third of LOOPWARDEN_SESSION_TIMEOUT_S")
+        if values["signing_key"] is None and not values["allow_unsigned"]:
+            raise SettingsError("LOOPWARDEN_SIGNING_KEY: required, the Ed25519 private key that signs control "
+                                "messages (`loopwarden keys generate --name worker` makes one); "
+                                "LOOPWARDEN_ALLOW_UNSIGNED=true publishes unsigned halts (development only)")
         values["event_source"] = values["event_source"] or f"/loopwarden/{values['app_id']}"
         return cls(kafka=KafkaClientConfig.from_env(env), **values)
 

@@ -70,7 +70,9 @@ async def run_trial(scenario: str, trial: int, fleet: Fleet, fault: Fault, seed:
     _, stream = simulate_fleet(runs, seed=seed)
     expected = replay_decisions(stream)
     config = KafkaClientConfig(fleet.bootstrap)
-    listener = HaltListener(config, fleet.control_topic, watch_all=True, lookback_ms=3_600_000)
+    # The corpus's event times are synthetic, so the listener's age check (a replay defence) is off.
+    listener = HaltListener(config, fleet.control_topic, trusted_keys=fleet.trusted_keys(), max_age_ms=None,
+                            watch_all=True, lookback_ms=3_600_000)
     applied: list[dict[str, Any]] = []
     listener.board.add_callback(applied.append)
     started = time.monotonic()
@@ -197,7 +199,8 @@ async def soak(fleet: Fleet, worker: WorkerProcess, minutes: float, runs_total: 
     evictions and lag; at the end every runaway must be halted once and nothing else."""
     rng = random.Random(seed)
     config = KafkaClientConfig(fleet.bootstrap)
-    listener = HaltListener(config, fleet.control_topic, watch_all=True, lookback_ms=60_000)
+    listener = HaltListener(config, fleet.control_topic, trusted_keys=fleet.trusted_keys(), max_age_ms=None,
+                            watch_all=True, lookback_ms=60_000)
     halted: list[str] = []
     listener.board.add_callback(lambda d: halted.append(d["run_id"]) if d["action"] == "halt" else None)
     await listener.start()

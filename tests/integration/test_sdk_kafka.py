@@ -1,14 +1,20 @@
 """The runtime SDK against the real local broker: telemetry out, decisions in, the guard obeying them.
 
 Control messages are written the way the worker writes them (``wire.encode_control`` of a core
-``Decision``) by a plain aiokafka producer, so these tests need no worker and mock nothing.
+``Decision``, signed with a worker key) by a plain aiokafka producer, so these tests need no worker and
+mock nothing. Forged, tampered and replayed halts are written the same way, as an attacker with write
+access to the control topic would.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -40,7 +46,8 @@ from stream_app.core import (
     decode_event,
     semantic_hash,
 )
-from stream_app.wire import encode_control
+from stream_app.signing import KeyRing, Signer, generate
+from stream_app.wire import Headers, encode_control
 
 pytestmark = pytest.mark.integration
 
@@ -90,17 +97,34 @@ def make_decision(
     )
 
 
-async def produce(bootstrap: str, topic: str, *messages: Decision | bytes) -> None:
-    """Write decisions (CloudEvents, as the worker does) or raw bytes (keyed run-x) to ``topic``."""
+@functools.cache
+def keys() -> Path:
+    """Key pairs for this module: ``worker`` (trusted by the runtimes here) and ``attacker``."""
+    folder = Path(tempfile.mkdtemp(prefix="loopwarden-keys-"))
+    for name in ("worker", "attacker"):
+        generate(folder, name)
+    return folder
+
+
+def trusted() -> KeyRing:
+    return KeyRing.from_paths([keys() / "worker.pub"])
+
+
+async def produce(bootstrap: str, topic: str, *messages: Decision | bytes,
+                  sign: Callable[[bytes], Headers] | None = None) -> None:
+    """Write decisions (CloudEvents, as the worker does) or raw bytes (keyed run-x) to ``topic``, signed
+    with the worker key unless ``sign`` gives other headers."""
+    signer = Signer.from_file(keys() / "worker.key")
+    sign = sign or signer.headers
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
     await producer.start()
     try:
         for message in messages:
             if isinstance(message, Decision):
                 key, value, headers = encode_control(message, "/loopwarden/test")
-                await producer.send_and_wait(topic, value, key=key, headers=headers)
+                await producer.send_and_wait(topic, value, key=key, headers=[*headers, *sign(value)])
             else:
-                await producer.send_and_wait(topic, message, key=b"run-x")
+                await producer.send_and_wait(topic, message, key=b"run-x", headers=sign(message))
     finally:
         await producer.stop()
 
@@ -144,7 +168,7 @@ def topics(topic_factory: Callable[..., str]) -> tuple[str, str]:
 
 @pytest.fixture
 async def guard(kafka_bootstrap: str, topics: tuple[str, str]) -> AsyncIterator[Guard]:
-    async with Guard.fleet(KafkaClientConfig(kafka_bootstrap), *topics) as started:
+    async with Guard.fleet(KafkaClientConfig(kafka_bootstrap), *topics, trusted_keys=trusted()) as started:
         yield started
 
 
@@ -154,7 +178,7 @@ async def test_telemetry_arrives_keyed_by_run_with_client_side_hashes(
     """Each call becomes one message keyed by its run id, all of a run's in one partition, carrying the
     semantic hashes of arguments and result and not their content; each decodes as telemetry v1."""
     telemetry, _ = topics
-    async with Guard.fleet(KafkaClientConfig(kafka_bootstrap), *topics) as guard:
+    async with Guard.fleet(KafkaClientConfig(kafka_bootstrap), *topics, trusted_keys=trusted()) as guard:
         for run_id in ("run-a", "run-b"):
             run = guard.run(run_id, agent_id="billing-agent")
             await run.call("charge_card", Counted({"charged": SECRET}), {"card": SECRET, "amount": 10})
@@ -243,6 +267,44 @@ async def test_malformed_control_messages_are_counted_and_do_not_stop_the_listen
     assert guard.counters["malformed"] == 3
 
 
+async def test_only_a_validly_signed_recent_halt_stops_a_run(
+    kafka_bootstrap: str, topics: tuple[str, str], guard: Guard
+) -> None:
+    """Written straight to the control topic by a raw producer: a halt signed by another key, one that
+    claims the worker's key id, an unsigned one, a tampered one and a replayed old one change nothing
+    (each counted by reason); the worker-signed halt after them stops the run."""
+    _, control = topics
+    run = guard.run("run-s")
+    tool = Counted("ok")
+    worker, attacker = Signer.from_file(keys() / "worker.key"), Signer.from_file(keys() / "attacker.key")
+    halt = make_decision("run-s", trigger="ev-forged")
+    await produce(kafka_bootstrap, control, halt, sign=attacker.headers)
+    await produce(kafka_bootstrap, control, make_decision("run-s", trigger="ev-claimed"),
+                  sign=lambda value: [("lw_key_id", worker.key_id.encode()), attacker.headers(value)[1]])
+    await produce(kafka_bootstrap, control, make_decision("run-s", trigger="ev-unsigned"), sign=lambda _: [])
+    original = make_decision("run-other", trigger="ev-tampered")
+    _, value, headers = encode_control(original, "/loopwarden/test")
+    producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+    await producer.start()
+    try:
+        await producer.send_and_wait(control, value.replace(b"run-other", b"run-s"), key=b"run-s",
+                                     headers=[*headers, *worker.headers(value)])
+    finally:
+        await producer.stop()
+    old = dataclasses.replace(make_decision("run-s", trigger="ev-old"), ts_ms=wall_clock_ms() - 3_600_000)
+    await produce(kafka_bootstrap, control, old)
+    await until(lambda: guard.counters["expired"] == 1, "the replayed halt is read")
+
+    assert await run.call("search_docs", tool, {"q": "x"}) == "ok"
+    assert {k: guard.counters[k] for k in ("unknown_key", "bad_signature", "unsigned", "expired", "applied")} == {
+        "unknown_key": 1, "bad_signature": 2, "unsigned": 1, "expired": 1, "applied": 0}
+    await produce(kafka_bootstrap, control, make_decision("run-s", trigger="ev-real"))
+    await until(lambda: run.halted, "the worker-signed halt applies")
+    with pytest.raises(RunHalted):
+        await run.call("search_docs", tool, {"q": "x"})
+    assert tool.calls == 1
+
+
 async def test_suppress_hands_back_the_earlier_result(
     kafka_bootstrap: str, topics: tuple[str, str], guard: Guard
 ) -> None:
@@ -299,7 +361,8 @@ async def test_halt_issued_before_start_is_obeyed_after_a_restart(
     _, control = topics
     await produce(kafka_bootstrap, control, make_decision("run-restarted"))
 
-    async with Guard.fleet(KafkaClientConfig(kafka_bootstrap), *topics, lookback_ms=60_000) as guard:
+    async with Guard.fleet(KafkaClientConfig(kafka_bootstrap), *topics, trusted_keys=trusted(),
+                           lookback_ms=60_000) as guard:
         run = guard.run("run-restarted")
         tool = Counted("ok")
         with pytest.raises(RunHalted):
@@ -314,16 +377,10 @@ async def test_without_lookback_only_new_decisions_count(
     _, control = topics
     await produce(kafka_bootstrap, control, make_decision("run-old"))
 
-    async with Guard.fleet(KafkaClientConfig(kafka_bootstrap), *topics, lookback_ms=0) as guard:
+    async with Guard.fleet(KafkaClientConfig(kafka_bootstrap), *topics, trusted_keys=trusted(),
+                           lookback_ms=0) as guard:
         assert not guard.run("run-old").halted
-        assert guard.counters == {
-            "applied": 0,
-            "duplicate": 0,
-            "malformed": 0,
-            "ignored": 0,
-            "published": 0,
-            "publish_failed": 0,
-        }
+        assert set(guard.counters.values()) == {0}
 
 
 async def test_listener_follows_partitions_added_to_the_control_topic(
@@ -332,7 +389,7 @@ async def test_listener_follows_partitions_added_to_the_control_topic(
     """Partitions added while a runtime runs are picked up (from their start) without losing positions."""
     control = topic_factory(1, prefix="control")
     listener = HaltListener(
-        KafkaClientConfig(kafka_bootstrap), control, watch_all=True, metadata_max_age_ms=300
+        KafkaClientConfig(kafka_bootstrap), control, trusted_keys=trusted(), watch_all=True, metadata_max_age_ms=300
     )
     async with listener:
         admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
@@ -344,9 +401,11 @@ async def test_listener_follows_partitions_added_to_the_control_topic(
         producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
         await producer.start()
         try:
+            signer = Signer.from_file(keys() / "worker.key")
             for partition, run_id in ((2, "run-p2"), (0, "run-p0")):
                 key, value, headers = encode_control(make_decision(run_id), "/loopwarden/test")
-                await producer.send_and_wait(control, value, key=key, headers=headers, partition=partition)
+                await producer.send_and_wait(control, value, key=key, headers=[*headers, *signer.headers(value)],
+                                             partition=partition)
         finally:
             await producer.stop()
         await until(lambda: listener.counters["applied"] == 2, "both halts apply")
@@ -355,7 +414,7 @@ async def test_listener_follows_partitions_added_to_the_control_topic(
 
 async def test_missing_control_topic_is_reported_at_start(kafka_bootstrap: str) -> None:
     """A wrong control topic name fails start() with the operator's next step, and leaves nothing running."""
-    listener = HaltListener(KafkaClientConfig(kafka_bootstrap), "no-such-control-topic")
+    listener = HaltListener(KafkaClientConfig(kafka_bootstrap), "no-such-control-topic", trusted_keys=trusted())
     with pytest.raises(KafkaConfigError, match=r"'no-such-control-topic' does not exist\. Operator action"):
         await listener.start()
 

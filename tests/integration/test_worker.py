@@ -222,7 +222,8 @@ async def _runaway_through_the_sdk(fleet: Fleet) -> tuple[int, RunHalted, int]:
         raise TimeoutError("index unavailable")
 
     config = KafkaClientConfig(fleet.bootstrap)
-    async with Guard.fleet(config, fleet.telemetry_topic, fleet.control_topic) as guard:
+    async with Guard.fleet(config, fleet.telemetry_topic, fleet.control_topic,
+                           trusted_keys=fleet.trusted_keys()) as guard:
         run_ = guard.run("run-sdk-runaway", agent_id="support-agent")
         for _ in range(100):
             try:

@@ -25,6 +25,7 @@ import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
 
+from stream_app.signing import KeyRing, generate
 from stream_app.wire import encode_telemetry
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,6 +110,20 @@ class Fleet:
     def dlq_topic(self) -> str:
         return f"{self.name}.dlq"
 
+    @property
+    def keys(self) -> Path:
+        """The deployment's key pairs (worker: signs control messages; operator: signs overrides),
+        generated on first use, as `loopwarden keys generate` would."""
+        folder = self.workdir / "keys"
+        if not (folder / "worker.key").exists():
+            for name in ("worker", "operator"):
+                generate(folder, name)
+        return folder
+
+    def trusted_keys(self) -> KeyRing:
+        """What a runtime of this deployment trusts: the workers' public key."""
+        return KeyRing.from_paths([self.keys / "worker.pub"])
+
     def env(self, index: int, metrics_port: int) -> dict[str, str]:
         return {
             **os.environ,
@@ -125,6 +140,8 @@ class Fleet:
             "LOOPWARDEN_COMMIT_INTERVAL_S": "0.5",
             "LOOPWARDEN_SESSION_TIMEOUT_S": "6",
             "LOOPWARDEN_HEARTBEAT_S": "1",
+            "LOOPWARDEN_SIGNING_KEY": str(self.keys / "worker.key"),
+            "LOOPWARDEN_OPERATOR_KEYS": str(self.keys / "operator.pub"),
             **self.extra_env,
         }
 

@@ -18,7 +18,7 @@ def test_every_worker_setting_is_documented_with_its_default(name: str, var: str
 
 
 def test_defaults_build_valid_settings() -> None:
-    settings = WorkerSettings.from_env({})
+    settings = WorkerSettings.from_env({"LOOPWARDEN_SIGNING_KEY": "/keys/worker.key"})
     assert settings.partitions == 8
     assert settings.event_source == "/loopwarden/loopwarden"
     assert settings.changelog_topic == "loopwarden-runs-changelog"
@@ -31,6 +31,8 @@ def test_defaults_build_valid_settings() -> None:
         ({"LOOPWARDEN_PARTITIONS": "0"}, "LOOPWARDEN_PARTITIONS must be >= 1"),
         ({"LOOPWARDEN_CREATE_TOPICS": "maybe"}, "LOOPWARDEN_CREATE_TOPICS='maybe': expected bool"),
         ({"LOOPWARDEN_HEARTBEAT_S": "5"}, "at most a third"),
+        ({}, "LOOPWARDEN_SIGNING_KEY: required"),
+        ({"LOOPWARDEN_ALLOW_UNSIGNED": "perhaps"}, "LOOPWARDEN_ALLOW_UNSIGNED='perhaps': expected bool"),
     ],
 )
 def test_bad_settings_name_the_variable(env: dict[str, str], message: str) -> None:

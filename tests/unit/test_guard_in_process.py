@@ -399,7 +399,7 @@ async def test_run_handles_need_not_be_kept_by_the_caller() -> None:
 
 async def test_fleet_guard_refuses_calls_before_it_is_started() -> None:
     """Calling through an unstarted fleet guard is a programming error, reported before the tool runs."""
-    run = Guard.fleet(KafkaClientConfig("127.0.0.1:1")).run("run-1")
+    run = Guard.fleet(KafkaClientConfig("127.0.0.1:1"), allow_unsigned=True).run("run-1")
     tool = Counted(1)
     with pytest.raises(RuntimeError, match="not started"):
         await run.call("t", tool, {})
@@ -553,7 +553,8 @@ def test_board_applies_a_decision_once() -> None:
     assert board.halt_decision("run-1") is None
     assert board.apply(halt) == "duplicate"  # a late redelivery of the lifted halt does not re-halt
     assert board.halt_decision("run-1") is None
-    assert board.counters == {"applied": 2, "duplicate": 2, "malformed": 0, "ignored": 0}
+    assert board.counters == {"applied": 2, "duplicate": 2, "malformed": 0, "ignored": 0,
+                              "unsigned": 0, "unknown_key": 0, "bad_signature": 0, "expired": 0}
 
 
 @pytest.mark.parametrize(

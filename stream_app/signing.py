@@ -1,0 +1,158 @@
+"""Ed25519 signatures on control messages and operator commands.
+
+A control topic is a kill switch for every agent that listens to it, so a runtime acts only on messages
+signed by a key it trusts. The signature covers the exact bytes of the record value; the key id and the
+signature travel as headers (``lw_key_id``, ``lw_signature``, base64url), so the value stays the plain
+control v1 JSON any consumer can read.
+
+A key id is derived from the public key (``ed25519:`` + 16 hex digits of its SHA-256), so it cannot
+name a different key than the one that verifies, and rotation needs no registry: runtimes trust the old
+and the new public key during a roll-over, workers switch to the new private key, the old one is
+dropped. Keys are PEM files (PKCS#8 private, SubjectPublicKeyInfo public), e.g. Kubernetes secrets.
+
+Requires the ``cryptography`` package (in the ``kafka`` and ``worker`` extras).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from .core import LoopwardenError
+from .wire import Headers, header
+
+KEY_ID_HEADER: Final = "lw_key_id"
+SIGNATURE_HEADER: Final = "lw_signature"
+#: Why a message was refused; each is counted separately by listeners and workers.
+REJECTIONS: Final = ("unsigned", "unknown_key", "bad_signature")
+
+
+class KeyFileError(LoopwardenError, ValueError):
+    """A key file that cannot be used. Operator action: fix the path or regenerate the key."""
+
+
+class SignatureRejected(LoopwardenError):
+    """A message whose signature does not verify; ``reason`` is one of ``REJECTIONS``."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+def key_id(public_key: Any) -> str:
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    raw = public_key.public_bytes(Encoding.Raw, PublicFormat.Raw)
+    return "ed25519:" + hashlib.sha256(raw).hexdigest()[:16]
+
+
+class Signer:
+    """Signs values with one Ed25519 private key."""
+
+    def __init__(self, private_key: Any) -> None:
+        self._key = private_key
+        self.key_id = key_id(private_key.public_key())
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Signer:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+        from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+        try:
+            key = load_pem_private_key(Path(path).read_bytes(), password=None)
+        except (OSError, ValueError, TypeError) as exc:
+            raise KeyFileError(f"signing key {path}: {exc}") from exc
+        if not isinstance(key, Ed25519PrivateKey):
+            raise KeyFileError(f"signing key {path}: not an Ed25519 private key")
+        return cls(key)
+
+    def headers(self, value: bytes) -> Headers:
+        """The two headers that sign ``value``."""
+        signature = base64.urlsafe_b64encode(self._key.sign(value)).rstrip(b"=")
+        return [(KEY_ID_HEADER, self.key_id.encode()), (SIGNATURE_HEADER, signature)]
+
+
+class KeyRing:
+    """The public keys a reader trusts, by key id (two or more during a key roll-over)."""
+
+    def __init__(self, public_keys: Iterable[Any]) -> None:
+        self._keys = {key_id(key): key for key in public_keys}
+        if not self._keys:
+            raise KeyFileError("no public keys: a key ring that trusts nothing would refuse every message")
+
+    @property
+    def key_ids(self) -> tuple[str, ...]:
+        return tuple(sorted(self._keys))
+
+    @classmethod
+    def from_paths(cls, paths: Sequence[str | Path]) -> KeyRing:
+        """Public keys from PEM files, or from every ``*.pub``/``*.pem`` file of a directory."""
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+        from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+        files: list[Path] = []
+        for entry in map(Path, paths):
+            files.extend(sorted([*entry.glob("*.pub"), *entry.glob("*.pem")]) if entry.is_dir() else [entry])
+        keys = []
+        for file in files:
+            try:
+                key = load_pem_public_key(file.read_bytes())
+            except (OSError, ValueError) as exc:
+                raise KeyFileError(f"public key {file}: {exc}") from exc
+            if not isinstance(key, Ed25519PublicKey):
+                raise KeyFileError(f"public key {file}: not an Ed25519 public key")
+            keys.append(key)
+        if not keys:
+            raise KeyFileError(f"no public key found in {', '.join(map(str, paths)) or '(nothing given)'}")
+        return cls(keys)
+
+    @classmethod
+    def from_setting(cls, setting: str) -> KeyRing:
+        """From a comma-separated list of files and directories (an environment variable's value)."""
+        return cls.from_paths([part.strip() for part in setting.split(",") if part.strip()])
+
+    def verify(self, value: bytes, headers: Any) -> str:
+        """The key id that signed ``value``; raises ``SignatureRejected`` otherwise."""
+        from cryptography.exceptions import InvalidSignature
+
+        kid = header(headers, KEY_ID_HEADER)
+        signature = header(headers, SIGNATURE_HEADER)
+        if kid is None or signature is None:
+            raise SignatureRejected("unsigned", "no signature headers")
+        name = kid.decode(errors="replace")
+        key = self._keys.get(name)
+        if key is None:
+            raise SignatureRejected("unknown_key", f"signed by untrusted key {name[:40]!r}")
+        try:
+            key.verify(base64.urlsafe_b64decode(signature + b"=" * (-len(signature) % 4)), value)
+        except (InvalidSignature, ValueError) as exc:
+            raise SignatureRejected("bad_signature", f"signature does not verify under {name}") from exc
+        return name
+
+
+def generate(directory: str | Path, name: str) -> tuple[Path, Path, str]:
+    """A new key pair as ``NAME.key`` (private, mode 0600) and ``NAME.pub`` in ``directory``; returns
+    both paths and the key id. Refuses to overwrite an existing key."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import (
+        Encoding,
+        NoEncryption,
+        PrivateFormat,
+        PublicFormat,
+    )
+
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    private_path, public_path = folder / f"{name}.key", folder / f"{name}.pub"
+    if private_path.exists() or public_path.exists():
+        raise KeyFileError(f"{private_path} or {public_path} exists already; remove it or pick another name")
+    key = Ed25519PrivateKey.generate()
+    fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
+    public_path.write_bytes(key.public_key().public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo))
+    return private_path, public_path, key_id(key.public_key())

@@ -1,0 +1,129 @@
+"""Ed25519 signatures on control messages: what a runtime's listener accepts and refuses."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import orjson
+import pytest
+from aiokafka.structs import ConsumerRecord
+
+from stream_app.client.kafka_config import KafkaClientConfig, KafkaConfigError
+from stream_app.client.listener import ControlBoard, HaltListener
+from stream_app.client.publisher import wall_clock_ms
+from stream_app.signing import KeyFileError, KeyRing, SignatureRejected, Signer, generate
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("keys")
+    for name in ("worker", "next", "attacker"):
+        generate(folder, name)
+    return folder
+
+
+def _halt(run_id: str = "run-1", decision_id: str = "d-1", ts_ms: int | None = None) -> bytes:
+    return orjson.dumps({"run_id": run_id, "action": "halt", "verdict": "recursion", "decision_id": decision_id,
+                         "trigger_event_id": "e-4", "ts_ms": wall_clock_ms() if ts_ms is None else ts_ms,
+                         "reason": "test", "evidence": {}})
+
+
+def _record(value: bytes, headers: list[tuple[str, bytes]]) -> ConsumerRecord[bytes, bytes]:
+    return ConsumerRecord("agent.control", 0, 7, 0, 0, b"run-1", value, None, 5, len(value), tuple(headers))
+
+
+def _listener(ring: KeyRing | None, **kwargs: object) -> HaltListener:
+    return HaltListener(KafkaClientConfig("127.0.0.1:1"), trusted_keys=ring, board=ControlBoard(watch_all=True),
+                        allow_unsigned=ring is None, **kwargs)  # type: ignore[arg-type]
+
+
+def test_generated_keys_sign_and_verify(keys: Path) -> None:
+    signer = Signer.from_file(keys / "worker.key")
+    ring = KeyRing.from_paths([keys / "worker.pub"])
+    value = _halt()
+    assert ring.verify(value, signer.headers(value)) == signer.key_id
+    assert signer.key_id.startswith("ed25519:") and len(signer.key_id) == 24
+    assert (os.stat(keys / "worker.key").st_mode & 0o777) == 0o600
+
+
+def test_a_valid_halt_is_applied(keys: Path) -> None:
+    listener = _listener(KeyRing.from_paths([keys / "worker.pub"]))
+    value = _halt()
+    assert listener.receive(_record(value, Signer.from_file(keys / "worker.key").headers(value))) == "applied"
+    assert listener.board.halt_decision("run-1") is not None
+
+
+@pytest.mark.parametrize("attack", ["unsigned", "other key", "other key, trusted key id", "tampered"])
+def test_forged_and_tampered_halts_are_refused_and_counted(keys: Path, attack: str) -> None:
+    listener = _listener(KeyRing.from_paths([keys / "worker.pub"]))
+    value = _halt()
+    worker, attacker = Signer.from_file(keys / "worker.key"), Signer.from_file(keys / "attacker.key")
+    if attack == "unsigned":
+        record, reason = _record(value, []), "unsigned"
+    elif attack == "other key":
+        record, reason = _record(value, attacker.headers(value)), "unknown_key"
+    elif attack == "other key, trusted key id":
+        headers = [("lw_key_id", worker.key_id.encode()), attacker.headers(value)[1]]
+        record, reason = _record(value, headers), "bad_signature"
+    else:
+        signed = worker.headers(value)
+        record, reason = _record(value.replace(b"run-1", b"run-2"), signed), "bad_signature"
+    assert listener.receive(record) == reason
+    assert listener.board.counters[reason] == 1
+    assert listener.board.counters["applied"] == 0
+    assert listener.board.halt_decision("run-1") is None and listener.board.halt_decision("run-2") is None
+
+
+def test_replays_are_refused_when_old_or_already_applied(keys: Path) -> None:
+    signer = Signer.from_file(keys / "worker.key")
+    listener = _listener(KeyRing.from_paths([keys / "worker.pub"]), max_age_ms=60_000)
+    old = _halt(decision_id="d-old", ts_ms=wall_clock_ms() - 120_000)
+    assert listener.receive(_record(old, signer.headers(old))) == "expired"
+    fresh = _halt(decision_id="d-new")
+    assert listener.receive(_record(fresh, signer.headers(fresh))) == "applied"
+    assert listener.receive(_record(fresh, signer.headers(fresh))) == "duplicate"
+    assert (listener.board.counters["expired"], listener.board.counters["duplicate"]) == (1, 1)
+
+
+def test_rotation_trusts_both_keys_during_the_roll_over(keys: Path) -> None:
+    rolling = _listener(KeyRing.from_paths([keys / "worker.pub", keys / "next.pub"]))
+    after = _listener(KeyRing.from_paths([keys / "next.pub"]))
+    for n, name in enumerate(("worker", "next")):
+        value = _halt(run_id=f"run-{n}", decision_id=f"d-{n}")
+        headers = Signer.from_file(keys / f"{name}.key").headers(value)
+        assert rolling.receive(_record(value, headers)) == "applied"
+        assert after.receive(_record(value, headers)) == ("unknown_key" if name == "worker" else "applied")
+
+
+def test_a_directory_of_public_keys_is_a_key_ring(keys: Path) -> None:
+    ring = KeyRing.from_setting(f" {keys} ")
+    assert len(ring.key_ids) == 3
+
+
+def test_a_listener_without_keys_is_refused_unless_unsigned_is_allowed() -> None:
+    with pytest.raises(KafkaConfigError, match="trusted_keys"):
+        HaltListener(KafkaClientConfig("127.0.0.1:1"))
+    listener = _listener(None)
+    assert listener.receive(_record(_halt(), [])) == "applied"
+
+
+@pytest.mark.parametrize("content", [b"", b"not a key", b"-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n"])
+def test_bad_key_files_name_the_file(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "bad.pub"
+    path.write_bytes(content)
+    with pytest.raises(KeyFileError, match=r"bad\.pub"):
+        KeyRing.from_paths([path])
+    with pytest.raises(KeyFileError, match=r"bad\.pub"):
+        Signer.from_file(path)
+
+
+def test_generate_refuses_to_overwrite(keys: Path) -> None:
+    with pytest.raises(KeyFileError, match="exists"):
+        generate(keys, "worker")
+
+
+def test_rejection_carries_its_reason(keys: Path) -> None:
+    with pytest.raises(SignatureRejected) as caught:
+        KeyRing.from_paths([keys / "worker.pub"]).verify(b"{}", [])
+    assert caught.value.reason == "unsigned"
