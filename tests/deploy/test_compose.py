@@ -1,6 +1,6 @@
 """docker-compose.yml, loaded by compose-check (scripts/compose-check: compose-go's LoadProject, what
 `docker compose config` runs, with the schema and consistency checks; no Docker engine needed), and
-checked against the worker's settings, the Dockerfile and the Prometheus config."""
+checked against the worker's settings, the Dockerfile, the key job and the Prometheus config."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import re
 import stat
 import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import yaml
 
 from stream_app.notify import NOTIFY_SETTINGS
 from stream_app.policy_file import load_policy
+from stream_app.signing import KeyRing, Signer
 from stream_app.worker.settings import SETTINGS, WorkerSettings
 from tests.conftest import kafka_local
 
@@ -52,7 +54,8 @@ def workers() -> dict[str, Any]:
 def test_compose_loader_accepts_the_file() -> None:
     """compose-go loads the file: schema, interpolation, consistency (every depends_on, volume and
     network a service names exists)."""
-    assert set(services()) == {"kafka", "kafka-init", "worker-1", "worker-2", "prometheus", "alertmanager", "notify"}
+    assert set(services()) == {"kafka", "kafka-init", "keys-init", "worker-1", "worker-2", "prometheus", "alertmanager",
+                               "notify"}
 
 
 @pytest.mark.parametrize(("service", "error"), [
@@ -107,6 +110,7 @@ def test_dependencies_wait_for_health_or_completion() -> None:
     assert services()["kafka-init"]["depends_on"]["kafka"]["condition"] == "service_healthy"
     for name in workers():
         assert services()[name]["depends_on"]["kafka-init"]["condition"] == "service_completed_successfully"
+        assert services()[name]["depends_on"]["keys-init"]["condition"] == "service_completed_successfully"
         assert services()[name]["healthcheck"]["test"][0] == "CMD"
 
 
@@ -135,6 +139,48 @@ def test_worker_state_dir_is_its_own_volume_and_policy_is_mounted(name: str) -> 
     policy = mounts[env["LOOPWARDEN_POLICY"]]
     assert policy["type"] == "bind" and policy["read_only"] is True
     load_policy(policy["source"])
+
+
+@pytest.mark.parametrize("name", sorted(workers()))
+def test_worker_signing_key_is_the_read_only_keys_volume(name: str) -> None:
+    """LOOPWARDEN_SIGNING_KEY is a file in a read-only mount of the named volume keys-init writes."""
+    key_dir = str(Path(services()[name]["environment"]["LOOPWARDEN_SIGNING_KEY"]).parent)
+    (mount,) = [v for v in services()[name]["volumes"] if v["target"] == key_dir]
+    assert mount["type"] == "volume" and mount["read_only"] is True and mount["source"] in model()["volumes"]
+    (written,) = [v for v in services()["keys-init"]["volumes"] if v["source"] == mount["source"]]
+    assert not written.get("read_only")
+
+
+def test_keys_job_makes_the_signing_key_once(tmp_path: Path) -> None:
+    """keys-init's script, run with the real `loopwarden keys generate` (the volume a temporary
+    directory, chown a stand-in that records its arguments), writes the private key the workers read
+    (mode 0600, handed to the image's user) and its public key; a second run leaves them alone."""
+    init = services()["keys-init"]
+    assert init["entrypoint"] == ["/bin/sh", "-ec"]
+    (volume,) = init["volumes"]
+    key_name = Path(services()["worker-1"]["environment"]["LOOPWARDEN_SIGNING_KEY"]).name
+    keys, stubs = tmp_path / "keys", tmp_path / "bin"
+    stubs.mkdir()
+    calls = tmp_path / "chown.jsonl"
+    (stubs / "chown").write_text(f'#!/usr/bin/env python3\nimport json, sys\nopen("{calls}", "a").write(json.dumps(sys.argv[1:]) + "\\n")\n')
+    (stubs / "chown").chmod(0o755)
+    script = init["command"][0].replace(volume["target"], str(keys))
+    path = f"{stubs}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+
+    def run_job() -> None:
+        subprocess.run(["/bin/sh", "-ec", script], env={**os.environ, "PATH": path}, check=True, timeout=60)
+
+    run_job()
+    private = keys / key_name
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600
+    signer = Signer.from_file(private)
+    value = b'{"action": "halt"}'
+    assert KeyRing.from_paths([private.with_suffix(".pub")]).verify(value, signer.headers(value)) == signer.key_id
+    user = [args for op, args in dockerfile() if op == "USER"][-1]
+    assert [json.loads(line) for line in calls.read_text().splitlines()] == [[user, str(private)]]
+    before = private.read_bytes()
+    run_job()
+    assert private.read_bytes() == before and len(calls.read_text().splitlines()) == 1
 
 
 def test_metrics_port_is_the_prometheus_scrape_target() -> None:
@@ -221,7 +267,7 @@ def dockerfile() -> list[tuple[str, str]]:
 
 def test_workers_run_the_image_built_from_the_dockerfile() -> None:
     """The worker and notify services build the repository's Dockerfile into one local image."""
-    for name in [*workers(), "notify"]:
+    for name in [*workers(), "keys-init", "notify"]:
         service = services()[name]
         assert service["build"] == {"context": str(REPO), "dockerfile": "Dockerfile"}
         assert service["image"] == "loopwarden:local"
@@ -264,7 +310,6 @@ def test_the_docker_build_context_builds_the_package(tmp_path: Path) -> None:
     '.[worker]'`: the wheel built from it has the worker, the notifier, the schemas and the entry point.
     (No Docker engine here: the same pip step, outside a container.)"""
     import shutil
-    import sys
     import zipfile
 
     context = tmp_path / "context"

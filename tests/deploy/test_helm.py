@@ -1,5 +1,6 @@
 """The Helm chart (helm/loopwarden), linted and rendered by the real helm binary, and its manifests
-checked against what the worker reads: settings, policy path, metrics port, state directory."""
+checked against what the worker reads: settings, policy path, signing and operator keys, metrics port,
+state directory."""
 
 from __future__ import annotations
 
@@ -24,13 +25,16 @@ CHART = REPO / "helm/loopwarden"
 RULES = CHART / "files/loopwarden-rules.yml"
 DASHBOARD = CHART / "files/dashboards/loopwarden.json"
 SCENARIOS = sorted(p.name for p in (CHART / "ci").glob("*-values.yaml"))
+# The chart's defaults plus the one value without a default (signing.existingSecret).
+DEFAULTS = "default-values.yaml"
 WORKER_VARS = {var for _, var, _, _ in SETTINGS}
 RELEASE = "loopwarden"
 
 
 @cache
-def render(values_file: str | None = None, *sets: str) -> tuple[dict[str, Any], ...]:
-    """`helm template` of the chart (release "loopwarden" in namespace "agents"), parsed."""
+def render(values_file: str | None = DEFAULTS, *sets: str) -> tuple[dict[str, Any], ...]:
+    """`helm template` of the chart (release "loopwarden" in namespace "agents"), parsed; None renders
+    the chart's values.yaml alone."""
     args = [tool("helm"), "template", RELEASE, str(CHART), "--namespace", "agents"]
     if values_file:
         args += ["--values", str(CHART / "ci" / values_file)]
@@ -66,8 +70,18 @@ def env_of(container: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
 
 
-# Every render the checks below run on: the chart's defaults and each ci/ scenario.
-ALL = [None, *SCENARIOS]
+def scenario(values_file: str) -> dict[str, Any]:
+    return dict(yaml.safe_load((CHART / "ci" / values_file).read_text()))
+
+
+def volume_of(sts: dict[str, Any], mount: dict[str, Any]) -> dict[str, Any]:
+    (volume,) = [v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+    return volume
+
+
+# Every render the checks below run on: each ci/ scenario, the chart's defaults among them (the bare
+# chart does not render: it has no signing key).
+ALL = SCENARIOS
 
 
 # --------------------------------------------------------------------------------------------------
@@ -80,16 +94,14 @@ def test_scenarios_exist() -> None:
 
 
 @pytest.mark.parametrize("values_file", ALL)
-def test_helm_lint(values_file: str | None) -> None:
-    """`helm lint --strict` passes on the defaults and on every ci/ scenario (values.schema.json included)."""
-    args = [tool("helm"), "lint", str(CHART), "--strict"]
-    if values_file:
-        args += ["--values", str(CHART / "ci" / values_file)]
+def test_helm_lint(values_file: str) -> None:
+    """`helm lint --strict` passes on every ci/ scenario (values.schema.json included)."""
+    args = [tool("helm"), "lint", str(CHART), "--strict", "--values", str(CHART / "ci" / values_file)]
     assert "1 chart(s) linted, 0 chart(s) failed" in run(*args).stdout
 
 
 @pytest.mark.parametrize("values_file", ALL)
-def test_helm_template_renders_labelled_resources(values_file: str | None) -> None:
+def test_helm_template_renders_labelled_resources(values_file: str) -> None:
     """Every rendered resource carries the app.kubernetes.io labels from _helpers.tpl and lives in the
     release namespace."""
     docs = render(values_file)
@@ -107,7 +119,7 @@ def test_helm_template_renders_labelled_resources(values_file: str | None) -> No
 
 
 @pytest.mark.parametrize("values_file", ALL)
-def test_worker_environment_is_real_settings(values_file: str | None) -> None:
+def test_worker_environment_is_real_settings(values_file: str) -> None:
     """Every LOOPWARDEN_* variable the chart sets is a worker setting, and the environment (secrets
     stood in for) passes the worker's own validation, Kafka security settings included."""
     _, container = worker(render(values_file))
@@ -118,7 +130,7 @@ def test_worker_environment_is_real_settings(values_file: str | None) -> None:
 
 
 @pytest.mark.parametrize("values_file", ALL)
-def test_policy_configmap_is_mounted_where_the_worker_reads_it(values_file: str | None, tmp_path: Path) -> None:
+def test_policy_configmap_is_mounted_where_the_worker_reads_it(values_file: str, tmp_path: Path) -> None:
     """LOOPWARDEN_POLICY names a file in a read-only mount of the policy ConfigMap, and that file is a
     policy the worker accepts."""
     docs = render(values_file)
@@ -150,12 +162,12 @@ def test_checksum_annotation_follows_the_policy() -> None:
     nothing else does."""
     checksum = lambda docs: worker(docs)[0]["spec"]["template"]["metadata"]["annotations"]["checksum/config"]  # noqa: E731
     assert re.fullmatch(r"[0-9a-f]{64}", checksum(render()))
-    assert checksum(render(None, "replicaCount=5")) == checksum(render())
-    assert checksum(render(None, "policy.defaults.retry_budget=5")) != checksum(render())
+    assert checksum(render(DEFAULTS, "replicaCount=5")) == checksum(render())
+    assert checksum(render(DEFAULTS, "policy.defaults.retry_budget=5")) != checksum(render())
 
 
 @pytest.mark.parametrize("values_file", ALL)
-def test_metrics_port_agrees_everywhere(values_file: str | None) -> None:
+def test_metrics_port_agrees_everywhere(values_file: str) -> None:
     """LOOPWARDEN_METRICS_PORT is the container's "metrics" port, the port of both Services, the one the
     readiness check reads, and what the ServiceMonitor scrapes."""
     docs = render(values_file)
@@ -172,7 +184,7 @@ def test_metrics_port_agrees_everywhere(values_file: str | None) -> None:
 
 
 @pytest.mark.parametrize("values_file", ALL)
-def test_security_context_is_restricted(values_file: str | None) -> None:
+def test_security_context_is_restricted(values_file: str) -> None:
     """Non-root, no privilege escalation, all capabilities dropped, RuntimeDefault seccomp, read-only
     root filesystem; the only writable paths (state, /tmp) are volumes; no service account token."""
     sts, container = worker(render(values_file))
@@ -216,7 +228,7 @@ def test_state_falls_back_to_an_empty_dir() -> None:
 
 def test_values_reach_the_worker_settings() -> None:
     """Topic names, partition counts, standby replicas and the Kafka bootstrap servers are values."""
-    docs = render(None, "worker.standbyReplicas=2", "topics.partitions=16", "topics.telemetry=fleet.calls",
+    docs = render(DEFAULTS, "worker.standbyReplicas=2", "topics.partitions=16", "topics.telemetry=fleet.calls",
                   "kafka.bootstrapServers=b1:9092\\,b2:9092")
     settings = WorkerSettings.from_env(env_of(worker(docs)[1]))
     assert (settings.standby_replicas, settings.partitions, settings.telemetry_topic) == (2, 16, "fleet.calls")
@@ -254,14 +266,78 @@ def test_mutual_tls_mounts_the_client_certificate() -> None:
     (["kafka.sasl.mechanism=PLAIN"], "use SASL_PLAINTEXT or SASL_SSL"),
     (["kafka.tls.existingSecret=ca"], "use SSL or SASL_SSL"),
     (["worker.heartbeatSeconds=5"], "at most a third"),
+    (["signing.allowUnsigned=true"], "but signing.existingSecret is set"),  # a key and no key
     (["kafka.securityProtocol=TLS"], "securityProtocol"),                   # schema: enum
     (["topics.partitions=0"], "partitions"),                                # schema: minimum
+    (["operators.maxAgeSeconds=0"], "maxAgeSeconds"),                       # schema: minimum
+    (["signing.allowUnsigned=yes"], "allowUnsigned"),                       # schema: type
+    (["signing.keyKey=keys/worker.key"], "keyKey"),                         # schema: pattern (a Secret key)
     (["replicas=3"], "replicas"),                                           # schema: unknown value
+    (["signing.secret=s"], "secret"),                                       # schema: unknown value
 ])
 def test_settings_that_cannot_work_fail_the_render(sets: list[str], message: str) -> None:
     """What the worker would refuse at start-up, the chart refuses at install, naming the value."""
     args = [a for item in sets for a in ("--set", item)]
+    assert message in render_fails("--values", str(CHART / "ci" / DEFAULTS), *args)
+
+
+# --------------------------------------------------------------------------------------------------
+# Signing key and operator keys
+
+
+@pytest.mark.parametrize("values_file", ALL)
+def test_signing_key_is_mounted_from_its_secret(values_file: str) -> None:
+    """LOOPWARDEN_SIGNING_KEY is a file in a read-only mount of signing.existingSecret holding only
+    signing.keyKey, owner-read (0400); the workers publish nothing unsigned."""
+    signing = scenario(values_file)["signing"]
+    sts, container = worker(render(values_file))
+    env = env_of(container)
+    key_path = Path(env["LOOPWARDEN_SIGNING_KEY"])
+    assert "LOOPWARDEN_ALLOW_UNSIGNED" not in env
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(key_path.parent)]
+    assert mount["readOnly"] is True
+    secret = volume_of(sts, mount)["secret"]
+    assert secret["secretName"] == signing["existingSecret"]
+    key = signing.get("keyKey", "signing.key")
+    assert secret["items"] == [{"key": key, "path": key_path.name}] and key_path.name == key
+    assert secret["defaultMode"] == 0o400
+
+
+@pytest.mark.parametrize("args", [
+    [],                                                                    # the bare chart
+    ["--values", str(CHART / "ci" / DEFAULTS), "--set", "signing.existingSecret="],  # emptied
+])
+def test_rendering_without_a_signing_key_fails(args: list[str]) -> None:
+    """No signing secret and no signing.allowUnsigned: the render (helm install, helm template) fails,
+    saying what to create and where to put it. (helm lint only logs a missing `required` value.)"""
+    message = "signing.existingSecret: required, a Secret with the workers' Ed25519 signing key"
     assert message in render_fails(*args)
+
+
+def test_allow_unsigned_renders_no_key() -> None:
+    """signing.allowUnsigned=true (development): LOOPWARDEN_ALLOW_UNSIGNED=true, no signing key
+    variable, no Secret mounted; the worker accepts that environment."""
+    sts, container = worker(render(None, "signing.allowUnsigned=true"))
+    env = env_of(container)
+    assert env["LOOPWARDEN_ALLOW_UNSIGNED"] == "true" and "LOOPWARDEN_SIGNING_KEY" not in env
+    assert [v for v in sts["spec"]["template"]["spec"]["volumes"] if "secret" in v] == []
+    assert {m["name"] for m in container["volumeMounts"]} == {"state", "policy", "tmp"}
+    WorkerSettings.from_env(env)
+
+
+def test_operator_keys_are_mounted_when_configured() -> None:
+    """operators.existingConfigMap: LOOPWARDEN_OPERATOR_KEYS is a read-only mount of that ConfigMap
+    (the worker reads every *.pub in it), with LOOPWARDEN_OPERATOR_MAX_AGE_S; without one, neither is
+    set and operator commands are refused."""
+    operators = scenario("production-values.yaml")["operators"]
+    sts, container = worker(render("production-values.yaml"))
+    env = env_of(container)
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == env["LOOPWARDEN_OPERATOR_KEYS"]]
+    assert mount["readOnly"] is True
+    assert volume_of(sts, mount)["configMap"] == {"name": operators["existingConfigMap"]}
+    assert env["LOOPWARDEN_OPERATOR_MAX_AGE_S"] == str(operators["maxAgeSeconds"])
+    _, container = worker(render())
+    assert not {"LOOPWARDEN_OPERATOR_KEYS", "LOOPWARDEN_OPERATOR_MAX_AGE_S"} & set(env_of(container))
 
 
 def test_resources_probes_and_disruption_budget() -> None:

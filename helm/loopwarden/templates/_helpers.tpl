@@ -65,6 +65,8 @@ app.kubernetes.io/part-of: loopwarden
 {{- define "loopwarden.policyDir" -}}/etc/loopwarden/policy{{- end }}
 {{- define "loopwarden.policyFile" -}}{{ include "loopwarden.policyDir" . }}/policy.yaml{{- end }}
 {{- define "loopwarden.kafkaTlsDir" -}}/etc/loopwarden/kafka-tls{{- end }}
+{{- define "loopwarden.signingDir" -}}/etc/loopwarden/signing{{- end }}
+{{- define "loopwarden.operatorsDir" -}}/etc/loopwarden/operators{{- end }}
 
 {{/*
 Settings that cannot work together fail the render, with the value to fix, instead of a worker that
@@ -88,6 +90,9 @@ refuses to start (stream_app/client/kafka_config.py checks the same at run time)
 {{- end }}
 {{- if and .Values.kafka.tls.keyKey (not .Values.kafka.tls.certKey) }}
 {{- fail "kafka.tls.keyKey: needs kafka.tls.certKey (the client certificate it belongs to)" }}
+{{- end }}
+{{- if and .Values.signing.allowUnsigned .Values.signing.existingSecret }}
+{{- fail "signing.allowUnsigned: true, but signing.existingSecret is set; unset signing.allowUnsigned to sign with that key" }}
 {{- end }}
 {{- if gt (mul .Values.worker.heartbeatSeconds 3) (int64 .Values.worker.sessionTimeoutSeconds) }}
 {{- fail "worker.heartbeatSeconds: must be at most a third of worker.sessionTimeoutSeconds" }}
