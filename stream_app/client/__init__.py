@@ -19,9 +19,10 @@ from __future__ import annotations
 from .guard import Guard, GuardedRun, RunHalted, ToolOutcome
 from .kafka_config import KafkaClientConfig, KafkaConfigError
 from .listener import ControlBoard, DecisionCallback, HaltListener
-from .publisher import FinishedCall, TelemetryBuilder, TelemetryPublisher
+from .publisher import DEFAULT_REDACTED_FIELDS, FinishedCall, TelemetryBuilder, TelemetryPublisher
 
 __all__ = [
+    "DEFAULT_REDACTED_FIELDS",
     "ControlBoard",
     "DecisionCallback",
     "FinishedCall",

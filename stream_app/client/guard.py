@@ -44,7 +44,13 @@ from ..core import (
 from ..core.contract import MAX_ID_LENGTH, MAX_RETRY_BUDGET
 from .kafka_config import KafkaClientConfig
 from .listener import ControlBoard, DecisionCallback, HaltListener
-from .publisher import FinishedCall, TelemetryBuilder, TelemetryPublisher, wall_clock_ms
+from .publisher import (
+    DEFAULT_REDACTED_FIELDS,
+    FinishedCall,
+    TelemetryBuilder,
+    TelemetryPublisher,
+    wall_clock_ms,
+)
 
 if TYPE_CHECKING:
     from ..signing import KeyRing
@@ -202,12 +208,13 @@ class Guard:
         policy: Policy | None = None,
         *,
         raw_tools: Iterable[str] = (),
+        redact: Iterable[str] = DEFAULT_REDACTED_FIELDS,
         clock: Callable[[], int] = wall_clock_ms,
     ) -> Guard:
         """A guard with the detector in this process; no Kafka, nothing to start."""
         policy = policy or Policy()
         board = ControlBoard(watch_all=True)
-        return cls(TelemetryBuilder(policy, raw_tools), board, _LocalDetector(policy, board), clock)
+        return cls(TelemetryBuilder(policy, raw_tools, redact=redact), board, _LocalDetector(policy, board), clock)
 
     @classmethod
     def fleet(
@@ -220,6 +227,7 @@ class Guard:
         trusted_keys: KeyRing | None = None,
         allow_unsigned: bool = False,
         raw_tools: Iterable[str] = (),
+        redact: Iterable[str] = DEFAULT_REDACTED_FIELDS,
         lookback_ms: int = 60_000,
         clock: Callable[[], int] = wall_clock_ms,
     ) -> Guard:
@@ -232,7 +240,7 @@ class Guard:
             HaltListener(config, control_topic, trusted_keys=trusted_keys, allow_unsigned=allow_unsigned,
                          board=board, lookback_ms=lookback_ms),
         )
-        return cls(TelemetryBuilder(policy, raw_tools), board, link, clock)
+        return cls(TelemetryBuilder(policy, raw_tools, redact=redact), board, link, clock)
 
     async def start(self) -> None:
         await self._link.start()

@@ -6,6 +6,13 @@ crosses the bus. A tool is opted in to raw ``args``/``result`` (``raw_tools``) w
 them, e.g. for a ``strict_args`` policy. Either way the value is first put in the exact JSON form it
 would travel in, so a client-side hash equals the one the worker would compute from the raw event.
 
+Secrets are removed before anything else: fields named like a password, a token, a key, a cookie or an
+e-mail body (``redact``, default ``DEFAULT_REDACTED_FIELDS``) are dropped at any depth from arguments,
+results and ``attrs``, for hashed and raw tools alike. Removing them before hashing keeps a raw tool's
+event hashing as the client hashes it, and keeps low-entropy secrets out of reach of a dictionary attack
+on the hashes. Redaction goes by field name only: a secret inside a free-text value stays (hashed,
+unless the tool is raw).
+
 The producer is idempotent with ``acks=all``: a retried send is never written twice, and an
 acknowledged event survives a broker failure. It lingers a few milliseconds to batch a burst of calls.
 """
@@ -24,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 
-from ..core import NormalisationError, Outcome, Policy, semantic_hash
+from ..core import FieldFilter, NormalisationError, Outcome, Policy, semantic_hash
 from ..wire import encode_telemetry
 from .kafka_config import KafkaClientConfig, KafkaConfigError
 
@@ -33,6 +40,22 @@ if TYPE_CHECKING:
     from aiokafka.structs import RecordMetadata
 
 logger = logging.getLogger(__name__)
+
+#: Field names removed from arguments, results and attrs before hashing or sending, matched after folding
+#: like the normaliser's (``apiKey``, ``X-API-Key`` and ``api_key`` end alike; globs by fnmatch). Whole
+#: names and ``*_suffix`` forms only, never substrings: ``max_tokens``, ``page_token``, ``primary_key``
+#: and ``body`` are kept. Two calls that differ only in a redacted field hash the same, so a bare
+#: ``body`` is not here: different e-mails to one recipient would look like one duplicated side effect.
+DEFAULT_REDACTED_FIELDS: Final[tuple[str, ...]] = (
+    "password", "*_password", "passwd", "passphrase", "*_passphrase",
+    "secret", "*_secret", "secret_key", "*_secret_key", "secret_access_key", "*_secret_access_key",
+    "token", "access_token", "*_access_token", "refresh_token", "*_refresh_token", "id_token",
+    "auth_token", "*_auth_token", "bearer_token", "session_token", "api_token", "csrf_token", "xsrf_token",
+    "api_key", "apikey", "*_api_key", "private_key", "*_private_key", "credentials",
+    "authorization", "proxy_authorization", "cookie", "cookies", "set_cookie",
+    "email_body", "e_mail_body", "mail_body", "html_body", "text_body", "body_html", "body_text",
+    "body_plain",
+)
 
 #: Hash sent for a value with no JSON form. Every such value of a tool compares equal, which can only
 #: halt sooner (the core treats an unhashable result the same way): fail closed.
@@ -69,16 +92,28 @@ class FinishedCall:
 
 class TelemetryBuilder:
     """Builds telemetry v1 events, hashing arguments and results with the policy's per-tool field filter
-    and whitespace setting, except for the tools in ``raw_tools``."""
+    and whitespace setting, except for the tools in ``raw_tools``; fields matching ``redact`` are
+    removed first, from every tool's arguments, results and attrs."""
 
-    def __init__(self, policy: Policy | None = None, raw_tools: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        policy: Policy | None = None,
+        raw_tools: Iterable[str] = (),
+        *,
+        redact: Iterable[str] = DEFAULT_REDACTED_FIELDS,
+    ) -> None:
+        if isinstance(redact, str):
+            raise TypeError("redact: give a list of field-name patterns, not one string")
         self.policy = policy or Policy()
         self.raw_tools = frozenset(raw_tools)
+        self.redact = tuple(redact)
+        # The normaliser's matcher (folding, globs, a cache per key) with the secret names as its list.
+        self._secrets = FieldFilter(self.redact)
         self._warned_strict: set[str] = set()
 
     def args_hash(self, agent_id: str | None, tool: str, args: Mapping[str, Any]) -> str:
-        """The semantic hash of a call's arguments, as the detector computes it."""
-        return self._hashed(agent_id, tool, args)[0]
+        """The semantic hash of a call's redacted arguments, as the detector computes it."""
+        return self._hashed(agent_id, tool, args, "args")[0]
 
     def build(self, call: FinishedCall, *, args_hash: str | None = None) -> dict[str, Any]:
         """The telemetry v1 object of ``call``; pass ``args_hash`` if it is already known."""
@@ -92,7 +127,7 @@ class TelemetryBuilder:
         }
         if call.tool in self.raw_tools:
             for name, value in (("args", call.args), ("result", call.result)):
-                hashed, form = self._hashed(call.agent_id, call.tool, value)
+                hashed, form = self._hashed(call.agent_id, call.tool, value, name)
                 if form is _NO_FORM:
                     event[f"{name}_hash"] = hashed
                 else:
@@ -100,25 +135,36 @@ class TelemetryBuilder:
         else:
             self._warn_if_strict(call.agent_id, call.tool)
             event["args_hash"] = args_hash or self.args_hash(call.agent_id, call.tool, call.args)
-            event["result_hash"] = self._hashed(call.agent_id, call.tool, call.result)[0]
+            event["result_hash"] = self._hashed(call.agent_id, call.tool, call.result, "result")[0]
         event["latency_ms"] = round(max(call.latency_ms, 0.0), 3)
         for name in ("seq", "agent_id", "tenant", "side_effect", "retry_budget", "plan_step", "error_class"):
             value = getattr(call, name)
             if value is not None:
                 event[name] = value
         if call.attrs:
-            event["attrs"] = dict(call.attrs)
+            attrs = self._redacted(call.tool, "attrs", call.attrs)
+            if attrs:
+                event["attrs"] = attrs
         return event
 
-    def _hashed(self, agent_id: str | None, tool: str, value: Any) -> tuple[str, Any]:
-        """(semantic hash, JSON form) of a value; (UNHASHABLE, _NO_FORM) when it has no JSON form."""
+    def _hashed(self, agent_id: str | None, tool: str, value: Any, part: str) -> tuple[str, Any]:
+        """(semantic hash, JSON form) of a redacted value; (UNHASHABLE, _NO_FORM) when it has no JSON form."""
         call_policy = self.policy.resolve(agent_id, tool)
         try:
-            form = _json_form(value)
+            form = self._redacted(tool, part, _json_form(value))
             return semantic_hash(form, call_policy.fields, call_policy.settings.collapse_whitespace), form
         except NormalisationError as exc:
             logger.debug("value of tool %s has no canonical form: %s", tool, exc, extra={"tool": tool})
             return UNHASHABLE, _NO_FORM
+
+    def _redacted(self, tool: str, part: str, value: Any) -> Any:
+        """``value`` without the secret fields, at any depth; what was removed is logged by name only."""
+        removed: list[str] = []
+        kept = _without(value, self._secrets, removed)
+        if removed:
+            logger.debug("redacted %d field(s) from the %s of tool %s: %s", len(removed), part, tool,
+                         ", ".join(sorted(set(removed))), extra={"tool": tool})
+        return kept
 
     def _warn_if_strict(self, agent_id: str | None, tool: str) -> None:
         if tool in self._warned_strict or not self.policy.resolve(agent_id, tool).settings.strict_args:
@@ -130,6 +176,22 @@ class TelemetryBuilder:
             tool,
             extra={"tool": tool},
         )
+
+
+def _without(value: Any, secrets: FieldFilter, removed: list[str]) -> Any:
+    """A copy of ``value`` without the object keys ``secrets`` matches, at any depth; their names are
+    appended to ``removed``. The input is never changed (it is the caller's, e.g. a tool's result)."""
+    if isinstance(value, Mapping):
+        kept: dict[Any, Any] = {}
+        for key, item in value.items():
+            if secrets.is_ignored(str(key)):
+                removed.append(str(key))
+            else:
+                kept[key] = _without(item, secrets, removed)
+        return kept
+    if isinstance(value, list | tuple):
+        return [_without(item, secrets, removed) for item in value]
+    return value
 
 
 class _NoForm:

@@ -454,12 +454,12 @@ def test_opted_in_tool_sends_raw_arguments_and_result() -> None:
 
 
 def test_hashes_follow_the_tool_policy() -> None:
-    """Per-tool settings shape the hash: run_python keeps whitespace, search_docs ignores session_token."""
+    """Per-tool settings shape the hash: run_python keeps whitespace, search_docs ignores cache_hint."""
     policy = Policy.from_mapping(
         {
             "tools": {
                 "run_python": {"collapse_whitespace": False},
-                "search_docs": {"ignore_fields": ["session_token"]},
+                "search_docs": {"ignore_fields": ["cache_hint"]},
             }
         }
     )
@@ -470,8 +470,8 @@ def test_hashes_follow_the_tool_policy() -> None:
     assert builder.args_hash(None, "other", {"code": "if x:\n    y"}) == builder.args_hash(
         None, "other", {"code": "if x: y"}
     )
-    assert builder.args_hash(None, "search_docs", {"q": "a", "session_token": "t1"}) == builder.args_hash(
-        None, "search_docs", {"q": "a", "session_token": "t2"}
+    assert builder.args_hash(None, "search_docs", {"q": "a", "cache_hint": "t1"}) == builder.args_hash(
+        None, "search_docs", {"q": "a", "cache_hint": "t2"}
     )
 
 
