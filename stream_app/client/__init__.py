@@ -16,7 +16,7 @@ Errors (``LoopwardenError`` is the core's root)::
 
 from __future__ import annotations
 
-from .guard import Guard, GuardedRun, RunHalted, ToolOutcome
+from .guard import Guard, GuardedRun, PendingCall, RunHalted, ToolOutcome
 from .kafka_config import KafkaClientConfig, KafkaConfigError
 from .listener import ControlBoard, DecisionCallback, HaltListener
 from .publisher import DEFAULT_REDACTED_FIELDS, FinishedCall, TelemetryBuilder, TelemetryPublisher
@@ -31,6 +31,7 @@ __all__ = [
     "HaltListener",
     "KafkaClientConfig",
     "KafkaConfigError",
+    "PendingCall",
     "RunHalted",
     "TelemetryBuilder",
     "TelemetryPublisher",

@@ -342,6 +342,33 @@ class GuardedRun:
         ``plan_step``: progress marker; an advance resets repetition evidence.
         Sync tools run on the event loop's thread; wrap a blocking one in ``asyncio.to_thread``.
         """
+        pending = await self.begin(tool, args, side_effect=side_effect, retry_budget=retry_budget,
+                                   plan_step=plan_step)
+        if pending.earlier is not None:
+            return pending.earlier.replay()
+        started = time.perf_counter()
+        try:
+            value = fn(**pending.args)
+            if inspect.isawaitable(value):
+                value = await value
+        except Exception as exc:
+            await self.finish(pending, error=exc, latency_ms=(time.perf_counter() - started) * 1000)
+            raise
+        return await self.finish(pending, value, latency_ms=(time.perf_counter() - started) * 1000)
+
+    async def begin(
+        self,
+        tool: str,
+        args: Mapping[str, Any] | None = None,
+        *,
+        side_effect: bool | None = None,
+        retry_budget: int | None = None,
+        plan_step: int | None = None,
+    ) -> PendingCall:
+        """The first half of ``call``, for frameworks that report a tool call in two hooks (before it
+        runs, after it ran): raises ``RunHalted`` if the run is halted; returns a ``PendingCall`` whose
+        ``earlier`` is set when the call is a suppressed duplicate (hand ``earlier.replay()`` back
+        instead of running the tool; it is already reported). Otherwise run the tool and ``finish``."""
         _check_call(tool, retry_budget, plan_step)
         if not self._link.ready():
             raise RuntimeError(
@@ -375,34 +402,26 @@ class GuardedRun:
                     tool,
                     extra={"run_id": self.run_id, "tool": tool},
                 )
-                return earlier.replay()
+                return PendingCall(spec, side_effecting, settings.side_effect_window_ms, earlier)
+        return PendingCall(spec, side_effecting, settings.side_effect_window_ms, None)
 
-        started = time.perf_counter()
-        outcome: Outcome
-        error: Exception | None = None
-        try:
-            value = fn(**arguments)
-            if inspect.isawaitable(value):
-                value = await value
-        except Exception as exc:
-            outcome, value, error = "error", None, exc
-            body = {"error_class": type(exc).__name__, "message": str(exc)}
+    async def finish(self, pending: PendingCall, result: Any = None, *, error: Exception | None = None,
+                     latency_ms: float = 0.0) -> Any:
+        """The second half of ``call``: report the tool's ``result`` (or its ``error``) and return what
+        the caller gets (a ``ToolOutcome``'s result, or ``result`` itself)."""
+        if error is not None:
+            outcome: Outcome = "error"
+            value: Any = None
+            body: Any = {"error_class": type(error).__name__, "message": str(error)}
         else:
-            outcome, value, body = _classify(value)
-        latency_ms = (time.perf_counter() - started) * 1000
+            outcome, value, body = _classify(result)
         end_ms = self._clock()
-        done = _Earlier(
-            outcome,
-            value,
-            error,
-            body,
-            type(error).__name__ if error else None,
-            end_ms + settings.side_effect_window_ms,
-        )
-        if side_effecting:
-            self._remember(spec.key, done)
-        await self._record(self._event(spec, done, end_ms, latency_ms))
-        return done.replay()
+        done = _Earlier(outcome, value, error, body, type(error).__name__ if error else None,
+                        end_ms + pending.window_ms)
+        if pending.side_effecting:
+            self._remember(pending.spec.key, done)
+        await self._record(self._event(pending.spec, done, end_ms, latency_ms))
+        return value
 
     def _event(
         self, spec: _CallSpec, done: _Earlier, ts_ms: int, latency_ms: float, repeat: bool = False
@@ -450,6 +469,21 @@ class GuardedRun:
         decision = self.decision
         if decision is not None:
             raise RunHalted(decision)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingCall:
+    """A call between ``GuardedRun.begin`` and ``GuardedRun.finish``."""
+
+    spec: _CallSpec
+    side_effecting: bool
+    window_ms: int
+    #: Set when the call is a suppressed duplicate: ``earlier.replay()`` is its answer; do not run it.
+    earlier: _Earlier | None
+
+    @property
+    def args(self) -> dict[str, Any]:
+        return self.spec.args
 
 
 @dataclass(frozen=True, slots=True)
