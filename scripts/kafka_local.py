@@ -10,6 +10,11 @@ Readiness is checked with hand-written Kafka protocol requests (ApiVersions, the
 cluster id and a registered broker), and topics are created with CreateTopics over the same tiny client,
 so this file needs nothing but the standard library, Java and Maven.
 
+A secured broker (``BrokerSecurity``; ``start --secure``) has a SASL_SSL listener with SCRAM-SHA-512
+and PLAIN users, and ACLs enforced by the StandardAuthorizer. Its TLS files are made with the
+``cryptography`` package (``make_tls_files``), the only thing beyond the standard library; ACLs are
+added with Kafka's own ``kafka-acls`` (AclCommand) run from the same jars. See docs/security.md.
+
 Used two ways:
 
 * as a CLI (see ``--help``)::
@@ -19,6 +24,8 @@ Used two ways:
       python scripts/kafka_local.py create-topics events:3 state:3:compact
       python scripts/kafka_local.py status                     # exit 0 while it runs
       python scripts/kafka_local.py stop
+      export $(python scripts/kafka_local.py start --secure --user worker=w0rker-pw --user runtime=runt1me-pw)
+      python scripts/kafka_local.py acls --worker worker --runtime runtime --create-topics 8
 
 * imported by the integration tests: ``LocalKafka`` is a context manager that starts a broker, can stop,
   kill and restart it on the same data dir and port, and creates topics.
@@ -31,18 +38,25 @@ from __future__ import annotations
 
 import argparse
 import base64
+import datetime
 import fcntl
+import ipaddress
 import json
 import os
+import re
+import secrets
+import shlex
 import shutil
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -265,13 +279,16 @@ def _java() -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# A minimal Kafka protocol client: ApiVersions v0, Metadata v2, CreateTopics v2.
-# All three exist in Kafka 3.9 and 4.x (KIP-896 kept them), and none is a "flexible" version, so the
+# A minimal Kafka protocol client: ApiVersions v0, Metadata v2, CreateTopics v2, and on a secured
+# broker SaslHandshake v1 and SaslAuthenticate v0 (PLAIN, over TLS).
+# All exist in Kafka 3.9 and 4.x (KIP-896 kept them), and none is a "flexible" version, so the
 # encoding is the classic one: big-endian ints, int16-length strings, int32-length arrays.
 
 _API_METADATA = 3
+_API_SASL_HANDSHAKE = 17
 _API_API_VERSIONS = 18
 _API_CREATE_TOPICS = 19
+_API_SASL_AUTHENTICATE = 36
 _METADATA_VERSION = 2
 _CREATE_TOPICS_VERSION = 2
 _TOPIC_ALREADY_EXISTS = 36
@@ -327,20 +344,70 @@ def _parse_bootstrap(bootstrap: str) -> list[tuple[str, int]]:
     return addresses
 
 
-class _Connection:
-    """One TCP connection to a broker, sending requests one at a time."""
+@dataclass(frozen=True)
+class SaslLogin:
+    """How this script's own client logs in to a secured broker: TLS that checks the broker's
+    certificate and host name against ``cafile`` (presenting a client certificate if given), then
+    SASL PLAIN. PLAIN rather than SCRAM keeps the client small; TLS protects the password."""
 
-    def __init__(self, bootstrap: str, timeout: float) -> None:
+    username: str
+    password: str = field(repr=False)
+    cafile: Path
+    certfile: Path | None = None
+    keyfile: Path | None = None
+
+    def wrap(self, sock: socket.socket, host: str) -> ssl.SSLSocket:
+        context = ssl.create_default_context(cafile=str(self.cafile))
+        if self.certfile is not None:
+            context.load_cert_chain(self.certfile, self.keyfile)
+        return context.wrap_socket(sock, server_hostname=host)
+
+
+class _Connection:
+    """One TCP connection to a broker, sending requests one at a time; with a ``login``, over TLS
+    and authenticated before the first request."""
+
+    def __init__(self, bootstrap: str, timeout: float, login: SaslLogin | None = None) -> None:
         errors = []
-        for address in _parse_bootstrap(bootstrap):
+        for host, port in _parse_bootstrap(bootstrap):
             try:
-                self._sock = socket.create_connection(address, timeout=timeout)
-                break
+                sock = socket.create_connection((host, port), timeout=timeout)
             except OSError as exc:
-                errors.append(f"{address[0]}:{address[1]}: {exc}")
+                errors.append(f"{host}:{port}: {exc}")
+                continue
+            try:
+                self._sock = sock if login is None else login.wrap(sock, host)
+            except ssl.SSLCertVerificationError as exc:
+                sock.close()
+                # Not worth retrying: the certificate will not change while we wait.
+                raise KafkaLocalError(
+                    f"{host}:{port}: TLS refused the broker's certificate: {exc.verify_message}"
+                ) from exc
+            except OSError:
+                sock.close()
+                raise
+            break
         else:
             raise OSError("; ".join(errors))
         self._correlation_id = 0
+        if login is not None:
+            try:
+                self._sasl_plain(login)
+            except BaseException:
+                self._sock.close()
+                raise
+
+    def _sasl_plain(self, login: SaslLogin) -> None:
+        reply = self.request(_API_SASL_HANDSHAKE, 1, _string("PLAIN"))
+        error = reply.int16()
+        offered = [reply.string() for _ in range(reply.count())]
+        if error:
+            raise KafkaLocalError(f"the broker does not accept SASL PLAIN (error {error}; it offers {offered})")
+        token = b"\0" + login.username.encode() + b"\0" + login.password.encode()
+        reply = self.request(_API_SASL_AUTHENTICATE, 0, struct.pack(">i", len(token)) + token)
+        error, message = reply.int16(), reply.string()
+        if error:
+            raise KafkaLocalError(f"SASL PLAIN login as {login.username!r} refused (error {error}): {message}")
 
     def __enter__(self) -> _Connection:
         return self
@@ -444,8 +511,11 @@ class TopicSpec:
         return configs
 
 
-def create_topics(bootstrap: str, topics: Iterable[TopicSpec], timeout: float = 30.0) -> None:
-    """Create topics (replication factor 1) and wait until every partition has a leader.
+def create_topics(
+    bootstrap: str, topics: Iterable[TopicSpec], timeout: float = 30.0, login: SaslLogin | None = None
+) -> None:
+    """Create topics (replication factor 1) and wait until every partition has a leader; ``login`` for a
+    secured broker (the admin, or a user allowed to create them).
 
     Idempotent: a topic that already exists is fine, as long as it has the requested partition count.
     """
@@ -462,7 +532,7 @@ def create_topics(bootstrap: str, topics: Iterable[TopicSpec], timeout: float = 
         )
     body += struct.pack(">ib", int(timeout * 1000), 0)
     pending = {spec.name for spec in specs}
-    with _Connection(bootstrap, timeout) as conn:
+    with _Connection(bootstrap, timeout, login) as conn:
         while pending:
             reply = conn.request(_API_CREATE_TOPICS, _CREATE_TOPICS_VERSION, body)
             reply.int32()  # throttle time
@@ -501,6 +571,346 @@ def _wait_for_leaders(conn: _Connection, specs: list[TopicSpec], deadline: float
         if time.monotonic() > deadline:
             raise KafkaLocalError(f"topics {sorted(wanted)} have no leaders yet: {topics}")
         time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------------------------------
+# A secured broker: TLS material, SASL users, ACLs
+
+ADMIN_USER = "admin"
+_PLAIN_LOGIN = "org.apache.kafka.common.security.plain.PlainLoginModule"
+_SCRAM_LOGIN = "org.apache.kafka.common.security.scram.ScramLoginModule"
+_STANDARD_AUTHORIZER = "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
+# User names and passwords go into JAAS strings and `--add-scram name=...,password=...` unquoted.
+_CREDENTIAL = re.compile(r"[A-Za-z0-9._~-]+")
+# A short-lived JVM tool: the C1 compiler and the serial GC halve its ~2 s start.
+_TOOL_JVM_FLAGS = ("-Xmx256m", "-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC")
+
+
+def _write_private(path: Path, data: str) -> None:
+    """Write a file only its owner can read: it holds a private key or a password."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(data)
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for a TLS listener: the CA, the broker's certificate chain and key, and one client
+    certificate chain and key for mutual TLS. Keys are unencrypted PKCS#8, which Kafka's PEM key store
+    reads without ``ssl.key.password``."""
+
+    ca: Path
+    broker_cert: Path
+    broker_key: Path
+    client_cert: Path
+    client_key: Path
+
+    @classmethod
+    def in_directory(cls, directory: Path) -> TlsFiles:
+        """The files ``make_tls_files(directory)`` writes."""
+        return cls(
+            ca=directory / "ca.pem",
+            broker_cert=directory / "broker.pem",
+            broker_key=directory / "broker.key",
+            client_cert=directory / "client.pem",
+            client_key=directory / "client.key",
+        )
+
+
+def make_tls_files(directory: Path, hosts: Sequence[str] = ("127.0.0.1", "localhost"), days: int = 30) -> TlsFiles:
+    """A new CA, and a broker and a client certificate it signs (EC P-256, ``days`` valid), written to
+    ``directory``. ``hosts`` (IP addresses or DNS names) are the broker certificate's subject alternative
+    names, which clients that check host names compare with the address they connect to."""
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    except ImportError as exc:
+        raise KafkaLocalError(
+            "a TLS broker needs the cryptography package (in loopwarden's kafka and worker extras)"
+        ) from exc
+
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "loopwarden local CA")])
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+
+    def issue(name: str, usages: list[x509.ObjectIdentifier], sans: list[x509.GeneralName]) -> tuple[str, str]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(True, False, False, False, False, False, False, False, False), critical=True
+            )
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+            )
+        )
+        if sans:
+            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        cert = builder.sign(ca_key, hashes.SHA256())
+        key_pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ).decode()
+        return key_pem, cert.public_bytes(serialization.Encoding.PEM).decode() + ca_pem
+
+    def san(host: str) -> x509.GeneralName:
+        try:
+            return x509.IPAddress(ipaddress.ip_address(host))
+        except ValueError:
+            return x509.DNSName(host)
+
+    ca_pem = ca_cert.public_bytes(serialization.Encoding.PEM).decode()
+    # The broker is also a TLS client (of itself, between listeners), hence clientAuth.
+    broker = issue("loopwarden local broker", [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+                   [san(host) for host in hosts])
+    client = issue("loopwarden local client", [ExtendedKeyUsageOID.CLIENT_AUTH], [])
+    files = TlsFiles.in_directory(directory)
+    files.ca.write_text(ca_pem)
+    for (key_pem, chain_pem), cert_path, key_path in (
+        (broker, files.broker_cert, files.broker_key),
+        (client, files.client_cert, files.client_key),
+    ):
+        cert_path.write_text(chain_pem)
+        _write_private(key_path, key_pem)
+    return files
+
+
+@dataclass(frozen=True)
+class BrokerSecurity:
+    """What makes a ``LocalKafka`` secured: its client listener is SASL_SSL, with SCRAM-SHA-512 and PLAIN.
+
+    Every user in ``users`` (name -> password), and ``admin``, the one super user (this script and Kafka's
+    tools log in as it), can log in with either mechanism: SCRAM credentials are added when the storage
+    is formatted, so they are fixed from a data dir's first start on; PLAIN users are JAAS
+    ``user_<name>`` entries, read at every start. ``client_auth`` is ``ssl.client.auth`` (``required``
+    for mutual TLS: clients then also present a certificate the CA signed; set on the listener, as
+    the broker-wide setting does not apply to SASL_SSL). With ``acls`` the
+    StandardAuthorizer denies every request that no ACL allows.
+    """
+
+    tls: TlsFiles
+    users: Mapping[str, str] = field(default_factory=dict, repr=False)
+    admin_password: str = field(default_factory=lambda: secrets.token_urlsafe(18), repr=False)
+    client_auth: str = "none"
+    acls: bool = True
+
+    def __post_init__(self) -> None:
+        if ADMIN_USER in self.users:
+            raise KafkaLocalError(f"user {ADMIN_USER!r} is reserved for the super user; set admin_password")
+        for name, password in self.all_users().items():
+            if not (_CREDENTIAL.fullmatch(name) and _CREDENTIAL.fullmatch(password)):
+                raise KafkaLocalError(
+                    f"user {name!r}: names and passwords may only use letters, digits and ._~-"
+                )
+        if self.client_auth not in ("none", "requested", "required"):
+            raise KafkaLocalError(f"client_auth {self.client_auth!r}: expected none, requested or required")
+
+    def all_users(self) -> dict[str, str]:
+        return {ADMIN_USER: self.admin_password, **self.users}
+
+    def admin_login(self) -> SaslLogin:
+        return SaslLogin(ADMIN_USER, self.admin_password, self.tls.ca, self.tls.client_cert, self.tls.client_key)
+
+    def format_args(self) -> list[str]:
+        """StorageTool ``format`` options that create the SCRAM-SHA-512 credentials."""
+        return [
+            arg
+            for name, password in self.all_users().items()
+            for arg in ("--add-scram", f"SCRAM-SHA-512=[name={name},password={password}]")
+        ]
+
+    def server_properties(self, port: int, controller_port: int, keystore: Path) -> dict[str, str]:
+        """Listener, SASL, TLS and authorizer settings; ``keystore`` holds the broker's key and chain.
+
+        The controller listener carries only this node's own KRaft traffic, on loopback: SASL PLAIN as
+        ``admin`` without TLS (SCRAM cannot be used there, its credentials live in the metadata the
+        controller serves). Between listeners the broker is a client of itself as ``admin`` too.
+        """
+        admin = f'username="{ADMIN_USER}" password="{self.admin_password}"'
+        plain_users = " ".join(f'user_{name}="{password}"' for name, password in self.all_users().items())
+        properties = {
+            "listeners": f"SASL_SSL://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
+            "advertised.listeners": f"SASL_SSL://127.0.0.1:{port}",
+            "listener.security.protocol.map": "CONTROLLER:SASL_PLAINTEXT,SASL_SSL:SASL_SSL",
+            "inter.broker.listener.name": "SASL_SSL",
+            "sasl.enabled.mechanisms": "SCRAM-SHA-512,PLAIN",
+            "sasl.mechanism.inter.broker.protocol": "PLAIN",
+            "listener.name.sasl_ssl.plain.sasl.jaas.config": f"{_PLAIN_LOGIN} required {admin} {plain_users};",
+            "listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config": f"{_SCRAM_LOGIN} required;",
+            "sasl.mechanism.controller.protocol": "PLAIN",
+            "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
+            "listener.name.controller.plain.sasl.jaas.config": (
+                f'{_PLAIN_LOGIN} required {admin} user_{ADMIN_USER}="{self.admin_password}";'
+            ),
+            "ssl.keystore.type": "PEM",
+            "ssl.keystore.location": str(keystore),
+            "ssl.truststore.type": "PEM",
+            "ssl.truststore.location": str(self.tls.ca),
+            # Only the listener's own setting applies to a SASL_SSL listener (KIP-684); the broker-wide
+            # ssl.client.auth is ignored there.
+            "listener.name.sasl_ssl.ssl.client.auth": self.client_auth,
+            "super.users": f"User:{ADMIN_USER}",
+        }
+        if self.acls:
+            properties["authorizer.class.name"] = _STANDARD_AUTHORIZER
+        return properties
+
+    def admin_client_properties(self, keystore: Path) -> str:
+        """A ``--command-config`` file for Kafka's tools (kafka-acls, kafka-topics, ...) as ``admin``,
+        over SCRAM-SHA-512; ``keystore`` holds the client key and chain."""
+        return "\n".join([
+            "# Written by scripts/kafka_local.py: Kafka's tools as the super user (--command-config).",
+            "security.protocol=SASL_SSL",
+            "sasl.mechanism=SCRAM-SHA-512",
+            f'sasl.jaas.config={_SCRAM_LOGIN} required username="{ADMIN_USER}" password="{self.admin_password}";',
+            "ssl.truststore.type=PEM",
+            f"ssl.truststore.location={self.tls.ca}",
+            "ssl.keystore.type=PEM",
+            f"ssl.keystore.location={keystore}",
+            "",
+        ])
+
+
+@dataclass(frozen=True)
+class LoopwardenAcls:
+    """The ACLs loopwarden needs on a cluster with an authorizer, as ``kafka-acls`` arguments (one list
+    per command). docs/security.md shows them for the default names; the integration tests apply them.
+
+    The worker reads telemetry and writes it too (it re-publishes misrouted events keyed by run id),
+    writes control, alerts and the DLQ, reads and writes its table's changelog, joins its consumer
+    group (the app id), and may create those five topics: Faust declares its topics at start-up with a
+    CreateTopics request, which Kafka authorizes before it looks whether the topic exists, so Create is
+    needed even when an admin created them (``topic_specs``). Runtimes write telemetry
+    and read control (without a group: each runtime reads every partition). Notifiers read alerts in
+    their group. Operators write telemetry (``loopwarden halt|resume`` sends signed overrides there)
+    and read control, alerts and the DLQ. Nothing else is allowed to anyone.
+    """
+
+    worker: str
+    runtimes: Sequence[str]
+    notify: Sequence[str] = ()
+    operators: Sequence[str] = ()
+    app_id: str = "loopwarden"
+    telemetry_topic: str = "agent.telemetry"
+    control_topic: str = "agent.control"
+    alerts_topic: str = "agent.alerts"
+    dlq_topic: str = "agent.telemetry.dlq"
+    notify_group: str = "loopwarden-notify"
+
+    @property
+    def changelog_topic(self) -> str:
+        """Faust's changelog of the worker's ``runs`` table."""
+        return f"{self.app_id}-runs-changelog"
+
+    def topic_specs(self, partitions: int) -> list[TopicSpec]:
+        """The topics as the worker would create them (every one with ``partitions`` partitions)."""
+        return [
+            TopicSpec(self.telemetry_topic, partitions),
+            TopicSpec(self.control_topic, partitions),
+            TopicSpec(self.alerts_topic, partitions),
+            TopicSpec(self.dlq_topic, partitions),
+            TopicSpec(self.changelog_topic, partitions, compact=True),
+        ]
+
+    def commands(self) -> list[list[str]]:
+        def allow(principals: Iterable[str], operations: Iterable[str], **resources: Iterable[str]) -> list[str]:
+            return [
+                *(arg for p in principals for arg in ("--allow-principal", f"User:{p}")),
+                *(arg for op in operations for arg in ("--operation", op)),
+                *(arg for kind, names in resources.items() for name in names for arg in (f"--{kind}", name)),
+            ]
+
+        # Kafka's tool starts a JVM per command (seconds each), so each role gets one command per
+        # operation: Read applies to topics and groups alike.
+        worker = [self.worker]
+        commands = [
+            allow(worker, ["Read"], topic=[self.telemetry_topic, self.changelog_topic], group=[self.app_id]),
+            allow(worker, ["Write", "Create"], topic=[self.telemetry_topic, self.changelog_topic,
+                                                      self.control_topic, self.alerts_topic, self.dlq_topic]),
+            allow(self.runtimes, ["Write"], topic=[self.telemetry_topic]),
+            allow(self.runtimes, ["Read"], topic=[self.control_topic]),
+        ]
+        if self.notify:
+            commands.append(allow(self.notify, ["Read"], topic=[self.alerts_topic], group=[self.notify_group]))
+        if self.operators:
+            commands += [
+                allow(self.operators, ["Write"], topic=[self.telemetry_topic]),
+                allow(self.operators, ["Read"], topic=[self.control_topic, self.alerts_topic, self.dlq_topic]),
+            ]
+        return commands
+
+
+def acl_command_line(args: Sequence[str], bootstrap: str = "$KAFKA", command_config: str = "admin.properties") -> str:
+    """One ``kafka-acls.sh --add`` command line, as an operator types it."""
+    return f"kafka-acls.sh --bootstrap-server {bootstrap} --command-config {command_config} --add {shlex.join(args)}"
+
+
+def add_acls(
+    bootstrap: str,
+    command_config: Path,
+    commands: Sequence[Sequence[str]],
+    version: str | None = None,
+    cache: Path | None = None,
+    timeout: float = 120.0,
+) -> None:
+    """Add ACLs with Kafka's own ``kafka-acls`` (AclCommand, run from the broker's jars), a JVM per
+    command, a few at a time; ``command_config`` logs it in. Raises KafkaLocalError with the tool's
+    output if a command fails."""
+    version = kafka_version(version)
+    if int(version.split(".", 1)[0]) >= 4:
+        raise KafkaLocalError(
+            f"Kafka {version} ships AclCommand in kafka-tools, which this script does not fetch; use Kafka 3.9"
+        )
+    classpath, java = f"{resolve(version, cache)}/*", _java()
+
+    def run(args: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [java, *_TOOL_JVM_FLAGS, "-cp", classpath, "kafka.admin.AclCommand", "--bootstrap-server",
+             bootstrap, "--command-config", str(command_config), "--add", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    # Each JVM is mostly start-up CPU: three at a time keep two cores busy without thrashing.
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = list(pool.map(run, commands))
+    for args, result in zip(commands, results, strict=True):
+        if result.returncode != 0:
+            output = "\n".join(result.stdout.strip().splitlines()[-LOG_TAIL_LINES:])
+            raise KafkaLocalError(
+                f"kafka-acls --add {shlex.join(args)} failed (exit {result.returncode}):\n{output}"
+            )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -587,7 +997,8 @@ class LocalKafka:
     ``data_dir`` keeps the properties, the formatted storage and the logs. Starting again on the same
     ``data_dir`` reuses its storage and, unless ``port`` says otherwise, its ports; with no ``data_dir`` a
     temporary one is created on first start and removed by ``close()``/the ``with`` block.
-    ``extra_properties`` are added to (and override) the generated server.properties.
+    ``extra_properties`` are added to (and override) the generated server.properties. With ``security``
+    the client listener is SASL_SSL (see ``BrokerSecurity``); this class then logs in as its admin.
     """
 
     def __init__(
@@ -598,10 +1009,12 @@ class LocalKafka:
         extra_properties: Mapping[str, str] | None = None,
         start_timeout: float | None = None,
         cache: Path | None = None,
+        security: BrokerSecurity | None = None,
     ) -> None:
         self.version = kafka_version(version)
         self.port = port
         self.extra_properties = dict(extra_properties or {})
+        self.security = security
         self.start_timeout = start_timeout or float(
             os.environ.get("KAFKA_START_TIMEOUT", DEFAULT_START_TIMEOUT)
         )
@@ -632,10 +1045,20 @@ class LocalKafka:
         return self.data_dir / "console.log"
 
     @property
+    def admin_properties_path(self) -> Path:
+        """Secured brokers: the ``--command-config`` file for Kafka's tools, as the admin."""
+        return self.data_dir / "admin.properties"
+
+    @property
     def bootstrap(self) -> str:
         if self.port is None:
             raise KafkaLocalError("the broker has no port yet: start it first")
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def login(self) -> SaslLogin | None:
+        """How this script logs in to the broker (None: PLAINTEXT)."""
+        return self.security.admin_login() if self.security is not None else None
 
     @property
     def pid(self) -> int | None:
@@ -663,6 +1086,7 @@ class LocalKafka:
         logging = _logging_for(self.version)
         log_config = self.data_dir / logging.file_name
         log_config.write_text(logging.config.format(log=self.log_path))
+        self._write_security_files()
         self._write_properties(controller_port)
         java = _java()
         classpath = f"{libs}/*"
@@ -715,7 +1139,14 @@ class LocalKafka:
             self.bootstrap,
             [s if isinstance(s, TopicSpec) else TopicSpec(s[0], s[1], compact=compact) for s in specs],
             timeout,
+            self.login,
         )
+
+    def add_acls(self, commands: Sequence[Sequence[str]]) -> None:
+        """Add ACLs (``kafka-acls --add`` arguments, e.g. ``LoopwardenAcls(...).commands()``) as the admin."""
+        if self.security is None or not self.security.acls:
+            raise KafkaLocalError("this broker has no authorizer: start it with BrokerSecurity(acls=True)")
+        add_acls(self.bootstrap, self.admin_properties_path, commands, self.version, self.cache)
 
     def __enter__(self) -> LocalKafka:
         return self.start()
@@ -729,6 +1160,22 @@ class LocalKafka:
         """Ports and cluster id of a previous start on this data dir, so a restart looks the same."""
         path = self.data_dir / "node.json"
         return json.loads(path.read_text()) if path.exists() else {}
+
+    def _write_security_files(self) -> None:
+        """Kafka's PEM key stores hold the key and its chain in one file: the broker's, and the admin's
+        for Kafka's tools, with the tools' command config."""
+        if self.security is None:
+            return
+        tls = self.security.tls
+        for name, key, chain in (
+            ("keystore.pem", tls.broker_key, tls.broker_cert),
+            ("admin-keystore.pem", tls.client_key, tls.client_cert),
+        ):
+            _write_private(self.data_dir / name, key.read_text() + chain.read_text())
+        _write_private(
+            self.admin_properties_path,
+            self.security.admin_client_properties(self.data_dir / "admin-keystore.pem"),
+        )
 
     def _write_properties(self, controller_port: int) -> None:
         properties = {
@@ -755,6 +1202,10 @@ class LocalKafka:
             "broker.heartbeat.interval.ms": "500",
             "log.cleaner.dedupe.buffer.size": str(32 * 1024 * 1024),
         }
+        if self.security is not None:
+            properties.update(
+                self.security.server_properties(self.port or 0, controller_port, self.data_dir / "keystore.pem")
+            )
         properties.update(self.extra_properties)
         lines = [
             "# Written by scripts/kafka_local.py on every start; edits are overwritten.",
@@ -764,7 +1215,8 @@ class LocalKafka:
             "# to expire (9 s by default) before it serves requests.",
         ]
         lines += [f"{key}={_escape_property(value)}" for key, value in properties.items()]
-        self.properties_path.write_text("\n".join(lines) + "\n")
+        # Private: with security on, it holds every user's password (the PLAIN JAAS entries).
+        _write_private(self.properties_path, "\n".join(lines) + "\n")
 
     def _format_storage(self, java: str, classpath: str, cluster_id: str) -> None:
         """Format the storage once; a restart on the same data dir skips the extra JVM launch."""
@@ -774,10 +1226,7 @@ class LocalKafka:
         result = subprocess.run(
             [
                 java,
-                "-Xmx256m",
-                # A short-lived tool: the C1 compiler and the serial GC halve its ~2 s start.
-                "-XX:TieredStopAtLevel=1",
-                "-XX:+UseSerialGC",
+                *_TOOL_JVM_FLAGS,
                 logging.jvm_flag.format(path=self.data_dir / logging.file_name),
                 "-cp",
                 classpath,
@@ -788,6 +1237,7 @@ class LocalKafka:
                 "-c",
                 str(self.properties_path),
                 "--ignore-formatted",
+                *(self.security.format_args() if self.security is not None else []),
             ],
             cwd=self.data_dir,
             stdin=subprocess.DEVNULL,
@@ -816,7 +1266,7 @@ class LocalKafka:
                 self.kill()
                 self._fail(f"the broker was not ready after {self.start_timeout:g}s ({last_error})")
             try:
-                with _Connection(self.bootstrap, timeout=2.0) as conn:
+                with _Connection(self.bootstrap, 2.0, self.login) as conn:
                     versions = _api_versions(conn)
                     for api, wanted in (
                         (_API_METADATA, _METADATA_VERSION),
@@ -834,6 +1284,9 @@ class LocalKafka:
                 last_error = f"cluster id {meta.cluster_id!r}, brokers {meta.brokers}"
             except (OSError, struct.error) as exc:
                 last_error = str(exc) or type(exc).__name__
+            except KafkaLocalError as exc:  # refused certificate or login: waiting will not help
+                self.kill()
+                self._fail(str(exc))
             time.sleep(0.1)
 
     def _fail(self, reason: str) -> None:
@@ -863,6 +1316,46 @@ def _read_state(path: Path) -> dict[str, object] | None:
     return state if _pid_alive(pid) and _is_our_broker(pid, properties) else None
 
 
+def _state_login(state: Mapping[str, object]) -> SaslLogin | None:
+    """The admin login of a secured broker the CLI started (None: PLAINTEXT)."""
+    login = state.get("login")
+    if not isinstance(login, dict):
+        return None
+    return SaslLogin(login["username"], login["password"], Path(login["cafile"]), Path(login["certfile"]),
+                     Path(login["keyfile"]))
+
+
+def _cli_security(args: argparse.Namespace, data_dir: Path) -> BrokerSecurity | None:
+    """``start --secure``: the TLS files and the admin password are made at a data dir's first start and
+    reused after, with its users (their SCRAM credentials are fixed when the storage is formatted) and,
+    unless given again, its ``--client-auth``."""
+    users = dict(item.split("=", 1) for item in args.user)
+    if not args.secure:
+        if users or args.client_auth:
+            raise KafkaLocalError("--user and --client-auth need --secure")
+        return None
+    saved_path = data_dir / "secure.json"
+    if saved_path.exists():
+        saved = json.loads(saved_path.read_text())
+        if users and users != saved["users"]:
+            raise KafkaLocalError(
+                f"{data_dir} was formatted with users {sorted(saved['users'])}: SCRAM users are fixed at the "
+                "first start of a data dir; start without --user, or use a new --data-dir"
+            )
+        users, admin_password = saved["users"], saved["admin_password"]
+        client_auth = args.client_auth or saved["client_auth"]
+    elif (data_dir / "kraft-logs" / "meta.properties").exists():
+        raise KafkaLocalError(f"{data_dir} was formatted without --secure: use a new --data-dir")
+    else:
+        admin_password, client_auth = secrets.token_urlsafe(18), args.client_auth or "none"
+    tls_dir = data_dir / "tls"
+    tls = TlsFiles.in_directory(tls_dir) if (tls_dir / "ca.pem").exists() else make_tls_files(tls_dir)
+    security = BrokerSecurity(tls, users, admin_password, client_auth=client_auth)
+    saved = {"users": users, "admin_password": admin_password, "client_auth": client_auth}
+    _write_private(saved_path, json.dumps(saved) + "\n")
+    return security
+
+
 def _cmd_start(args: argparse.Namespace) -> int:
     state_file: Path = args.state_file
     running = _read_state(state_file)
@@ -875,10 +1368,14 @@ def _cmd_start(args: argparse.Namespace) -> int:
     if data_dir is None:
         port = port or _free_port()
         data_dir = cache_dir() / f"broker-{port}"
+    data_dir.mkdir(parents=True, exist_ok=True)
     extra = dict(item.split("=", 1) for item in args.property)
-    broker = LocalKafka(data_dir=data_dir, port=port, version=args.kafka_version, extra_properties=extra)
+    security = _cli_security(args, data_dir)
+    broker = LocalKafka(
+        data_dir=data_dir, port=port, version=args.kafka_version, extra_properties=extra, security=security
+    )
     broker.start()
-    state = {
+    state: dict[str, object] = {
         "pid": broker.pid,
         "port": broker.port,
         "bootstrap": broker.bootstrap,
@@ -888,9 +1385,26 @@ def _cmd_start(args: argparse.Namespace) -> int:
         "log": str(broker.log_path),
         "console_log": str(broker.console_path),
     }
+    env = {"KAFKA_BOOTSTRAP_SERVERS": broker.bootstrap}
+    if security is not None:
+        login = security.admin_login()
+        state["admin_properties"] = str(broker.admin_properties_path)
+        state["login"] = {"username": login.username, "password": login.password, "cafile": str(login.cafile),
+                          "certfile": str(login.certfile), "keyfile": str(login.keyfile)}
+        env.update(KAFKA_SECURITY_PROTOCOL="SASL_SSL", KAFKA_SSL_CAFILE=str(security.tls.ca))
+        if security.client_auth != "none":
+            env.update(KAFKA_SSL_CERTFILE=str(security.tls.client_cert),
+                       KAFKA_SSL_KEYFILE=str(security.tls.client_key))
+        print(
+            f"kafka_local: SASL_SSL (SCRAM-SHA-512 or PLAIN) for {', '.join(sorted(security.users)) or 'no users'}"
+            f"{', ACLs on' if security.acls else ''}; Kafka's tools as {ADMIN_USER}: "
+            f"--command-config {broker.admin_properties_path}",
+            file=sys.stderr,
+        )
     state_file.parent.mkdir(parents=True, exist_ok=True)
-    state_file.write_text(json.dumps(state, indent=2) + "\n")
-    print(f"KAFKA_BOOTSTRAP_SERVERS={broker.bootstrap}")
+    _write_private(state_file, json.dumps(state, indent=2) + "\n")  # a secured broker's admin password
+    for name, value in env.items():
+        print(f"{name}={value}")
     return 0
 
 
@@ -926,7 +1440,31 @@ def _cmd_create_topics(args: argparse.Namespace) -> int:
         if state is None:
             raise KafkaLocalError("no --bootstrap, no KAFKA_BOOTSTRAP_SERVERS and no running broker")
         bootstrap = str(state["bootstrap"])
-    create_topics(bootstrap, [TopicSpec.parse(text) for text in args.topics])
+    state = _read_state(args.state_file)
+    login = _state_login(state) if state is not None and state["bootstrap"] == bootstrap else None
+    create_topics(bootstrap, [TopicSpec.parse(text) for text in args.topics], login=login)
+    return 0
+
+
+def _cmd_acls(args: argparse.Namespace) -> int:
+    """Print loopwarden's ACLs as kafka-acls commands, or add them to the secured broker the CLI started
+    (creating loopwarden's topics first with ``--create-topics``)."""
+    acls = LoopwardenAcls(
+        worker=args.worker, runtimes=args.runtime, notify=args.notify, operators=args.operator,
+        app_id=args.app_id, telemetry_topic=args.telemetry_topic, control_topic=args.control_topic,
+        alerts_topic=args.alerts_topic, dlq_topic=args.dlq_topic, notify_group=args.notify_group,
+    )
+    if args.print:
+        print("\n".join(acl_command_line(command) for command in acls.commands()))
+        return 0
+    state = _read_state(args.state_file)
+    if state is None or "admin_properties" not in state:
+        raise KafkaLocalError("no secured broker running: start one with `start --secure`, or use --print")
+    bootstrap = str(state["bootstrap"])
+    if args.create_topics:
+        create_topics(bootstrap, acls.topic_specs(args.create_topics), login=_state_login(state))
+    add_acls(bootstrap, Path(str(state["admin_properties"])), acls.commands(), str(state["version"]))
+    print(f"kafka_local: loopwarden's ACLs added on {bootstrap}", file=sys.stderr)
     return 0
 
 
@@ -977,6 +1515,17 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="extra server property (repeatable)",
     )
+    start.add_argument(
+        "--secure",
+        action="store_true",
+        help="SASL_SSL listener (SCRAM-SHA-512 and PLAIN), ACLs on, TLS files made in <data-dir>/tls",
+    )
+    start.add_argument(
+        "--user", action="append", default=[], metavar="NAME=PASSWORD", help="with --secure: a user (repeatable)"
+    )
+    start.add_argument(
+        "--client-auth", choices=("none", "requested", "required"), help="with --secure: ssl.client.auth (default none)"
+    )
     start.set_defaults(run=_cmd_start)
     with_state_file(commands.add_parser("stop", help="stop the broker started by `start`")).set_defaults(
         run=_cmd_stop
@@ -993,6 +1542,24 @@ def main(argv: list[str] | None = None) -> int:
     topics.add_argument("--bootstrap", help="default: $KAFKA_BOOTSTRAP_SERVERS, else the running broker")
     topics.add_argument("topics", nargs="+", metavar="TOPIC:PARTITIONS[:compact]")
     topics.set_defaults(run=_cmd_create_topics)
+    acls = with_state_file(
+        commands.add_parser("acls", help="loopwarden's ACLs: add them to the secured broker, or --print them")
+    )
+    acls.add_argument("--print", action="store_true", help="only print them as kafka-acls.sh commands")
+    acls.add_argument("--create-topics", type=int, metavar="PARTITIONS", help="first create loopwarden's topics")
+    acls.add_argument("--worker", required=True, metavar="USER", help="the workers' user")
+    for flag, dest in (("--runtime", "runtime"), ("--notify", "notify"), ("--operator", "operator")):
+        acls.add_argument(flag, dest=dest, action="append", default=[], metavar="USER", help="repeatable")
+    for flag, default in (
+        ("--app-id", "loopwarden"),
+        ("--telemetry-topic", "agent.telemetry"),
+        ("--control-topic", "agent.control"),
+        ("--alerts-topic", "agent.alerts"),
+        ("--dlq-topic", "agent.telemetry.dlq"),
+        ("--notify-group", "loopwarden-notify"),
+    ):
+        acls.add_argument(flag, default=default, help="default: %(default)s")
+    acls.set_defaults(run=_cmd_acls)
     run_with = commands.add_parser("exec", help="run a command against a broker (started if none is set)")
     run_with.add_argument("--kafka-version", help=f"default: $KAFKA_VERSION or {DEFAULT_VERSION}")
     run_with.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")

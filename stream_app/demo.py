@@ -318,7 +318,7 @@ async def run_demo(bootstrap: str, runs: int, partitions: int, seed: int, workdi
         plan = [SCENES[i % len(SCENES)] for i in range(len(SCENES))]  # every scenario at least once
         plan += rng.choices(SCENES, weights, k=max(0, runs - len(plan)))
         outcomes = [Outcome(scene.name, scene.expected) for scene in plan]
-        config = KafkaClientConfig(bootstrap)
+        config = KafkaClientConfig.from_env({**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap})
         halt_latency_ms: list[float] = []
         trusted = KeyRing.from_paths([worker.keys / "worker.pub"])
         async with Guard.fleet(config, telemetry, control, trusted_keys=trusted) as guard:

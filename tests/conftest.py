@@ -3,7 +3,8 @@
 ``kafka_bootstrap`` uses ``$KAFKA_BOOTSTRAP_SERVERS`` when it is set (e.g. a broker started once with
 ``scripts/kafka_local.py start``); otherwise it starts a broker from ``scripts/kafka_local.py`` for the
 test session. Tests create their own uniquely named topics with ``topic_factory``, and tests that must
-stop, kill or misconfigure a broker get a private one from ``kafka_broker_factory``.
+stop, kill or misconfigure a broker get a private one from ``kafka_broker_factory``. ``secure_kafka`` is
+a second, secured session broker (SASL_SSL, mutual TLS, ACLs), started by the first test that asks.
 """
 
 from __future__ import annotations
@@ -11,14 +12,19 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
+import secrets
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from stream_app.client import KafkaClientConfig
 
 
 def _load_kafka_local() -> ModuleType:
@@ -80,4 +86,61 @@ def kafka_broker_factory(tmp_path: Path) -> Iterator[Callable[..., Any]]:
 
     yield make
     for broker in brokers:
+        broker.close()
+
+
+#: Users of the secured broker, one per role; ACLs are the tests' to grant.
+SECURE_USERS = ("worker", "runtime-a", "notify", "operator", "stranger")
+
+
+@dataclass(frozen=True)
+class SecureKafka:
+    """The secured session broker, and how a client logs in to it as one of ``SECURE_USERS``."""
+
+    broker: Any  # kafka_local.LocalKafka with BrokerSecurity
+    passwords: dict[str, str]
+
+    @property
+    def bootstrap(self) -> str:
+        return str(self.broker.bootstrap)
+
+    def env(self, user: str, mechanism: str = "SCRAM-SHA-512", *, password: str | None = None,
+            client_cert: bool = True) -> dict[str, str]:
+        """The KAFKA_* variables that log a worker, notifier or SDK in as ``user``."""
+        tls = self.broker.security.tls
+        env = {
+            "KAFKA_BOOTSTRAP_SERVERS": self.bootstrap,
+            "KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+            "KAFKA_SASL_MECHANISM": mechanism,
+            "KAFKA_SASL_USERNAME": user,
+            "KAFKA_SASL_PASSWORD": self.passwords[user] if password is None else password,
+            "KAFKA_SSL_CAFILE": str(tls.ca),
+        }
+        if client_cert:
+            env.update(KAFKA_SSL_CERTFILE=str(tls.client_cert), KAFKA_SSL_KEYFILE=str(tls.client_key))
+        return env
+
+    def config(self, user: str, mechanism: str = "SCRAM-SHA-512", **kwargs: Any) -> KafkaClientConfig:
+        """A client config for ``user``, read from ``env`` the way every loopwarden client reads it."""
+        from stream_app.client import KafkaClientConfig
+
+        return KafkaClientConfig.from_env(self.env(user, mechanism, **kwargs))
+
+
+@pytest.fixture(scope="session")
+def secure_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureKafka]:
+    """A local broker with a SASL_SSL listener (SCRAM-SHA-512 and PLAIN), client certificates required
+    and the StandardAuthorizer on; TLS files made for this session; the users ``SECURE_USERS`` (and
+    ``admin``, the super user) with random passwords and no ACLs. Always started here, even when
+    KAFKA_BOOTSTRAP_SERVERS names another broker."""
+    root = tmp_path_factory.mktemp("secure-kafka")
+    passwords = {user: secrets.token_urlsafe(12) for user in SECURE_USERS}
+    security = kafka_local.BrokerSecurity(
+        kafka_local.make_tls_files(root / "tls"), passwords, client_auth="required"
+    )
+    broker = kafka_local.LocalKafka(data_dir=root / "broker", security=security)
+    broker.start()
+    try:
+        yield SecureKafka(broker, {**passwords, kafka_local.ADMIN_USER: security.admin_password})
+    finally:
         broker.close()

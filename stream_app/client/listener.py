@@ -318,8 +318,8 @@ class HaltListener:
             fetch_max_wait_ms=self.fetch_max_wait_ms,
             metadata_max_age_ms=self.metadata_max_age_ms,
         )
-        await consumer.start()
         try:
+            await consumer.start()  # inside the try: a refused login or certificate still closes the client
             ends = await self._assign_and_rewind(consumer)
         except BaseException:
             await consumer.stop()
@@ -363,8 +363,9 @@ class HaltListener:
 
         if self.topic not in await consumer.topics():
             raise KafkaConfigError(
-                f"control topic {self.topic!r} does not exist. Operator action: create it, or start the "
-                "worker with LOOPWARDEN_CREATE_TOPICS=true, or fix the topic name"
+                f"control topic {self.topic!r} does not exist, or this principal may not see it (Kafka hides "
+                "topics a principal cannot describe). Operator action: check the name and the ACLs "
+                "(docs/security.md), or start the worker with LOOPWARDEN_CREATE_TOPICS=true"
             )
         # Asking for an offset of partition 0 (every topic has one) makes the client track the topic's
         # metadata, after which its partitions are known.

@@ -266,12 +266,13 @@ class TelemetryPublisher:
             enable_idempotence=True,
             linger_ms=self.linger_ms,
         )
-        await producer.start()
         try:
+            await producer.start()  # inside the try: a refused login or certificate still closes the client
             if self.topic not in (await producer.client.fetch_all_metadata()).topics():
                 raise KafkaConfigError(
-                    f"telemetry topic {self.topic!r} does not exist. Operator action: create it, or start the "
-                    "worker with LOOPWARDEN_CREATE_TOPICS=true, or fix the topic name"
+                    f"telemetry topic {self.topic!r} does not exist, or this principal may not see it (Kafka "
+                    "hides topics a principal cannot describe). Operator action: check the name and the ACLs "
+                    "(docs/security.md), or start the worker with LOOPWARDEN_CREATE_TOPICS=true"
                 )
             await producer.partitions_for(self.topic)  # the first send then needs no metadata round trip
         except BaseException:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
 from prometheus_client import start_http_server
 
 from ..policy_file import load_policy
@@ -35,6 +36,8 @@ async def ensure_topics(settings: WorkerSettings) -> None:
         settings.dlq_topic: {},
         settings.changelog_topic: {"cleanup.policy": "compact"},
     }
+    if settings.otlp_topic:  # the collector's topic; any partition count works (its records are relayed)
+        specs[settings.otlp_topic] = {}
     admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_kwargs())
     await admin.start()
     try:
@@ -87,7 +90,14 @@ def run_worker(settings: WorkerSettings) -> int:
     if signer is None:
         log.warning("LOOPWARDEN_ALLOW_UNSIGNED=true: control messages are unsigned; runtimes that verify "
                     "signatures refuse them, and anyone who can write the control topic can forge them")
-    asyncio.run(ensure_topics(settings))
+    try:
+        asyncio.run(ensure_topics(settings))
+    except KafkaConnectionError as exc:
+        kafka = settings.kafka
+        print(f"loopwarden worker: cannot connect to Kafka at {kafka.bootstrap_servers} as "
+              f"{kafka.sasl_username or 'anonymous'} ({kafka.security_protocol}): {exc}; the log line above "
+              "has the broker's reason", file=sys.stderr)
+        return 2
     metrics = WorkerMetrics()
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=metrics.registry)
