@@ -18,6 +18,13 @@ only after it was processed) and hands each batch to ``BatchProcessor``, which:
 
 Windows live in the core's event-time state, not in Faust windowed tables (their expiry uses the wall
 clock and never fires after recovery).
+
+With ``LOOPWARDEN_OTLP_TOPIC`` set, a second agent (``OtlpRelay``) reads the OpenTelemetry Collector's
+trace records. Those are keyed by trace id, but state is partitioned by run id, so the relay does not
+fold them: it re-publishes each tool span as native telemetry keyed by run id (``stream_app.otlp``)
+and lets a batch's offsets be committed only once the broker has acknowledged what it published. The
+detection agent then sees them like any runtime's telemetry: same order, dedupe (event id = trace id +
+span id), recovery and decisions, and the native hot path is untouched.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import faust
 import orjson
@@ -42,10 +49,10 @@ from ..core import (
     parse_event,
 )
 from ..signing import KeyRing, SignatureRejected, Signer
-from ..wire import KIND_HEADER, OPERATOR_KIND, Headers, encode_control, header
+from ..wire import KIND_HEADER, OPERATOR_KIND, Headers, encode_control, encode_telemetry, header
 from .codecs import decode_run, encode_run
 from .metrics import WorkerMetrics
-from .settings import WorkerSettings
+from .settings import SettingsError, WorkerSettings
 from .state import Change, RunStore
 
 log = logging.getLogger(__name__)
@@ -117,6 +124,15 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
     async def detect(stream: StreamT) -> None:
         async for batch in stream.take_events(settings.batch_max, within=settings.batch_within_s):
             await processor.process(batch)
+
+    if settings.otlp_topic:
+        relay = OtlpRelay(telemetry, settings, processor.dead_letter)
+        spans = app.topic(settings.otlp_topic, key_serializer="raw", value_serializer="raw")
+
+        @app.agent(spans, concurrency=1, name="loopwarden.otlp")
+        async def relay_tool_spans(stream: StreamT) -> None:
+            async for batch in stream.take_events(settings.batch_max, within=settings.batch_within_s):
+                await relay.relay(batch)
 
     return app
 
@@ -231,7 +247,7 @@ class BatchProcessor:
                 raise InvalidEvent("", "message has no value")
             return parse_event(raw, self.settings.max_event_bytes)
         except InvalidEvent as exc:
-            await self._dead_letter(event, exc)
+            await self.dead_letter(event, exc)
             return None
 
     async def _operator_command(self, event: EventT) -> OperatorCommand | None:
@@ -254,10 +270,11 @@ class BatchProcessor:
                                             "LOOPWARDEN_OPERATOR_MAX_AGE_S: refused as a replay")
             return command
         except InvalidEvent as exc:
-            await self._dead_letter(event, exc)
+            await self.dead_letter(event, exc)
             return None
 
-    async def _dead_letter(self, event: EventT, error: InvalidEvent) -> None:
+    async def dead_letter(self, event: EventT, error: InvalidEvent) -> None:
+        """Send a rejected message to the DLQ with the reason in its headers, and count it."""
         message = event.message
         reason = error.field or ("json" if str(error).startswith("not JSON") else "payload")
         self.metrics.dlq.labels(reason=reason).inc()
@@ -295,3 +312,48 @@ class BatchProcessor:
         if highwater is not None:
             self.metrics.consumer_lag.labels(partition=str(message.partition)).set(
                 max(0, highwater - message.offset - 1))
+
+
+class OtlpRelay:
+    """OTLP trace records in (``LOOPWARDEN_OTLP_TOPIC``), native telemetry out: see the module docstring.
+
+    A record that is not OTLP goes to the DLQ. A record with some invalid tool spans has its valid ones
+    relayed and is then dead-lettered once, with the first reason (redriving it re-relays the valid
+    spans, which the detector counts once by event id).
+    """
+
+    def __init__(self, telemetry: faust.TopicT, settings: WorkerSettings,
+                 dead_letter: Callable[[EventT, InvalidEvent], Awaitable[None]]) -> None:
+        try:
+            from ..otlp import tool_calls_of
+        except ImportError as exc:
+            raise SettingsError("LOOPWARDEN_OTLP_TOPIC is set but the OTLP decoder is not installed. Operator "
+                                "action: pip install 'loopwarden[worker]' (it includes opentelemetry-proto)") from exc
+        self._tool_calls_of = tool_calls_of
+        self.telemetry = telemetry
+        self.settings = settings
+        self.dead_letter = dead_letter
+
+    async def relay(self, batch: Sequence[EventT]) -> None:
+        """Publish every tool span of the batch as telemetry and wait for the broker's acknowledgements
+        (the agent acknowledges the batch, so its offsets get committed, only after this returns)."""
+        settings = self.settings
+        pending = []
+        for event in batch:
+            raw = event.value
+            try:
+                if not isinstance(raw, bytes | bytearray):
+                    raise InvalidEvent("", "message has no value")
+                calls, errors = self._tool_calls_of(bytes(raw), settings.otlp_encoding, settings.otlp_run_id,
+                                                    settings.max_event_bytes)
+            except InvalidEvent as exc:
+                await self.dead_letter(event, exc)
+                continue
+            for call in calls:
+                key, value = encode_telemetry(call.telemetry())
+                pending.append(await self.telemetry.send(key=key, value=value))
+            if errors:
+                first = errors[0]
+                more = f" (and {len(errors) - 1} more tool spans)" if len(errors) > 1 else ""
+                await self.dead_letter(event, InvalidEvent(first.field, f"tool span rejected: {first.reason}{more}"))
+        await asyncio.gather(*pending)

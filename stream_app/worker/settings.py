@@ -26,6 +26,9 @@ SETTINGS: tuple[tuple[str, str, str, str], ...] = (
     ("control_topic", "LOOPWARDEN_CONTROL_TOPIC", "agent.control", "output: halt/suppress/alert decisions (CloudEvents)"),
     ("alerts_topic", "LOOPWARDEN_ALERTS_TOPIC", "agent.alerts", "output: halts and circuit openings for on-call people"),
     ("dlq_topic", "LOOPWARDEN_DLQ_TOPIC", "agent.telemetry.dlq", "output: rejected input, reason in the `error` header"),
+    ("otlp_topic", "LOOPWARDEN_OTLP_TOPIC", "", "input: OTLP traces from the OpenTelemetry Collector's `kafka` exporter, whose tool spans become telemetry; empty: off"),
+    ("otlp_encoding", "LOOPWARDEN_OTLP_ENCODING", "otlp_proto", "encoding of that topic, the exporter's `traces::encoding`: `otlp_proto` or `otlp_json`"),
+    ("otlp_run_id", "LOOPWARDEN_OTLP_RUN_ID", "conversation", "run id of a tool span: `conversation` (its `gen_ai.conversation.id`, else its trace id) or `trace` (its trace id)"),
     ("partitions", "LOOPWARDEN_PARTITIONS", "8", "partitions of the telemetry topic and the state table (must match)"),
     ("replication_factor", "LOOPWARDEN_REPLICATION_FACTOR", "1", "replication factor of topics the worker creates"),
     ("create_topics", "LOOPWARDEN_CREATE_TOPICS", "true", "create missing topics at start-up"),
@@ -61,6 +64,9 @@ class WorkerSettings:
     control_topic: str
     alerts_topic: str
     dlq_topic: str
+    otlp_topic: str
+    otlp_encoding: str
+    otlp_run_id: str
     partitions: int
     replication_factor: int
     create_topics: bool
@@ -128,6 +134,15 @@ class WorkerSettings:
             raise SettingsError("LOOPWARDEN_SIGNING_KEY: required, the Ed25519 private key that signs control "
                                 "messages (`loopwarden keys generate --name worker` makes one); "
                                 "LOOPWARDEN_ALLOW_UNSIGNED=true publishes unsigned halts (development only)")
+        if values["otlp_encoding"] not in ("otlp_proto", "otlp_json"):
+            raise SettingsError(f"LOOPWARDEN_OTLP_ENCODING={values['otlp_encoding']!r}: expected otlp_proto or "
+                                "otlp_json, the collector kafka exporter's traces::encoding")
+        if values["otlp_run_id"] not in ("conversation", "trace"):
+            raise SettingsError(f"LOOPWARDEN_OTLP_RUN_ID={values['otlp_run_id']!r}: expected conversation or trace")
+        if values["otlp_topic"] and values["otlp_topic"] in (
+                values["telemetry_topic"], values["control_topic"], values["alerts_topic"], values["dlq_topic"]):
+            raise SettingsError(f"LOOPWARDEN_OTLP_TOPIC={values['otlp_topic']!r} is one of the worker's own topics; "
+                                "name the topic the collector's kafka exporter writes traces to (default otlp_spans)")
         values["event_source"] = values["event_source"] or f"/loopwarden/{values['app_id']}"
         return cls(kafka=KafkaClientConfig.from_env(env), **values)
 
