@@ -16,13 +16,14 @@ Errors (``LoopwardenError`` is the core's root)::
 
 from __future__ import annotations
 
-from .guard import Guard, GuardedRun, PendingCall, RunHalted, ToolOutcome
+from .guard import CallIds, Guard, GuardedRun, PendingCall, RunHalted, ToolOutcome
 from .kafka_config import KafkaClientConfig, KafkaConfigError
 from .listener import ControlBoard, DecisionCallback, HaltListener
 from .publisher import DEFAULT_REDACTED_FIELDS, FinishedCall, TelemetryBuilder, TelemetryPublisher
 
 __all__ = [
     "DEFAULT_REDACTED_FIELDS",
+    "CallIds",
     "ControlBoard",
     "DecisionCallback",
     "FinishedCall",

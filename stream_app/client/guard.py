@@ -92,6 +92,21 @@ class ToolOutcome:
             raise ValueError(f"outcome must be one of {', '.join(sorted(OUTCOMES))}; got {self.outcome!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class CallIds:
+    """A framework's ids of one tool call, carried into its telemetry so a halt can be traced back to the
+    framework's own records: W3C ``trace_id``/``span_id``/``parent_span_id`` (hex), and the framework's
+    id of the call (``attrs.tool_call_id``: an OpenAI/Anthropic tool-call id, a JSON-RPC request id)."""
+
+    tool_call_id: str | None = None
+    trace_id: str | None = None
+    span_id: str | None = None
+    parent_span_id: str | None = None
+
+
+_NO_IDS: Final = CallIds()
+
+
 @dataclass(slots=True)
 class _Earlier:
     """A call's last outcome: what its caller got (value or exception) and what was reported."""
@@ -332,6 +347,7 @@ class GuardedRun:
         side_effect: bool | None = None,
         retry_budget: int | None = None,
         plan_step: int | None = None,
+        ids: CallIds | None = None,
     ) -> Any:
         """Run ``fn(**args)`` (sync or async) as tool ``tool`` and return its result, unless the run is
         halted (``RunHalted``) or the call is a suppressed duplicate (the earlier result, or the earlier
@@ -340,10 +356,11 @@ class GuardedRun:
         ``side_effect``: the tool acts on the outside world; None leaves it to the policy.
         ``retry_budget``: identical failures this call may repeat; None leaves it to the policy.
         ``plan_step``: progress marker; an advance resets repetition evidence.
+        ``ids``: the framework's ids of this call, for its telemetry.
         Sync tools run on the event loop's thread; wrap a blocking one in ``asyncio.to_thread``.
         """
         pending = await self.begin(tool, args, side_effect=side_effect, retry_budget=retry_budget,
-                                   plan_step=plan_step)
+                                   plan_step=plan_step, ids=ids)
         if pending.earlier is not None:
             return pending.earlier.replay()
         started = time.perf_counter()
@@ -364,12 +381,14 @@ class GuardedRun:
         side_effect: bool | None = None,
         retry_budget: int | None = None,
         plan_step: int | None = None,
+        ids: CallIds | None = None,
     ) -> PendingCall:
         """The first half of ``call``, for frameworks that report a tool call in two hooks (before it
         runs, after it ran): raises ``RunHalted`` if the run is halted; returns a ``PendingCall`` whose
         ``earlier`` is set when the call is a suppressed duplicate (hand ``earlier.replay()`` back
         instead of running the tool; it is already reported). Otherwise run the tool and ``finish``."""
-        _check_call(tool, retry_budget, plan_step)
+        ids = ids or _NO_IDS
+        _check_call(tool, retry_budget, plan_step, ids)
         if not self._link.ready():
             raise RuntimeError(
                 "the fleet guard is not started: use 'async with guard' or await guard.start()"
@@ -383,6 +402,7 @@ class GuardedRun:
             side_effect,
             retry_budget,
             plan_step,
+            ids,
         )
         settings = self._builder.policy.resolve(self.agent_id, tool).settings
         side_effecting = side_effect if side_effect is not None else settings.side_effect
@@ -427,6 +447,11 @@ class GuardedRun:
         self, spec: _CallSpec, done: _Earlier, ts_ms: int, latency_ms: float, repeat: bool = False
     ) -> dict[str, Any]:
         """The telemetry of one call; a repeat handed the earlier outcome is marked in ``attrs``."""
+        attrs: dict[str, Any] = {}
+        if spec.ids.tool_call_id is not None:
+            attrs["tool_call_id"] = spec.ids.tool_call_id
+        if repeat:
+            attrs["suppressed"] = True
         return self._builder.build(
             FinishedCall(
                 self.run_id,
@@ -443,7 +468,10 @@ class GuardedRun:
                 retry_budget=spec.retry_budget,
                 plan_step=spec.plan_step,
                 error_class=done.error_class,
-                attrs={"suppressed": True} if repeat else None,
+                trace_id=spec.ids.trace_id,
+                span_id=spec.ids.span_id,
+                parent_span_id=spec.ids.parent_span_id,
+                attrs=attrs,
             ),
             args_hash=spec.args_hash,
         )
@@ -496,6 +524,7 @@ class _CallSpec:
     side_effect: bool | None
     retry_budget: int | None
     plan_step: int | None
+    ids: CallIds
 
     @property
     def key(self) -> tuple[str, str]:
@@ -511,7 +540,7 @@ def _classify(value: Any) -> tuple[Outcome, Any, Any]:
     return "success", value, value
 
 
-def _check_call(tool: str, retry_budget: int | None, plan_step: int | None) -> None:
+def _check_call(tool: str, retry_budget: int | None, plan_step: int | None, ids: CallIds) -> None:
     """Refuse, before the tool runs, what the telemetry contract would refuse after it."""
     if not isinstance(tool, str) or not 0 < len(tool) <= MAX_ID_LENGTH:
         raise ValueError(f"tool: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
@@ -523,3 +552,7 @@ def _check_call(tool: str, retry_budget: int | None, plan_step: int | None) -> N
         )
     if plan_step is not None and type(plan_step) is not int:
         raise ValueError(f"plan_step: must be an integer, got {plan_step!r}")
+    for name in ("tool_call_id", "trace_id", "span_id", "parent_span_id"):
+        value = getattr(ids, name)
+        if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_ID_LENGTH):
+            raise ValueError(f"ids.{name}: must be a non-empty string of at most {MAX_ID_LENGTH} characters")

@@ -87,6 +87,9 @@ class FinishedCall:
     retry_budget: int | None = None
     plan_step: int | None = None
     error_class: str | None = None
+    trace_id: str | None = None
+    span_id: str | None = None
+    parent_span_id: str | None = None
     attrs: Mapping[str, Any] | None = None
 
 
@@ -137,7 +140,8 @@ class TelemetryBuilder:
             event["args_hash"] = args_hash or self.args_hash(call.agent_id, call.tool, call.args)
             event["result_hash"] = self._hashed(call.agent_id, call.tool, call.result, "result")[0]
         event["latency_ms"] = round(max(call.latency_ms, 0.0), 3)
-        for name in ("seq", "agent_id", "tenant", "side_effect", "retry_budget", "plan_step", "error_class"):
+        for name in ("seq", "agent_id", "tenant", "side_effect", "retry_budget", "plan_step", "error_class",
+                     "trace_id", "span_id", "parent_span_id"):
             value = getattr(call, name)
             if value is not None:
                 event[name] = value

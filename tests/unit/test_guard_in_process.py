@@ -19,6 +19,7 @@ import pytest
 
 import stream_app.client as client
 from stream_app.client import (
+    CallIds,
     ControlBoard,
     FinishedCall,
     Guard,
@@ -310,6 +311,8 @@ def test_tool_outcome_refuses_an_unknown_outcome() -> None:
         ({"retry_budget": -1}, "retry_budget"),  # the contract's minimum is 0
         ({"retry_budget": 10_001}, "retry_budget"),  # and its maximum 10 000
         ({"plan_step": "2"}, "plan_step"),  # an integer, not a string
+        ({"ids": CallIds(tool_call_id="")}, "ids.tool_call_id"),  # ids are non-empty strings
+        ({"ids": CallIds(trace_id="f" * 513)}, "ids.trace_id"),  # of at most 512 characters
     ],
 )
 async def test_invalid_call_options_are_refused_before_the_tool_runs(
@@ -320,6 +323,19 @@ async def test_invalid_call_options_are_refused_before_the_tool_runs(
     with pytest.raises(ValueError, match=field):
         await Guard.in_process().run("run-1").call("t", tool, {}, **options)
     assert tool.calls == 0
+
+
+async def test_a_frameworks_trace_ids_reach_the_decision_its_call_triggers() -> None:
+    """The trace and span ids a framework gives a call travel in its telemetry to the halt it triggers."""
+    guard = Guard.in_process()
+    decisions: list[dict[str, Any]] = []
+    guard.on_decision(decisions.append)
+    run = guard.run("run-1")
+    for n in range(4):
+        ids = CallIds(tool_call_id=f"call-{n}", trace_id="0af7651916cd43dd8448eb211c80319c", span_id=f"{n:016x}")
+        await attempt(run, "search", Counted(ConnectionError("down")), {"q": "x"}, ids=ids)
+    assert [(d["verdict"], d["trace_id"], d["span_id"]) for d in decisions] == [
+        ("recursion", "0af7651916cd43dd8448eb211c80319c", f"{3:016x}")]
 
 
 # --------------------------------------------------------------------------------------------------
