@@ -7,11 +7,13 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
 .PHONY: install deploy-tools kafka-jars test-setup test test-deploy run bench chaos lint clean
 
+# The integrations' extras are installed too, so their tests run against the real libraries
+# (claude-agent-sdk's wheel bundles its CLI: about 380 MB).
 $(STAMP): pyproject.toml
 	@echo "==> installing loopwarden and its test tools into $(VENV)"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(BIN)/pip install --quiet --disable-pip-version-check --upgrade pip
-	@$(BIN)/pip install --quiet --disable-pip-version-check -e '.[worker,dev]'
+	@$(BIN)/pip install --quiet --disable-pip-version-check -e '.[worker,dev,otel,langchain,openai-agents,mcp,claude-agent-sdk]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP)
@@ -50,15 +52,18 @@ bench: install
 	@$(BIN)/python -m bench
 
 ## make chaos: the full fault-injection suite (20 worker crashes, rebalances, broker restarts, slow
-## workers, a 30-minute soak) on a real broker; regenerates RELIABILITY.md. Not part of make test.
+## workers, a 30-minute soak) on a real broker; regenerates RELIABILITY.md (also when a trial fails).
+## The soak's 200,000 four-call runs in 30 min are ~440 events/s: about half a worker's sustained rate
+## here (BENCHMARKS.md); a million runs would outrun one worker and only measure its backlog.
+## Not part of make test.
 CHAOS_RESULTS := var/chaos-results.jsonl
 chaos: install
 	@$(BIN)/python scripts/kafka_local.py resolve
 	@mkdir -p var && rm -f $(CHAOS_RESULTS)
-	@CHAOS_TRIALS=$${CHAOS_TRIALS:-20} CHAOS_SOAK_MINUTES=$${CHAOS_SOAK_MINUTES:-30} \
-	  CHAOS_SOAK_RUNS=$${CHAOS_SOAK_RUNS:-1000000} CHAOS_RESULTS=$(CHAOS_RESULTS) \
-	  $(BIN)/python -m pytest tests/chaos -m chaos -v -s --timeout=4000
-	@$(BIN)/python -m tests.chaos.report $(CHAOS_RESULTS) RELIABILITY.md
+	@status=0; CHAOS_TRIALS=$${CHAOS_TRIALS:-20} CHAOS_SOAK_MINUTES=$${CHAOS_SOAK_MINUTES:-30} \
+	  CHAOS_SOAK_RUNS=$${CHAOS_SOAK_RUNS:-200000} CHAOS_RESULTS=$(CHAOS_RESULTS) \
+	  $(BIN)/python -m pytest tests/chaos -m chaos -v -s --timeout=4000 || status=$$?; \
+	  $(BIN)/python -m tests.chaos.report $(CHAOS_RESULTS) RELIABILITY.md; exit $$status
 
 lint: install
 	@$(BIN)/ruff check stream_app tests bench scripts

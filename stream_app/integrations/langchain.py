@@ -1,0 +1,288 @@
+"""loopwarden in LangChain and LangGraph: an agent middleware for LangChain v1's ``create_agent``, and a
+callback handler for any LangChain runnable (a LangGraph graph, a legacy agent, a bare tool).
+
+Both report every tool call and refuse a halted run's next call before its tool runs, with ``RunHalted``;
+the call that triggered the halt has already run and keeps its result. That is the same in-process,
+where the halt is in force at once, and in fleet mode, where it arrives a few milliseconds after the
+triggering call. ``RunHalted`` leaves ``invoke``: LangGraph's ``ToolNode`` re-raises every exception
+but bad tool arguments, unless it was built with ``handle_tool_errors=True`` (or, for the callback
+handler, which raises inside the tool call, a ``ToolErrorMiddleware`` answers every exception); then the
+model is told of the halt, each further call is refused the same way, and the agent loops on until
+LangGraph's recursion limit.
+
+Prefer the middleware: it runs around each tool call, so a suppressed duplicate of a side-effecting
+call is answered with the earlier result without running the tool, and the run goes on. A callback
+cannot skip a tool, only raise: the handler refuses a suppressed duplicate with ``DuplicateSuppressed``,
+which ends the run (the tool does not run twice).
+
+Ids: the run is the LangGraph thread (``config["configurable"]["thread_id"]``), so an operator halts or
+resumes a conversation by the id the application knows; a thread's calls share the run's iteration
+ceiling. Without a thread, the run is the invocation: the callback handler uses the root run id (what
+LangSmith calls the trace; ``config["run_id"]`` when the caller set it), the middleware that
+``config["run_id"]``, else an id of its own. The model's tool call id goes to ``attrs.tool_call_id``. The
+handler also maps the run tree onto W3C ids: the trace id is the root run's UUID in hex (as LangSmith's
+OpenTelemetry export has it), span ids the last 8 bytes of the tool's and its parent's run UUIDs.
+LangChain's run ids are UUIDv7, whose first 8 bytes (LangSmith's choice) repeat within a millisecond.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Annotated, Any, NotRequired, TypeVar
+from uuid import UUID
+
+from langchain.agents.middleware import AgentMiddleware, AgentState, ToolCallRequest
+from langchain.agents.middleware.types import PrivateStateAttr
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.messages import ToolMessage
+from langgraph.channels.untracked_value import UntrackedValue
+from langgraph.errors import GraphBubbleUp
+from langgraph.runtime import Runtime
+from langgraph.types import Command
+
+from ..client import CallIds, Guard, GuardedRun, PendingCall, ToolOutcome
+from ..core import LoopwardenError
+
+__all__ = ["DuplicateSuppressed", "LoopwardenCallbackHandler", "LoopwardenMiddleware"]
+
+T = TypeVar("T")
+ToolResult = ToolMessage | Command[Any]
+
+
+class DuplicateSuppressed(LoopwardenError):
+    """A suppressed duplicate of a side-effecting call, refused because a callback cannot hand back the
+    earlier result (the middleware can)."""
+
+    def __init__(self, run_id: str, tool: str) -> None:
+        self.run_id = run_id
+        self.tool = tool
+        super().__init__(
+            f"run {run_id}: loopwarden suppressed a duplicate call of {tool}; a callback handler cannot hand "
+            "back the earlier result, so the call is refused (LoopwardenMiddleware would answer it)"
+        )
+
+
+class _Bridge:
+    """Runs the guard's coroutines from LangChain's sync code, which LangGraph calls on worker threads.
+
+    A guard belongs to one event loop. With ``loop`` (the loop a fleet guard was started on, which must
+    keep running meanwhile) each coroutine runs there. Without, each runs on a private loop, one at a
+    time: right for an in-process guard, whose calls never wait on anything.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        if self.loop is None:
+            with self._lock:
+                return asyncio.run(coroutine)
+        if _running_loop() is self.loop:
+            coroutine.close()
+            raise RuntimeError(
+                "loopwarden: a sync LangChain call on the guard's own event loop would block it; call the "
+                "agent with ainvoke/astream there, or invoke it from another thread"
+            )
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+
+class LoopwardenCallbackHandler(BaseCallbackHandler):
+    """Guards the tool calls of any runnable it is a callback of:
+    ``agent.invoke(inputs, {"callbacks": [LoopwardenCallbackHandler(guard)]})``.
+
+    ``agent_id``/``tenant``: what the guard's policy resolves these calls under. ``loop``: the event
+    loop a fleet guard runs on (needed for a fleet guard, under ``invoke`` and ``ainvoke`` alike:
+    LangChain runs a sync handler off the loop); leave it None for an in-process guard.
+    """
+
+    # LangChain logs and swallows a handler's exception unless this is set: a halt must stop the run.
+    raise_error = True
+
+    def __init__(
+        self,
+        guard: Guard,
+        *,
+        agent_id: str | None = None,
+        tenant: str | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self.guard = guard
+        self.agent_id = agent_id
+        self.tenant = tenant
+        self._bridge = _Bridge(loop)
+        self._roots: dict[UUID, UUID] = {}  # run id of each chain in flight -> its root run id
+        self._pending: dict[UUID, tuple[GuardedRun, PendingCall, float]] = {}
+
+    def on_chain_start(
+        self, serialized: dict[str, Any] | None, inputs: Any, *, run_id: UUID,
+        parent_run_id: UUID | None = None, **kwargs: Any,
+    ) -> None:
+        self._roots[run_id] = self._roots.get(parent_run_id, parent_run_id) if parent_run_id else run_id
+
+    def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        self._roots.pop(run_id, None)
+
+    def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        self._roots.pop(run_id, None)
+
+    def on_tool_start(
+        self,
+        serialized: dict[str, Any],
+        input_str: str,
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        metadata: dict[str, Any] | None = None,
+        inputs: dict[str, Any] | None = None,
+        tool_call_id: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        root = self._roots.get(parent_run_id, parent_run_id) if parent_run_id else run_id
+        thread_id = (metadata or {}).get("thread_id")
+        run = self.guard.run(str(thread_id or root), self.agent_id, self.tenant)
+        ids = CallIds(
+            tool_call_id=tool_call_id,
+            trace_id=root.hex,
+            span_id=_span_id(run_id),
+            parent_span_id=_span_id(parent_run_id) if parent_run_id else None,
+        )
+        tool = serialized["name"]
+        pending = self._bridge.run(run.begin(tool, _args(inputs, input_str), ids=ids))
+        if pending.earlier is not None:
+            raise DuplicateSuppressed(run.run_id, tool)
+        self._pending[run_id] = (run, pending, time.perf_counter())
+
+    def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        begun = self._pending.pop(run_id, None)
+        if begun is not None:
+            run, pending, started = begun
+            self._bridge.run(run.finish(pending, _reported(output), latency_ms=_ms_since(started)))
+
+    def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        begun = self._pending.pop(run_id, None)
+        # An interrupt (GraphBubbleUp) pauses the call, which runs again on resume; it did not fail.
+        if begun is not None and isinstance(error, Exception) and not isinstance(error, GraphBubbleUp):
+            run, pending, started = begun
+            self._bridge.run(run.finish(pending, error=error, latency_ms=_ms_since(started)))
+
+
+class _GuardedState(AgentState[Any]):
+    """The agent state plus the run id, chosen once per invocation (not checkpointed, not in the output)."""
+
+    loopwarden_run_id: NotRequired[Annotated[str, UntrackedValue, PrivateStateAttr]]
+
+
+class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
+    """Guards an agent's tool calls: ``create_agent(model, tools, middleware=[LoopwardenMiddleware(guard)])``.
+
+    List it first, outermost, so it sees each call's final outcome (after ``ToolErrorMiddleware``,
+    ``ToolRetryMiddleware``...) and its ``RunHalted`` reaches the caller untouched. ``agent_id``/``tenant``:
+    what the guard's policy resolves these calls under. ``loop``: the event loop a fleet guard runs on,
+    needed only when the agent is called with sync ``invoke``.
+    """
+
+    state_schema = _GuardedState
+
+    def __init__(
+        self,
+        guard: Guard,
+        *,
+        agent_id: str | None = None,
+        tenant: str | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__()
+        self.guard = guard
+        self.agent_id = agent_id
+        self.tenant = tenant
+        self._bridge = _Bridge(loop)
+
+    def before_agent(self, state: _GuardedState, runtime: Runtime[Any]) -> dict[str, Any]:
+        info = runtime.execution_info
+        run_id = (info.thread_id or info.run_id) if info is not None else None
+        return {"loopwarden_run_id": str(run_id or uuid.uuid4())}
+
+    def wrap_tool_call(
+        self, request: ToolCallRequest, handler: Callable[[ToolCallRequest], ToolResult]
+    ) -> ToolResult:
+        run, tool, args, ids = self._call(request)
+        pending = self._bridge.run(run.begin(tool, args, ids=ids))
+        if pending.earlier is not None:
+            return _replayed(request, pending)
+        started = time.perf_counter()
+        try:
+            result = handler(request)
+        except GraphBubbleUp:
+            raise  # an interrupt pauses the call, which runs again on resume; it did not fail
+        except Exception as exc:
+            self._bridge.run(run.finish(pending, error=exc, latency_ms=_ms_since(started)))
+            raise
+        self._bridge.run(run.finish(pending, _reported(result), latency_ms=_ms_since(started)))
+        return result
+
+    async def awrap_tool_call(
+        self, request: ToolCallRequest, handler: Callable[[ToolCallRequest], Awaitable[ToolResult]]
+    ) -> ToolResult:
+        run, tool, args, ids = self._call(request)
+        pending = await run.begin(tool, args, ids=ids)
+        if pending.earlier is not None:
+            return _replayed(request, pending)
+        started = time.perf_counter()
+        try:
+            result = await handler(request)
+        except GraphBubbleUp:
+            raise
+        except Exception as exc:
+            await run.finish(pending, error=exc, latency_ms=_ms_since(started))
+            raise
+        await run.finish(pending, _reported(result), latency_ms=_ms_since(started))
+        return result
+
+    def _call(self, request: ToolCallRequest) -> tuple[GuardedRun, str, dict[str, Any], CallIds]:
+        call = request.tool_call
+        run = self.guard.run(request.state["loopwarden_run_id"], self.agent_id, self.tenant)
+        return run, call["name"], dict(call["args"]), CallIds(tool_call_id=call["id"])
+
+
+def _args(inputs: Mapping[str, Any] | None, input_str: str) -> dict[str, Any]:
+    """A tool's arguments as the callback sees them: a dict, or the bare string a tool was given."""
+    return dict(inputs) if inputs is not None else {"input": input_str}
+
+
+def _reported(output: Any) -> Any:
+    """What a tool's output reports: a ``ToolMessage``'s content, failing if its status is ``error``
+    (a ``ToolException`` a tool handles, an error ``ToolErrorMiddleware`` turned into a message)."""
+    if isinstance(output, ToolMessage):
+        return ToolOutcome("error", output.content) if output.status == "error" else output.content
+    return output
+
+
+def _replayed(request: ToolCallRequest, pending: PendingCall) -> ToolMessage:
+    """The earlier answer to a suppressed duplicate, as the answer to this tool call."""
+    assert pending.earlier is not None
+    return ToolMessage(
+        content=pending.earlier.replay(),
+        name=request.tool_call["name"],
+        tool_call_id=request.tool_call["id"],
+        status="error" if pending.earlier.outcome == "error" else "success",
+    )
+
+
+def _span_id(run_id: UUID) -> str:
+    return run_id.bytes[8:].hex()  # a UUIDv7's counter and random bits; its first 8 are mostly time
+
+
+def _ms_since(started: float) -> float:
+    return (time.perf_counter() - started) * 1000
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

@@ -1,0 +1,201 @@
+"""loopwarden in the OpenAI Agents SDK: run hooks, or tool guardrails, that report every function tool call
+and stop a halted run before its next tool runs. The call that triggered the halt has already run and
+keeps its result.
+
+- ``LoopwardenRunHooks`` (``Runner.run(agent, input, hooks=...)``) sees every function tool of the run.
+  ``on_tool_start`` refuses a halted run's call with ``AgentRunHalted``, a ``RunHalted`` that is also an
+  ``AgentsException``: the SDK re-raises those from a hook as they are, and wraps anything else in a
+  ``UserError``. Hooks cannot skip a tool, only raise, so a suppressed duplicate of a side-effecting call
+  is refused with ``DuplicateSuppressed``, which ends the run (the tool does not run twice).
+- ``LoopwardenToolGuardrails`` (``function_tool(..., tool_input_guardrails=[g.input],
+  tool_output_guardrails=[g.output])``) guards the tools it is attached to, the SDK's way: a halt trips
+  the input guardrail (``ToolInputGuardrailTripwireTriggered``, whose ``output.output_info`` is the halt
+  decision), and a suppressed duplicate is answered with the earlier result (``reject_content``): the
+  tool does not run and the run goes on.
+
+The SDK turns a tool's exception into a message for the model before any hook or guardrail sees the
+call's end, so a failing tool would be reported as a success with that message, and a loop of failures
+would never halt. Give each tool ``failure_error_function=tool_failed``: it marks the call failed for
+whichever guard reports it, and answers the model with the SDK's default message.
+
+Ids: the run is ``run_id`` (a string, or a function of the run context) if given, else the run's
+``group_id`` (``RunConfig(group_id=...)``, the SDK's conversation id), else its trace id (one per
+``Runner.run`` while tracing is on). The model's call id goes to ``attrs.tool_call_id``; the trace id
+(``trace_<32 hex>``) to the W3C ``trace_id`` without its prefix.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, Final
+
+import orjson
+from agents import (
+    AgentsException,
+    RunContextWrapper,
+    RunHooks,
+    ToolGuardrailFunctionOutput,
+    ToolInputGuardrail,
+    ToolInputGuardrailData,
+    ToolOutputGuardrail,
+    ToolOutputGuardrailData,
+    default_tool_error_function,
+)
+from agents.tool_context import ToolContext
+from agents.tracing import get_current_trace
+
+from ..client import CallIds, Guard, GuardedRun, PendingCall, RunHalted
+from ..core import LoopwardenError
+
+__all__ = [
+    "AgentRunHalted",
+    "DuplicateSuppressed",
+    "LoopwardenRunHooks",
+    "LoopwardenToolGuardrails",
+    "tool_failed",
+]
+
+RunIdOf = Callable[[RunContextWrapper[Any]], str]
+
+_SDK_TRACE_ID: Final = re.compile(r"trace_([0-9a-f]{32})")
+#: The exception of each failed call still in flight, by its tool context (gone with the context).
+_FAILED: weakref.WeakKeyDictionary[RunContextWrapper[Any], Exception] = weakref.WeakKeyDictionary()
+
+
+def tool_failed(context: RunContextWrapper[Any], error: Exception) -> str:
+    """A ``failure_error_function`` for ``function_tool``: marks the call failed, so the guard reports
+    its error, and answers the model as the SDK's default does."""
+    _FAILED[context] = error
+    return default_tool_error_function(context, error)
+
+
+class AgentRunHalted(RunHalted, AgentsException):
+    """``RunHalted`` as an ``AgentsException``, which the SDK lets out of a hook unwrapped."""
+
+
+class DuplicateSuppressed(LoopwardenError, AgentsException):
+    """A suppressed duplicate of a side-effecting call, refused because a hook cannot hand back the
+    earlier result (``LoopwardenToolGuardrails`` can)."""
+
+    def __init__(self, run_id: str, tool: str) -> None:
+        self.run_id = run_id
+        self.tool = tool
+        super().__init__(
+            f"run {run_id}: loopwarden suppressed a duplicate call of {tool}; a run hook cannot hand back "
+            "the earlier result, so the call is refused (LoopwardenToolGuardrails would answer it)"
+        )
+
+
+class _ToolCalls:
+    """What the hooks and the guardrails share: which run a call belongs to, and the calls in flight."""
+
+    def __init__(self, guard: Guard, run_id: str | RunIdOf | None = None, *, agent_id: str | None = None,
+                 tenant: str | None = None) -> None:
+        self.guard = guard
+        self.agent_id = agent_id
+        self.tenant = tenant
+        self._run_id = run_id
+        self._pending: dict[tuple[str, str], tuple[GuardedRun, PendingCall, float]] = {}
+
+    async def _begin(self, context: ToolContext[Any]) -> tuple[GuardedRun, PendingCall]:
+        """``GuardedRun.begin`` for this call (``RunHalted`` propagates); remembered until it ends unless
+        it is a suppressed duplicate, which is already reported."""
+        run = self.guard.run(self._run_of(context), self.agent_id, self.tenant)
+        w3c = _SDK_TRACE_ID.fullmatch(_sdk_trace_id() or "")
+        ids = CallIds(tool_call_id=context.tool_call_id, trace_id=w3c.group(1) if w3c else None)
+        pending = await run.begin(context.tool_name, _arguments(context.tool_arguments), ids=ids)
+        if pending.earlier is None:
+            self._pending[run.run_id, context.tool_call_id] = (run, pending, time.perf_counter())
+        return run, pending
+
+    async def _finish(self, context: ToolContext[Any], result: Any) -> None:
+        """Reports the call's end: its error if ``tool_failed`` saw one, else its result."""
+        error = _FAILED.pop(context, None)
+        begun = self._pending.pop((self._run_of(context), context.tool_call_id), None)
+        if begun is not None:
+            run, pending, started = begun
+            await run.finish(pending, result, error=error, latency_ms=(time.perf_counter() - started) * 1000)
+
+    def _run_of(self, context: ToolContext[Any]) -> str:
+        """The call's run id: ``run_id`` (or what it returns), else the group id, else the trace id."""
+        if callable(self._run_id):
+            return self._run_id(context)
+        group_id = context.run_config.group_id if context.run_config else None
+        run_id = self._run_id or group_id or _sdk_trace_id()
+        if not run_id:
+            raise ValueError(
+                "loopwarden cannot tell which run this tool call belongs to: pass run_id=, or run with "
+                "RunConfig(group_id=...), or leave tracing on"
+            )
+        return run_id
+
+
+class LoopwardenRunHooks(_ToolCalls, RunHooks[Any]):
+    """Guards every function tool call of the runs it hooks: ``Runner.run(agent, input, hooks=hooks)``.
+
+    ``run_id``: the run's id, or a function of its context that returns it (default: its ``group_id``,
+    else its trace id). ``agent_id``/``tenant``: what the guard's policy resolves these calls under.
+    """
+
+    async def on_tool_start(self, context: RunContextWrapper[Any], agent: Any, tool: Any) -> None:
+        if not isinstance(context, ToolContext):  # computer and shell actions: no call id, no arguments
+            return
+        try:
+            run, pending = await self._begin(context)
+        except RunHalted as halted:
+            raise AgentRunHalted(halted.decision) from None
+        if pending.earlier is not None:
+            raise DuplicateSuppressed(run.run_id, context.tool_name)
+
+    async def on_tool_end(self, context: RunContextWrapper[Any], agent: Any, tool: Any, result: Any) -> None:
+        if isinstance(context, ToolContext):
+            await self._finish(context, result)
+
+
+class LoopwardenToolGuardrails(_ToolCalls):
+    """Guards the function tools it is attached to:
+    ``function_tool(fn, tool_input_guardrails=[g.input], tool_output_guardrails=[g.output],
+    failure_error_function=tool_failed)``. Arguments as for ``LoopwardenRunHooks``.
+    """
+
+    def __init__(self, guard: Guard, run_id: str | RunIdOf | None = None, *, agent_id: str | None = None,
+                 tenant: str | None = None) -> None:
+        super().__init__(guard, run_id, agent_id=agent_id, tenant=tenant)
+        self.input: ToolInputGuardrail[Any] = ToolInputGuardrail(self._before, name="loopwarden")
+        self.output: ToolOutputGuardrail[Any] = ToolOutputGuardrail(self._after, name="loopwarden")
+
+    async def _before(self, data: ToolInputGuardrailData) -> ToolGuardrailFunctionOutput:
+        try:
+            _, pending = await self._begin(data.context)
+        except RunHalted as halted:
+            return ToolGuardrailFunctionOutput.raise_exception(output_info=halted.decision)
+        if pending.earlier is None:
+            return ToolGuardrailFunctionOutput.allow()
+        try:
+            earlier = str(pending.earlier.replay())
+        except Exception as exc:  # the earlier call failed: the model gets the same answer as then
+            earlier = default_tool_error_function(data.context, exc)
+        return ToolGuardrailFunctionOutput.reject_content(earlier, output_info={"suppressed": True})
+
+    async def _after(self, data: ToolOutputGuardrailData) -> ToolGuardrailFunctionOutput:
+        await self._finish(data.context, data.output)
+        return ToolGuardrailFunctionOutput.allow()
+
+
+def _arguments(raw: str) -> dict[str, Any]:
+    """A function call's arguments: the JSON object the model sent, or what it sent under ``input``."""
+    try:
+        value = orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError:
+        return {"input": raw}
+    return value if isinstance(value, dict) else {"input": value}
+
+
+def _sdk_trace_id() -> str | None:
+    """The SDK's id of the current trace; None while tracing is off (a no-op trace)."""
+    trace = get_current_trace()
+    trace_id = trace.trace_id if trace is not None else None
+    return trace_id if trace_id and trace_id.startswith("trace_") else None
