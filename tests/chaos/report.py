@@ -59,7 +59,17 @@ def render(results: list[dict[str, Any]], command: str) -> str:
     if broker:
         lines += ["", "Broker restart: the broker was down for "
                   + ", ".join(f"{r['fault']['down_s']} s" for r in broker) + " (stop + start to ready)."]
+    unclean = [r for runs in trials.values() for r in runs if not r.get("clean", True)]
+    if unclean:
+        lines += ["", "## Trials that were not clean", "",
+                  "Each lists the halts replay made that the fleet did not (missing) and the fleet's halts replay",
+                  "did not make (extra), as (run, verdict, trigger event):", ""]
+        for r in unclean:
+            lines.append(f"- {r['scenario']} trial {r['trial']} ({r['fault']}; {r['seconds']} s): "
+                         f"missing {r['notes']['missing']}, extra {r['notes']['extra']}.")
     if soak:
+        offered = soak["events"] / (soak["minutes"] * 60)
+        end_lag = soak["samples"][-1]["lag"] if soak.get("samples") else 0
         lines += [
             "",
             f"## Soak: {soak['minutes']:g} minutes, {soak['runs']:,} distinct runs ({soak['events']:,} events)",
@@ -72,6 +82,9 @@ def render(results: list[dict[str, Any]], command: str) -> str:
             f"- Runs tracked (RocksDB estimate): {soak['tracked_first_third']:,.0f} -> "
             f"{soak['tracked_last_third']:,.0f}; runs evicted: {soak['evicted']:,.0f}; state on disk at the end "
             f"{soak['state_mb_last']:.1f} MB (run_ttl_ms 30 s in event time).",
+            f"- Offered rate {offered:,.0f} events/s; consumer lag at the end {end_lag:,.0f} messages"
+            + (": the input outran the worker, so halts still in the backlog 3 minutes after the input ended"
+               " count as missing here (compare with the sustained rate in BENCHMARKS.md)." if end_lag else "."),
         ]
     lines += [
         "",
