@@ -31,6 +31,8 @@ from stream_app.integrations.langchain import (
 from tests.integration.workers import Fleet, consume
 from tests.readme_examples import example
 
+from .tools import telemetry_of
+
 SEARCH_ARGS = {"query": "refund policy"}
 EMAIL_ARGS = {"to": "a@example.com", "subject": "Your refund"}
 
@@ -90,19 +92,6 @@ def email_tool(body: Counted) -> BaseTool:
         return body()
 
     return StructuredTool.from_function(send_email, description="Send an e-mail.", handle_tool_error=True)
-
-
-def telemetry_of(guard: Guard) -> list[dict[str, Any]]:
-    """Every telemetry event the guard builds from now on (in-process, they go to its detector)."""
-    events: list[dict[str, Any]] = []
-    build = guard.builder.build
-
-    def recording(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        events.append(build(*args, **kwargs))
-        return events[-1]
-
-    guard.builder.build = recording  # type: ignore[method-assign]
-    return events
 
 
 def invoke(agent: Any, config: dict[str, Any], mode: str) -> Any:

@@ -41,6 +41,8 @@ from stream_app.integrations.openai_agents import (
 from tests.integration.workers import Fleet, consume
 from tests.readme_examples import example
 
+from .tools import telemetry_of
+
 SEARCH_ARGS = {"query": "refund policy"}
 EMAIL_ARGS = {"to": "a@example.com", "subject": "Your refund"}
 
@@ -117,19 +119,6 @@ def email_tool(body: Counted, **options: Any) -> FunctionTool:
 
     options.setdefault("failure_error_function", tool_failed)
     return function_tool(send_email, **options)
-
-
-def telemetry_of(guard: Guard) -> list[dict[str, Any]]:
-    """Every telemetry event the guard builds from now on (in-process, they go to its detector)."""
-    events: list[dict[str, Any]] = []
-    build = guard.builder.build
-
-    def recording(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        events.append(build(*args, **kwargs))
-        return events[-1]
-
-    guard.builder.build = recording  # type: ignore[method-assign]
-    return events
 
 
 def outputs_seen(model: ScriptedModel) -> list[tuple[str, str]]:

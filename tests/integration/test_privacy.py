@@ -20,6 +20,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from stream_app.client import Guard, KafkaClientConfig, RunHalted
 
+from .tools import Counted
 from .workers import Fleet, run
 
 pytestmark = pytest.mark.integration
@@ -33,20 +34,6 @@ SECRETS = (PASSWORD, API_KEY, EMAIL_BODY, CUSTOMER)
 #: A raw tool's argument that is not a secret: it must travel, which proves the scan sees raw values.
 SUBJECT = "Order ORD-7731 shipped"
 MAIL_ARGS = {"to": "desk@example.com", "subject": SUBJECT, "email_body": EMAIL_BODY, "smtp_password": PASSWORD}
-
-
-class Counted:
-    """A tool that counts its executions and returns (or raises) ``answer``."""
-
-    def __init__(self, answer: Any) -> None:
-        self.answer = answer
-        self.calls = 0
-
-    def __call__(self, **kwargs: Any) -> Any:
-        self.calls += 1
-        if isinstance(self.answer, BaseException):
-            raise self.answer
-        return self.answer
 
 
 async def _agent(fleet: Fleet) -> dict[str, Any]:

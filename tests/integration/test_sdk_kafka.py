@@ -49,24 +49,12 @@ from stream_app.core import (
 from stream_app.signing import KeyRing, Signer, generate
 from stream_app.wire import Headers, encode_control
 
+from .tools import Counted
+
 pytestmark = pytest.mark.integration
 
 TIMEOUT_S = 20.0
 SECRET = "card-4111-1111-1111-1111"
-
-
-class Counted:
-    """A tool that counts its executions and returns (or raises) ``answer``."""
-
-    def __init__(self, answer: Any) -> None:
-        self.answer = answer
-        self.calls = 0
-
-    def __call__(self, **kwargs: Any) -> Any:
-        self.calls += 1
-        if isinstance(self.answer, BaseException):
-            raise self.answer
-        return self.answer
 
 
 def make_decision(
