@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stream_app.signing import KeyRing, generate
+from stream_app.signing import KeyRing, ensure_pairs
 
 REPO = Path(__file__).resolve().parent.parent
 _COMMIT_OVERLAP = re.compile(r"Timer commit is overlapping \(interval=[\d.]+ runtime=([\d.]+)\)")
@@ -121,10 +121,7 @@ class Deployment:
     @property
     def keys(self) -> Path:
         """The deployment's worker key pair (signs decisions), generated on first use."""
-        folder = self.workdir / self.name / "keys"
-        if not (folder / "worker.key").exists():
-            generate(folder, "worker")
-        return folder
+        return ensure_pairs(self.workdir / self.name / "keys", "worker")
 
     def trusted_keys(self) -> KeyRing:
         return KeyRing.from_paths([self.keys / "worker.pub"])

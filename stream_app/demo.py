@@ -24,12 +24,11 @@ import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from .client import Guard, GuardedRun, KafkaClientConfig, RunHalted
-from .signing import KeyRing, generate
+from .signing import KeyRing, ensure_pairs
 
 MAX_CALLS = 200  # a runaway the fleet never stops gives up here, and is reported as missed
 
@@ -201,11 +200,10 @@ class Worker:
     def topics(self) -> tuple[str, str]:
         return f"{self.name}.telemetry", f"{self.name}.control"
 
-    @cached_property
+    @property
     def keys(self) -> Path:
         """A development key pair: the worker signs its decisions with it, the agents' guard trusts it."""
-        generate(self.workdir / "keys", "worker")
-        return self.workdir / "keys"
+        return ensure_pairs(self.workdir / "keys", "worker")
 
     def start(self, bootstrap: str, partitions: int) -> None:
         import socket

@@ -134,6 +134,16 @@ class KeyRing:
         return name
 
 
+def ensure_pairs(directory: str | Path, *names: str) -> Path:
+    """``directory`` with a key pair for each of ``names``, generating the missing ones (development and
+    test deployments, which make their keys on first use); returns ``directory``."""
+    folder = Path(directory)
+    for name in names:
+        if not (folder / f"{name}.key").exists():
+            generate(folder, name)
+    return folder
+
+
 def generate(directory: str | Path, name: str) -> tuple[Path, Path, str]:
     """A new key pair as ``NAME.key`` (private, mode 0600) and ``NAME.pub`` in ``directory``; returns
     both paths and the key id. Refuses to overwrite an existing key."""

@@ -124,11 +124,7 @@ class ControlBoard:
 
     def apply_json(self, raw: bytes | None) -> Applied:
         """Apply one control message as it came off the wire."""
-        try:
-            message = orjson.loads(raw) if raw is not None else None
-        except orjson.JSONDecodeError:
-            message = None
-        return self.apply(message)
+        return self.apply(_decoded(raw))
 
     def apply(self, message: object) -> Applied:
         """Apply one control v1 object; never raises."""
@@ -218,6 +214,14 @@ class ControlBoard:
         self._parked[run_id] = parked
         if len(self._parked) > self.max_parked_runs:
             self._parked.popitem(last=False)
+
+
+def _decoded(raw: bytes | None) -> object:
+    """The JSON value of a control message, or None (``apply`` counts that as malformed)."""
+    try:
+        return orjson.loads(raw) if raw is not None else None
+    except orjson.JSONDecodeError:
+        return None
 
 
 def _well_formed(message: object) -> TypeGuard[dict[str, Any]]:
@@ -414,10 +418,7 @@ class HaltListener:
                 self.trusted_keys.verify(value, record.headers)
             except SignatureRejected as exc:
                 return self._reject(exc.reason, str(exc), record)
-        try:
-            message = orjson.loads(value)
-        except orjson.JSONDecodeError:
-            message = None
+        message = _decoded(value)
         if self.max_age_ms is not None and type(message) is dict and type(message.get("ts_ms")) is int:
             age_ms = wall_clock_ms() - message["ts_ms"]
             if age_ms > self.max_age_ms:

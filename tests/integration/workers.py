@@ -25,7 +25,7 @@ import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
 
-from stream_app.signing import KeyRing, generate
+from stream_app.signing import KeyRing, ensure_pairs
 from stream_app.wire import encode_telemetry
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,11 +114,7 @@ class Fleet:
     def keys(self) -> Path:
         """The deployment's key pairs (worker: signs control messages; operator: signs overrides),
         generated on first use, as `loopwarden keys generate` would."""
-        folder = self.workdir / "keys"
-        if not (folder / "worker.key").exists():
-            for name in ("worker", "operator"):
-                generate(folder, name)
-        return folder
+        return ensure_pairs(self.workdir / "keys", "worker", "operator")
 
     def trusted_keys(self) -> KeyRing:
         """What a runtime of this deployment trusts: the workers' public key."""
