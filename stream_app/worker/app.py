@@ -50,6 +50,7 @@ from ..core import (
 )
 from ..signing import KeyRing, SignatureRejected, Signer
 from ..wire import KIND_HEADER, OPERATOR_KIND, Headers, encode_control, encode_telemetry, header
+from . import acks
 from .codecs import decode_run, encode_run
 from .metrics import WorkerMetrics
 from .settings import SettingsError, WorkerSettings
@@ -112,6 +113,8 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
         },
     )
     processor = BatchProcessor(app, telemetry, runs, Detector(policy), settings, metrics, signer, operator_keys)
+    inputs = [settings.telemetry_topic] + ([settings.otlp_topic] if settings.otlp_topic else [])
+    processed = acks.install(app, inputs, metrics.refetched.inc)
 
     if settings.evict_scan_per_sweep:
 
@@ -124,6 +127,7 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
     async def detect(stream: StreamT) -> None:
         async for batch in stream.take_events(settings.batch_max, within=settings.batch_within_s):
             await processor.process(batch)
+            processed.mark_processed(batch)
 
     if settings.otlp_topic:
         relay = OtlpRelay(telemetry, settings, processor.dead_letter)
@@ -133,6 +137,7 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
         async def relay_tool_spans(stream: StreamT) -> None:
             async for batch in stream.take_events(settings.batch_max, within=settings.batch_within_s):
                 await relay.relay(batch)
+                processed.mark_processed(batch)
 
     return app
 

@@ -23,6 +23,9 @@ class WorkerMetrics:
         self.rekeyed = Counter("loopwarden_rekeyed_total",
                                "Messages that arrived keyed by something else, re-published keyed by run id.",
                                registry=r)
+        self.refetched = Counter("loopwarden_rebalance_refetched_total",
+                                 "Messages faust skipped during a rebalance; not committed, fetched again.",
+                                 registry=r)
         self.evictions = Counter("loopwarden_evicted_runs_total",
                                  "Runs forgotten after run_ttl_ms of event-time silence.", registry=r)
         self.decision_latency = Histogram(
