@@ -18,7 +18,7 @@ from .contract import (
     decode_operator_command,
     parse_event,
 )
-from .detector import DUPLICATE, Detector, Evaluation, RunState, decision_id
+from .detector import DUPLICATE, Detector, Evaluation, Finding, RunState, decision_id, explain
 from .errors import InvalidEvent, LoopwardenError, NormalisationError, PolicyError
 from .normalize import DEFAULT_IGNORED_FIELDS, FieldFilter, canonical_json, normalise, semantic_hash
 from .policy import CallPolicy, Policy, Settings
@@ -35,6 +35,7 @@ __all__ = [
     "Detector",
     "Evaluation",
     "FieldFilter",
+    "Finding",
     "InvalidEvent",
     "LoopwardenError",
     "NormalisationError",
@@ -51,6 +52,7 @@ __all__ = [
     "decision_id",
     "decode_event",
     "decode_operator_command",
+    "explain",
     "normalise",
     "parse_event",
     "semantic_hash",

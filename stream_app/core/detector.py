@@ -59,8 +59,9 @@ def _checksum(text: str) -> bytes:
 def _short(hash_text: str) -> bytes:
     """8 bytes of a hash string: its first 16 hex digits when it is hex (ours are), else a checksum."""
     try:
-        if len(hash_text) >= 16:
-            return bytes.fromhex(hash_text[:16])
+        raw = bytes.fromhex(hash_text[:16])
+        if len(raw) == _DIGEST:  # fromhex skips spaces: "0a 0b ..." is not 16 hex digits
+            return raw
     except ValueError:
         pass
     return _checksum(hash_text)
@@ -213,54 +214,37 @@ class Detector:
         if not (state.calls > settings.iteration_ceiling or occurrences >= 2 or (failing and count > budget)
                 or period or (not failing and 0 < settings.poll_alert_after <= count)):
             return _NOTHING  # the common case: nothing to decide, no evidence to build
-        evidence: dict[str, Any] = {
-            "tool": event.tool,
-            "args_hash": args_hash,
-            "args_verified": args_verified,
-            "outcome": event.outcome,
-            "result_hash": result_hash,
-        }
-        if event.seq is not None:
-            evidence["seq"] = event.seq  # lets a runtime tell which of its calls triggered the decision
+        finding = self._judge(state, event, settings, failing, occurrences, count, budget, period)
+        if finding is None:
+            return _NOTHING
+        return Evaluation(False, (explain(event, settings, finding._replace(
+            args_hash=args_hash, args_verified=args_verified, result_hash=result_hash)),))
+
+    def _judge(self, state: RunState, event: TelemetryEvent, settings: Settings, failing: bool,
+               occurrences: int, count: int, budget: int, period: int) -> Finding | None:
+        """Pick the rule that wins (module docstring order) and apply its effect on the run."""
+        verdict: Verdict
         if state.calls > settings.iteration_ceiling:
-            evidence.update(count=state.calls, ceiling=settings.iteration_ceiling)
-            return self._halt(state, event, settings, "iteration_ceiling", evidence,
-                              f"run reached its iteration ceiling: call {state.calls} exceeds "
-                              f"{settings.iteration_ceiling}")
-        if occurrences >= settings.circuit_open_at:
-            evidence.update(count=occurrences, window_ms=settings.side_effect_window_ms)
-            return self._halt(state, event, settings, "circuit_open", evidence,
-                              f"side-effecting call {event.tool} repeated {occurrences} times within "
-                              f"{settings.side_effect_window_ms // 1000} s; circuit opened")
-        if failing and count > budget:
-            verdict: Verdict = "semantic_loop" if state.streak_varied else "recursion"
-            evidence.update(count=count, budget=budget, window_ms=settings.window_ms,
-                            window_calls=settings.window_calls, first_event_id=state.streak_first_event_id)
-            same = "with mutating arguments" if state.streak_varied else "with identical arguments"
-            return self._halt(state, event, settings, verdict, evidence,
-                              f"{event.tool} {same} returned the identical {event.outcome} result "
-                              f"{result_hash[:12]} {count} times in a row within "
-                              f"{settings.window_ms // 1000} s; retry budget is {budget}")
-        if period:
-            evidence.update(count=settings.cycle_occurrences, period=period, window_ms=settings.window_ms)
-            return self._halt(state, event, settings, "cycle", evidence,
-                              f"a {period}-call cycle ending in {event.tool} repeated "
-                              f"{settings.cycle_occurrences} times with identical outcomes")
-        if occurrences >= 2:
-            evidence.update(count=occurrences, window_ms=settings.side_effect_window_ms)
-            reason = (f"side-effecting call {event.tool} is a duplicate (occurrence {occurrences} within "
-                      f"{settings.side_effect_window_ms // 1000} s); hand back the earlier result instead of "
-                      "acting again")
-            if settings.shadow:
-                return self._shadow(event, "suppress", "duplicate_call", evidence, reason)
-            return self._decide(event, "suppress", "duplicate_call", evidence, reason)
-        if not failing and not state.streak_varied and not state.streak_alerted:
+            verdict, count = "iteration_ceiling", state.calls
+        elif occurrences >= settings.circuit_open_at:
+            verdict, count = "circuit_open", occurrences
+        elif failing and count > budget:
+            verdict = "semantic_loop" if state.streak_varied else "recursion"
+        elif period:
+            verdict = "cycle"
+        elif occurrences >= 2:
+            return Finding("duplicate_call", occurrences)
+        elif not failing and not state.streak_varied and not state.streak_alerted:
             state.streak_alerted = True
-            evidence.update(count=count, first_event_id=state.streak_first_event_id)
-            return self._decide(event, "alert", "polling", evidence,
-                                f"{event.tool} returned the same successful result {count} times in a row "
-                                "(polling?); advisory only")
-        return _NOTHING
+            return Finding("polling", count, first_event_id=state.streak_first_event_id)
+        else:
+            return None
+        finding = Finding(verdict, count, budget, period, state.streak_first_event_id)
+        if settings.shadow:
+            self.resume(state)  # as if halted and resumed at once: a loop must fill a whole budget again
+        else:
+            state.halted_by = decision_id(event.run_id, event.event_id, "halt", verdict)
+        return finding
 
     def resume(self, state: RunState) -> None:
         """An operator resumed the run: it starts again with fresh streaks and a fresh call count."""
@@ -385,39 +369,83 @@ class Detector:
                 return period
         return 0
 
-    def _halt(self, state: RunState, event: TelemetryEvent, settings: Settings, verdict: Verdict,
-              evidence: dict[str, Any], reason: str) -> Evaluation:
-        if settings.shadow:
-            # As if halted and resumed at once: the loop must fill a whole budget again to alert again.
-            self.resume(state)
-            return self._shadow(event, "halt", verdict, evidence, reason)
-        evaluation = self._decide(event, "halt", verdict, evidence, reason)
-        state.halted_by = evaluation.decisions[0].decision_id
-        return evaluation
 
-    def _shadow(self, event: TelemetryEvent, would: Action, verdict: Verdict, evidence: dict[str, Any],
-                reason: str) -> Evaluation:
-        evidence.update(shadow=True, would=would)
-        return self._decide(event, "alert", verdict, evidence, f"shadow mode, would {would}: {reason}")
+class Finding(NamedTuple):
+    """Which rule fired on an event, and the numbers its decision reports. Built by either engine (this
+    module, or the native one for replay) and turned into the decision by ``explain``."""
 
-    @staticmethod
-    def _decide(event: TelemetryEvent, action: Action, verdict: Verdict, evidence: dict[str, Any],
-                reason: str) -> Evaluation:
-        decision = Decision(
-            run_id=event.run_id,
-            action=action,
-            verdict=verdict,
-            trigger_event_id=event.event_id,
-            decision_id=decision_id(event.run_id, event.event_id, action, verdict),
-            ts_ms=event.ts_ms,
-            reason=reason,
-            evidence=evidence,
-            agent_id=event.agent_id,
-            tenant=event.tenant,
-            trace_id=event.trace_id,
-            span_id=event.span_id,
-        )
-        return Evaluation(False, (decision,))
+    verdict: Verdict
+    count: int
+    budget: int = 0
+    period: int = 0
+    first_event_id: str = ""
+    args_hash: str = ""
+    args_verified: bool = True
+    result_hash: str = ""
+
+
+_ACTIONS: dict[str, Action] = {"duplicate_call": "suppress", "polling": "alert"}
+
+
+def explain(event: TelemetryEvent, settings: Settings, finding: Finding) -> Decision:
+    """The decision for ``finding`` on ``event``: action, reason and evidence (shadow mode: an alert)."""
+    verdict = finding.verdict
+    evidence: dict[str, Any] = {
+        "tool": event.tool,
+        "args_hash": finding.args_hash,
+        "args_verified": finding.args_verified,
+        "outcome": event.outcome,
+        "result_hash": finding.result_hash,
+    }
+    if event.seq is not None:
+        evidence["seq"] = event.seq  # lets a runtime tell which of its calls triggered the decision
+    count = finding.count
+    if verdict == "iteration_ceiling":
+        evidence.update(count=count, ceiling=settings.iteration_ceiling)
+        reason = f"run reached its iteration ceiling: call {count} exceeds {settings.iteration_ceiling}"
+    elif verdict == "circuit_open":
+        evidence.update(count=count, window_ms=settings.side_effect_window_ms)
+        reason = (f"side-effecting call {event.tool} repeated {count} times within "
+                  f"{settings.side_effect_window_ms // 1000} s; circuit opened")
+    elif verdict in ("recursion", "semantic_loop"):
+        evidence.update(count=count, budget=finding.budget, window_ms=settings.window_ms,
+                        window_calls=settings.window_calls, first_event_id=finding.first_event_id)
+        same = "with mutating arguments" if verdict == "semantic_loop" else "with identical arguments"
+        reason = (f"{event.tool} {same} returned the identical {event.outcome} result "
+                  f"{finding.result_hash[:12]} {count} times in a row within {settings.window_ms // 1000} s; "
+                  f"retry budget is {finding.budget}")
+    elif verdict == "cycle":
+        evidence.update(count=settings.cycle_occurrences, period=finding.period, window_ms=settings.window_ms)
+        reason = (f"a {finding.period}-call cycle ending in {event.tool} repeated "
+                  f"{settings.cycle_occurrences} times with identical outcomes")
+    elif verdict == "duplicate_call":
+        evidence.update(count=count, window_ms=settings.side_effect_window_ms)
+        reason = (f"side-effecting call {event.tool} is a duplicate (occurrence {count} within "
+                  f"{settings.side_effect_window_ms // 1000} s); hand back the earlier result instead of "
+                  "acting again")
+    else:
+        evidence.update(count=count, first_event_id=finding.first_event_id)
+        reason = (f"{event.tool} returned the same successful result {count} times in a row "
+                  "(polling?); advisory only")
+    action = _ACTIONS.get(verdict, "halt")
+    if settings.shadow and action != "alert":
+        evidence.update(shadow=True, would=action)
+        reason = f"shadow mode, would {action}: {reason}"
+        action = "alert"
+    return Decision(
+        run_id=event.run_id,
+        action=action,
+        verdict=verdict,
+        trigger_event_id=event.event_id,
+        decision_id=decision_id(event.run_id, event.event_id, action, verdict),
+        ts_ms=event.ts_ms,
+        reason=reason,
+        evidence=evidence,
+        agent_id=event.agent_id,
+        tenant=event.tenant,
+        trace_id=event.trace_id,
+        span_id=event.span_id,
+    )
 
 
 def _args_hash(event: TelemetryEvent, call_policy: CallPolicy) -> tuple[str, bool]:
