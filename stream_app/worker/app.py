@@ -1,7 +1,9 @@
 """The Faust app: telemetry in, decisions out, per-run state in a RocksDB table with a changelog.
 
 One agent (concurrency 1, faust #606) takes telemetry in batches (``take_events``, which acks a batch
-only after it was processed) and hands each batch to ``BatchProcessor``, which:
+only after it was processed), admits each partition's messages in offset order with none left out
+(``delivery``: faust can drop or skip messages around rebalances and recoveries; only processed offsets
+are committed) and hands them to ``BatchProcessor``, which:
 
 1. decodes every message; bad ones go to the DLQ with the reason in a header, wrongly keyed ones are
    re-published keyed by run id; an operator command (``loopwarden halt|resume``) is applied only if
@@ -50,7 +52,7 @@ from ..core import (
 )
 from ..signing import KeyRing, SignatureRejected, Signer
 from ..wire import KIND_HEADER, OPERATOR_KIND, Headers, encode_control, encode_telemetry, header
-from . import acks
+from . import delivery
 from .codecs import decode_run, encode_run
 from .metrics import WorkerMetrics
 from .settings import SettingsError, WorkerSettings
@@ -113,8 +115,14 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
         },
     )
     processor = BatchProcessor(app, telemetry, runs, Detector(policy), settings, metrics, signer, operator_keys)
+    # Offsets are committed only for processed messages, in sequence (see delivery's docstring).
     inputs = [settings.telemetry_topic] + ([settings.otlp_topic] if settings.otlp_topic else [])
-    processed = acks.install(app, inputs, metrics.refetched.inc)
+    processed = delivery.install(app, inputs, metrics.refetched.labels(reason="skipped").inc)
+    sequencer = delivery.Sequencer(app, metrics.refetched.labels(reason="gap").inc)
+
+    @app.on_partitions_revoked.connect
+    async def forget_revoked(sender: faust.App, revoked: set[faust.types.TP], **_: object) -> None:
+        sequencer.forget(revoked)
 
     if settings.evict_scan_per_sweep:
 
@@ -126,8 +134,10 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
     @app.agent(telemetry, concurrency=1, name="loopwarden.detect")
     async def detect(stream: StreamT) -> None:
         async for batch in stream.take_events(settings.batch_max, within=settings.batch_within_s):
-            await processor.process(batch)
-            processed.mark_processed(batch)
+            events = await sequencer.admit(batch)
+            if events:
+                await processor.process(events)
+                processed.mark_processed(events)
 
     if settings.otlp_topic:
         relay = OtlpRelay(telemetry, settings, processor.dead_letter)
@@ -136,8 +146,10 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
         @app.agent(spans, concurrency=1, name="loopwarden.otlp")
         async def relay_tool_spans(stream: StreamT) -> None:
             async for batch in stream.take_events(settings.batch_max, within=settings.batch_within_s):
-                await relay.relay(batch)
-                processed.mark_processed(batch)
+                events = await sequencer.admit(batch)
+                if events:
+                    await relay.relay(events)
+                    processed.mark_processed(events)
 
     return app
 

@@ -23,9 +23,10 @@ class WorkerMetrics:
         self.rekeyed = Counter("loopwarden_rekeyed_total",
                                "Messages that arrived keyed by something else, re-published keyed by run id.",
                                registry=r)
-        self.refetched = Counter("loopwarden_rebalance_refetched_total",
-                                 "Messages faust skipped during a rebalance; not committed, fetched again.",
-                                 registry=r)
+        self.refetched = Counter("loopwarden_refetched_total",
+                                 "Input messages left uncommitted to be fetched again: skipped by faust during a "
+                                 "rebalance, or held back behind a gap in the offsets delivered.",
+                                 ["reason"], registry=r)
         self.evictions = Counter("loopwarden_evicted_runs_total",
                                  "Runs forgotten after run_ttl_ms of event-time silence.", registry=r)
         self.decision_latency = Histogram(
