@@ -8,12 +8,16 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 .PHONY: install deploy-tools kafka-jars test-setup test test-deploy run bench chaos lint clean
 
 # The integrations' extras are installed too, so their tests run against the real libraries
-# (claude-agent-sdk's wheel bundles its CLI: about 380 MB).
-$(STAMP): pyproject.toml
+# (claude-agent-sdk's wheel bundles its CLI: about 380 MB). The native replay engine (native/, Rust via
+# maturin and the machine's cargo) is built into the venv as well: about a minute the first time.
+NATIVE_SOURCES := native/Cargo.toml native/Cargo.lock native/pyproject.toml $(wildcard native/src/*.rs)
+$(STAMP): pyproject.toml $(NATIVE_SOURCES)
 	@echo "==> installing loopwarden and its test tools into $(VENV)"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(BIN)/pip install --quiet --disable-pip-version-check --upgrade pip
 	@$(BIN)/pip install --quiet --disable-pip-version-check -e '.[worker,dev,otel,langchain,openai-agents,mcp,claude-agent-sdk]'
+	@echo "==> building the native replay engine (native/)"
+	@$(BIN)/pip install --quiet --disable-pip-version-check ./native
 	@rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP)
@@ -32,8 +36,9 @@ kafka-jars: install
 	@$(BIN)/python scripts/kafka_local.py resolve
 
 ## make test: install, fetch the Kafka jars and the deploy tools, start a local broker (unless
-## KAFKA_BOOTSTRAP_SERVERS is set), run every test.
+## KAFKA_BOOTSTRAP_SERVERS is set), run every test (the native engine's Rust unit tests first).
 test: test-setup
+	@cargo test --quiet --release --manifest-path native/Cargo.toml
 	@$(BIN)/python -m pytest -m "not chaos"
 
 ## make test-deploy: only the deploy tier (compose, Helm chart, alert rules, Prometheus against a worker).
@@ -69,4 +74,4 @@ lint: install
 	@$(BIN)/ruff check stream_app tests bench scripts
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis native/target

@@ -4,10 +4,11 @@ as a run grows, beside the naive design that keeps and rescans the whole history
     python -m bench.core [--runs 10000] [--calls 100] [--repeat 3] [--json bench/results/core.json]
 
 Generates ``runs x calls`` telemetry lines (1 million by default, 10,000 runs all active at once,
-interleaved call by call), then times the replay path (JSONL bytes -> orjson -> contract decode ->
-detector -> control JSON) over them. Prints the median of ``--repeat`` passes. The iteration ceiling
-is raised to 1,000 so that runs are not cut at 51 calls: a halted run's events are nearly free, and
-counting them would flatter the figure.
+interleaved call by call), then times the replay path (JSONL bytes -> decode -> detector -> control
+JSON) over them with both engines: the native one (``loopwarden replay``'s default when installed) and
+the Python reference, and checks that their outputs are byte-identical. Prints the median of
+``--repeat`` passes. The iteration ceiling is raised to 1,000 so that runs are not cut at 51 calls: a
+halted run's events are nearly free, and counting them would flatter the figure.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import orjson
 
 from stream_app.core import Detector, Policy, RunState, RunTable, TelemetryEvent, decode_event, semantic_hash
-from stream_app.replay import replay
+from stream_app.replay import Engine, replay
 
 from . import naive
 
@@ -85,14 +86,25 @@ def generate_lines(runs: int, calls: int, seed: int = 1, hashed: bool = False) -
     return lines
 
 
-def time_replay(lines: list[bytes]) -> tuple[float, int]:
-    """Seconds for one replay pass over ``lines``, and the number of decisions written."""
+def time_replay(lines: list[bytes], engine: Engine) -> tuple[float, bytes]:
+    """Seconds for one replay pass over ``lines``, and the decisions written."""
     out = io.BytesIO()
     gc.collect()
     start = time.perf_counter()
-    summary = replay(lines, BENCH_POLICY, out, io.StringIO())
-    elapsed = time.perf_counter() - start
-    return elapsed, sum(summary.decisions.values())
+    replay(lines, BENCH_POLICY, out, io.StringIO(), engine=engine)
+    return time.perf_counter() - start, out.getvalue()
+
+
+def replay_rates(lines: list[bytes], engine: Engine, repeat: int, label: str) -> tuple[list[float], bytes]:
+    """Events/s of ``repeat`` passes (progress on stderr), and the decisions of the last one."""
+    rates = []
+    for attempt in range(repeat):
+        elapsed, decisions = time_replay(lines, engine)
+        rates.append(len(lines) / elapsed)
+        written = decisions.count(b"\n")
+        print(f"  {label} pass {attempt + 1}/{repeat}: {rates[-1]:,.0f} events/s ({written:,} decisions)",
+              file=sys.stderr, flush=True)
+    return rates, decisions
 
 
 def time_core_only(lines: list[bytes]) -> float:
@@ -104,6 +116,26 @@ def time_core_only(lines: list[bytes]) -> float:
     for event in events:
         table.observe(event)
     return time.perf_counter() - start
+
+
+def native_bytes_per_run(runs: int, calls: int) -> float:
+    """Resident bytes the native engine holds per tracked run (its memory is not Python's heap, so this
+    is the growth of the process's resident set while it takes ``runs`` runs in)."""
+    from loopwarden_native import Replayer
+
+    lines = generate_lines(runs, calls, seed=2)
+    engine = Replayer(BENCH_POLICY, runs, 1 << 20)
+    gc.collect()
+    before = _resident_bytes()
+    engine.feed(lines, 0)
+    held = _resident_bytes() - before
+    assert len(engine) == runs
+    return held / runs
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm", encoding="ascii") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def bytes_per_run(runs: int, calls: int) -> float:
@@ -174,18 +206,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     lines = generate_lines(args.runs, args.calls)
-    rates = []
-    for attempt in range(args.repeat):
-        elapsed, decisions = time_replay(lines)
-        rates.append(n / elapsed)
-        print(f"  pass {attempt + 1}/{args.repeat}: {n / elapsed:,.0f} events/s ({decisions:,} decisions)",
-              file=sys.stderr, flush=True)
+    rates, native_out = replay_rates(lines, "native", args.repeat, "native")
+    python_rates, python_out = replay_rates(lines, "python", args.repeat, "python")
+    identical = native_out == python_out
+    print(f"  native and python decisions byte-identical: {identical}", file=sys.stderr, flush=True)
     core_rate = n / time_core_only(lines)
     del lines
     print("core: the same events with client-side hashes (the SDK's default) ...", file=sys.stderr, flush=True)
     hashed_lines = generate_lines(args.runs, args.calls, hashed=True)
-    hashed_rates = [n / time_replay(hashed_lines)[0] for _ in range(args.repeat)]
+    hashed_rates, _ = replay_rates(hashed_lines, "native", args.repeat, "native, hashed")
+    hashed_python_rates, _ = replay_rates(hashed_lines, "python", args.repeat, "python, hashed")
     del hashed_lines
+    native_per_run = native_bytes_per_run(args.runs * 2, 30)
     per_run = bytes_per_run(args.runs, 30)
     print("core: cost of one call as a run grows (ours vs naive history rescan) ...", file=sys.stderr, flush=True)
     growth = cost_vs_run_length()
@@ -194,16 +226,27 @@ def main(argv: list[str] | None = None) -> int:
         "runs": args.runs,
         "replay_events_per_s": statistics.median(rates),
         "replay_passes": rates,
+        "replay_python_events_per_s": statistics.median(python_rates),
+        "replay_python_passes": python_rates,
+        "engines_identical": identical,
         "replay_hashed_events_per_s": statistics.median(hashed_rates),
+        "replay_hashed_python_events_per_s": statistics.median(hashed_python_rates),
         "detector_only_events_per_s": core_rate,
-        "bytes_per_tracked_run": per_run,
+        "bytes_per_tracked_run": native_per_run,
+        "bytes_per_tracked_run_python": per_run,
         "cost_vs_run_length": growth,
     }
-    print(f"core.replay_events_per_s (median of {args.repeat}, parsing included): {result['replay_events_per_s']:,.0f}")
-    print(f"core.replay_hashed_events_per_s (median of {args.repeat}, args/results as hashes): "
-          f"{result['replay_hashed_events_per_s']:,.0f}")
-    print(f"core.detector_only_events_per_s (pre-decoded events): {core_rate:,.0f}")
-    print(f"core.bytes_per_tracked_run ({args.runs:,} runs x 30 calls, tracemalloc): {per_run:,.0f}")
+    print(f"core.replay_events_per_s (native engine, median of {args.repeat}, parsing included): "
+          f"{result['replay_events_per_s']:,.0f}")
+    print(f"core.replay_python_events_per_s (reference engine, median of {args.repeat}): "
+          f"{result['replay_python_events_per_s']:,.0f} (native/python {result['replay_events_per_s'] / result['replay_python_events_per_s']:.1f}x)")
+    print(f"core.engines_identical (decisions byte for byte): {identical}")
+    print(f"core.replay_hashed_events_per_s (args/results as hashes, native / python): "
+          f"{result['replay_hashed_events_per_s']:,.0f} / {result['replay_hashed_python_events_per_s']:,.0f}")
+    print(f"core.detector_only_events_per_s (reference, pre-decoded events): {core_rate:,.0f}")
+    print(f"core.bytes_per_tracked_run (native, {args.runs * 2:,} runs x 30 calls, resident set growth): "
+          f"{native_per_run:,.0f}")
+    print(f"core.bytes_per_tracked_run_python ({args.runs:,} runs x 30 calls, tracemalloc): {per_run:,.0f}")
     first, last = growth[0], growth[-1]
     print(f"core.cost_per_call_us at {first['calls']:,} -> {last['calls']:,} calls: ours {first['ours_us']:.1f} -> "
           f"{last['ours_us']:.1f}, naive {first['naive_us']:.1f} -> {last['naive_us']:.1f}")

@@ -198,11 +198,18 @@ class Page:
         c = self.core
         self.add("Command: `python -m bench.core --json bench/results/core.json` (part of `make bench`).", "",
                  "| figure | value |", "|---|---|")
-        for key, label, unit in (("replay_events_per_s", "replay path (JSONL -> decisions), events/s", ""),
-                                 ("detector_only_events_per_s", "detector alone (pre-decoded events), events/s", ""),
-                                 ("bytes_per_tracked_run", "memory per tracked run", " B")):
+        for key, label, unit in (
+                ("replay_events_per_s", "replay path (JSONL -> decisions), native engine, events/s", ""),
+                ("replay_python_events_per_s", "replay path, Python reference engine, events/s", ""),
+                ("replay_hashed_events_per_s", "replay path, hashes sent by the SDK, native, events/s", ""),
+                ("replay_hashed_python_events_per_s", "replay path, hashes sent by the SDK, Python, events/s", ""),
+                ("detector_only_events_per_s", "Python detector alone (pre-decoded events), events/s", ""),
+                ("bytes_per_tracked_run", "memory per tracked run, native (resident set growth)", " B"),
+                ("bytes_per_tracked_run_python", "memory per tracked run, Python (tracemalloc)", " B")):
             if key in c:
                 self.add(f"| {label} | {_n(c[key])}{unit} |")
+        if "engines_identical" in c:
+            self.add(f"| native and Python decisions byte-identical | {'yes' if c['engines_identical'] else '**no**'} |")
         self.add("")
         if c.get("cost_vs_run_length"):
             self.add("Per-event cost against run length (the naive baseline re-scans the run's whole history):",

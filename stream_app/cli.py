@@ -22,6 +22,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("file", help="telemetry JSONL file, or - for stdin")
     replay.add_argument("--policy", metavar="FILE", help="policy YAML (defaults apply without it)")
+    replay.add_argument("--engine", choices=("auto", "native", "python"), default="auto",
+                        help="native: the Rust engine (several times faster, same output); python: the reference "
+                             "core; auto (default): native when installed")
     commands.add_parser(
         "worker",
         help="run a fleet worker (Faust on Kafka); configured by environment variables, see README",
@@ -117,11 +120,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loopwarden: {exc}", file=sys.stderr)
         return 2
     if args.command == "replay":
-        from .replay import run_replay
+        from .replay import EngineUnavailable, run_replay
 
         try:
-            return run_replay(args.file, policy)
+            return run_replay(args.file, policy, args.engine)
         except FileNotFoundError as exc:
             print(f"loopwarden: {args.file}: {exc.strerror}", file=sys.stderr)
+            return 2
+        except EngineUnavailable as exc:
+            print(f"loopwarden: {exc}", file=sys.stderr)
             return 2
     raise AssertionError(f"unhandled command {args.command}")

@@ -3,6 +3,13 @@
 Decisions go to stdout as control v1 JSONL in input order; bad lines, progress and the summary go to
 stderr. A bad line is reported with its number and reason and skipped; the exit status says whether
 any line was bad.
+
+Two engines give the same output byte for byte (the differential tests hold them to it):
+
+* ``python``: the reference core (``stream_app.core``), as the worker and the SDK run it;
+* ``native``: ``loopwarden_native``, the fold, normalisation and hashing in Rust (``native/``), several
+  times faster. It hands back to the reference what it does not decode itself (bad or unusual lines),
+  and the reference writes every decision's text. ``auto`` (the default) picks it when installed.
 """
 
 from __future__ import annotations
@@ -10,13 +17,38 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO, TextIO
+from itertools import islice
+from typing import BinaryIO, Literal, TextIO
 
 import orjson
 
-from .core import Detector, InvalidEvent, Policy, RunTable, parse_event
+from .core import (
+    Decision,
+    Detector,
+    Finding,
+    InvalidEvent,
+    Policy,
+    RunTable,
+    TelemetryEvent,
+    event_hashes,
+    explain,
+    parse_event,
+)
+from .core.contract import MAX_EVENT_BYTES
+from .core.runs import DEFAULT_MAX_RUNS
+
+Engine = Literal["auto", "native", "python"]
+ENGINES: tuple[Engine, ...] = ("auto", "native", "python")
+
+#: Lines handed to the native engine per call (one at a time when reading a live stdin).
+CHUNK_LINES = 4096
+
+
+class EngineUnavailable(RuntimeError):
+    """``--engine native`` without the native extension. Operator action: ``pip install ./native`` (or
+    ``make install``), or use ``--engine python``."""
 
 
 @dataclass
@@ -24,16 +56,24 @@ class ReplaySummary:
     events: int = 0
     duplicates: int = 0
     bad_lines: int = 0
-    runs: set[str] = field(default_factory=set)
+    runs: int = 0
     decisions: Counter[tuple[str, str]] = field(default_factory=Counter)
 
     def render(self) -> str:
         by_kind = ", ".join(f"{action}/{verdict} {n}" for (action, verdict), n in sorted(self.decisions.items()))
         return (
-            f"loopwarden replay: {self.events} events ({self.duplicates} duplicates) in {len(self.runs)} runs; "
+            f"loopwarden replay: {self.events} events ({self.duplicates} duplicates) in {self.runs} runs; "
             f"{sum(self.decisions.values())} decisions{': ' + by_kind if by_kind else ''}; "
             f"{self.bad_lines} bad line{'s' if self.bad_lines != 1 else ''}"
         )
+
+
+def native_available() -> bool:
+    try:
+        import loopwarden_native  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def replay(
@@ -43,20 +83,60 @@ def replay(
     err: TextIO,
     flush_each: bool = False,
     progress_every_s: float | None = None,
+    engine: Engine = "auto",
 ) -> ReplaySummary:
     """Run every line through the detector; write decisions to ``out`` and problems to ``err``."""
+    writer = _Writer(out, err, flush_each, progress_every_s)
+    if engine == "native" or (engine == "auto" and native_available()):
+        _replay_native(lines, policy, writer)
+    else:
+        _replay_python(lines, policy, writer)
+    writer.finish()
+    return writer.summary
+
+
+class _Writer:
+    """Decisions to ``out``, bad lines and progress to ``err``, counts into the summary."""
+
+    def __init__(self, out: BinaryIO, err: TextIO, flush_each: bool, progress_every_s: float | None) -> None:
+        self.out, self.err, self.flush_each = out, err, flush_each
+        self.summary = ReplaySummary()
+        self.progress_every_s = progress_every_s
+        self.next_progress = time.monotonic() + progress_every_s if progress_every_s else None
+
+    def decision(self, decision: Decision) -> None:
+        self.summary.decisions[(decision.action, decision.verdict)] += 1
+        self.out.write(orjson.dumps(decision.to_control()) + b"\n")
+        if self.flush_each:
+            self.out.flush()
+
+    def bad_line(self, number: int, error: InvalidEvent) -> None:
+        self.summary.bad_lines += 1
+        self.err.write(f"line {number}: {error}\n")
+
+    def progress(self, lines: int, runs_tracked: int) -> None:
+        if self.next_progress is not None and time.monotonic() >= self.next_progress:
+            self.err.write(f"\r{lines} lines, {runs_tracked} runs tracked ...")
+            self.err.flush()
+            self.next_progress = time.monotonic() + self.progress_every_s  # type: ignore[operator]
+
+    def finish(self) -> None:
+        if self.next_progress is not None:
+            self.err.write("\r")
+        self.out.flush()
+
+
+def _replay_python(lines: Iterable[bytes], policy: Policy, writer: _Writer) -> None:
     table = RunTable(Detector(policy))
-    summary = ReplaySummary()
-    runs = summary.runs
-    next_progress = time.monotonic() + progress_every_s if progress_every_s else None
+    summary = writer.summary
+    runs: set[str] = set()
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             event = parse_event(line)
         except InvalidEvent as exc:
-            summary.bad_lines += 1
-            err.write(f"line {number}: {exc}\n")
+            writer.bad_line(number, exc)
             continue
         summary.events += 1
         runs.add(event.run_id)
@@ -65,21 +145,64 @@ def replay(
             summary.duplicates += 1
             continue
         for decision in evaluation.decisions:
-            summary.decisions[(decision.action, decision.verdict)] += 1
-            out.write(orjson.dumps(decision.to_control()) + b"\n")
-            if flush_each:
-                out.flush()
-        if next_progress is not None and number % 4096 == 0 and time.monotonic() >= next_progress:
-            err.write(f"\r{number} lines, {len(table)} runs tracked ...")
-            err.flush()
-            next_progress = time.monotonic() + progress_every_s  # type: ignore[operator]
-    if progress_every_s and next_progress is not None:
-        err.write("\r")
-    out.flush()
-    return summary
+            writer.decision(decision)
+        if number % 4096 == 0:
+            writer.progress(number, len(table))
+    summary.runs = len(runs)
 
 
-def run_replay(path: str, policy: Policy) -> int:
+def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer) -> None:
+    try:
+        from loopwarden_native import Replayer
+    except ImportError as exc:
+        raise EngineUnavailable("the native engine is not installed: pip install ./native (make install does), "
+                                "or use --engine python") from exc
+    engine = Replayer(policy, DEFAULT_MAX_RUNS, MAX_EVENT_BYTES)
+
+    def decide(event: TelemetryEvent, finding: tuple) -> None:
+        writer.decision(explain(event, policy.resolve(event.agent_id, event.tool).settings, Finding(*finding)))
+
+    done = 0
+    for chunk in _chunks(lines, 1 if writer.flush_each else CHUNK_LINES):
+        start = 0
+        while True:
+            stop, findings = engine.feed(chunk, start)
+            for index, finding in findings:
+                decide(parse_event(chunk[index]), finding)  # rare: the reference decodes it for the text
+            if stop == len(chunk):
+                break
+            # A line the fast path did not decode: the reference reports it, or decodes and hashes it.
+            try:
+                event = parse_event(chunk[stop])
+            except InvalidEvent as exc:
+                writer.bad_line(done + stop + 1, exc)
+            else:
+                finding = _observe(engine, event, policy)
+                if finding is not None:
+                    decide(event, finding)
+            start = stop + 1
+        done += len(chunk)
+        writer.progress(done, len(engine))
+    summary = writer.summary
+    summary.events, summary.duplicates, summary.runs = engine.events, engine.duplicates, engine.runs_seen
+
+
+def _observe(engine: object, event: TelemetryEvent, policy: Policy) -> tuple | None:
+    """Fold an event the reference decoded into the native engine, with the reference's hashes."""
+    args_hash, args_verified, result_hash = event_hashes(event, policy.resolve(event.agent_id, event.tool))
+    _, finding = engine.observe(  # type: ignore[attr-defined]
+        event.run_id, event.event_id, event.tool, event.agent_id, event.ts_ms, event.outcome, args_hash,
+        args_verified, result_hash, event.retry_budget, event.plan_step, event.side_effect)
+    return finding
+
+
+def _chunks(lines: Iterable[bytes], size: int) -> Iterator[list[bytes]]:
+    iterator = iter(lines)
+    while chunk := list(islice(iterator, size)):
+        yield chunk
+
+
+def run_replay(path: str, policy: Policy, engine: Engine = "auto") -> int:
     """CLI entry: exit status 0, or 1 if any line was bad."""
     stdin = path == "-"
     source: BinaryIO = sys.stdin.buffer if stdin else open(path, "rb")  # noqa: SIM115
@@ -91,6 +214,7 @@ def run_replay(path: str, policy: Policy) -> int:
             sys.stderr,
             flush_each=stdin,
             progress_every_s=1.0 if sys.stderr.isatty() else None,
+            engine=engine,
         )
     finally:
         if not stdin:

@@ -18,7 +18,7 @@ from .contract import (
     decode_operator_command,
     parse_event,
 )
-from .detector import DUPLICATE, Detector, Evaluation, Finding, RunState, decision_id, explain
+from .detector import DUPLICATE, Detector, Evaluation, Finding, RunState, decision_id, event_hashes, explain
 from .errors import InvalidEvent, LoopwardenError, NormalisationError, PolicyError
 from .normalize import DEFAULT_IGNORED_FIELDS, FieldFilter, canonical_json, normalise, semantic_hash
 from .policy import CallPolicy, Policy, Settings
@@ -52,6 +52,7 @@ __all__ = [
     "decision_id",
     "decode_event",
     "decode_operator_command",
+    "event_hashes",
     "explain",
     "normalise",
     "parse_event",

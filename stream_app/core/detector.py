@@ -448,6 +448,13 @@ def explain(event: TelemetryEvent, settings: Settings, finding: Finding) -> Deci
     )
 
 
+def event_hashes(event: TelemetryEvent, call_policy: CallPolicy) -> tuple[str, bool, str]:
+    """The call's argument hash, whether it was verified here, and its result hash (what the native
+    engine is given for events only the reference decoder accepts)."""
+    args_hash, args_verified = _args_hash(event, call_policy)
+    return args_hash, args_verified, _result_hash(event, call_policy)
+
+
 def _args_hash(event: TelemetryEvent, call_policy: CallPolicy) -> tuple[str, bool]:
     """The call's argument hash and whether it was verified by normalising here.
 

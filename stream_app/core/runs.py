@@ -9,11 +9,14 @@ from collections import OrderedDict
 from .contract import TelemetryEvent
 from .detector import Detector, Evaluation, RunState
 
+#: Runs tracked at most (the least recently active are forgotten first).
+DEFAULT_MAX_RUNS = 1_000_000
+
 
 class RunTable:
     """Run id -> RunState, least recently active first, with event-time eviction."""
 
-    def __init__(self, detector: Detector, max_runs: int = 1_000_000) -> None:
+    def __init__(self, detector: Detector, max_runs: int = DEFAULT_MAX_RUNS) -> None:
         self.detector = detector
         self.max_runs = max_runs
         self.evicted = 0

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import orjson
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,9 +24,13 @@ def _call(i: int, **extra) -> bytes:
     return orjson.dumps(raw)
 
 
-def test_replay_reports_bad_lines_and_keeps_going(tmp_path: Path) -> None:
+ENGINES = pytest.mark.parametrize("engine", ["python", "native"])
+
+
+@ENGINES
+def test_replay_reports_bad_lines_and_keeps_going(tmp_path: Path, engine: str) -> None:
     """Bad lines are reported with their number and reason, skipped, and the run is still halted on its
-    4th identical failing call; exit status is non-zero because lines were bad."""
+    4th identical failing call; exit status is non-zero because lines were bad (either engine)."""
     lines = [
         _call(0),
         b"{not json",
@@ -42,7 +47,7 @@ def test_replay_reports_bad_lines_and_keeps_going(tmp_path: Path) -> None:
     ]
     path = tmp_path / "telemetry.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
-    result = _loopwarden("replay", str(path))
+    result = _loopwarden("replay", "--engine", engine, str(path))
     stderr = result.stderr.decode()
     assert result.returncode == 1
     assert "line 2: not JSON" in stderr
@@ -56,10 +61,11 @@ def test_replay_reports_bad_lines_and_keeps_going(tmp_path: Path) -> None:
     ]
 
 
-def test_replay_reads_stdin_and_exits_zero_on_clean_input() -> None:
+@ENGINES
+def test_replay_reads_stdin_and_exits_zero_on_clean_input(engine: str) -> None:
     """``-`` reads stdin; with no bad line the exit status is 0."""
     stdin = b"\n".join(_call(i) for i in range(4)) + b"\n"
-    result = _loopwarden("replay", "-", stdin=stdin)
+    result = _loopwarden("replay", "--engine", engine, "-", stdin=stdin)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["trigger_event_id"] == "e3"
 
@@ -81,8 +87,9 @@ def test_bad_policy_is_named_and_refused(tmp_path: Path) -> None:
     assert "tools.search.retry_budgt: unknown setting" in result.stderr.decode()
 
 
-def test_golden_fleet_decisions_are_byte_identical() -> None:
+@ENGINES
+def test_golden_fleet_decisions_are_byte_identical(engine: str) -> None:
     """The bundled example fleet replays to exactly the committed decisions, byte for byte."""
-    result = _loopwarden("replay", "schemas/examples/fleet.jsonl")
+    result = _loopwarden("replay", "--engine", engine, "schemas/examples/fleet.jsonl")
     assert result.returncode == 0, result.stderr
     assert result.stdout == (REPO / "tests" / "golden" / "fleet.decisions.jsonl").read_bytes()

@@ -1,0 +1,133 @@
+//! Telemetry v1 decoding for the fast path: accepts exactly what `stream_app/core/contract.py` accepts
+//! in the ordinary case and hands everything else back (`None`), so that the reference decoder either
+//! reports the precise error or decodes an unusual but valid event. The fast path must never accept a
+//! line the reference refuses; the differential tests check that.
+
+use serde_json::{Map, Value};
+
+const MAX_ID_LENGTH: usize = 512;
+const MAX_RETRY_BUDGET: i64 = 10_000;
+
+pub const OUTCOMES: [&str; 4] = ["success", "error", "empty", "noop"];
+
+/// Where a call's arguments or result come from: the raw JSON, or a hash the runtime computed.
+pub enum Hashed<'a> {
+    Raw(&'a Value),
+    Hash(&'a str),
+}
+
+/// The fields of one telemetry event the detector reads.
+pub struct Call<'a> {
+    pub run_id: &'a str,
+    pub event_id: &'a str,
+    pub tool: &'a str,
+    pub agent_id: Option<&'a str>,
+    pub ts_ms: i64,
+    /// Index into `OUTCOMES`.
+    pub outcome: u8,
+    pub args: Hashed<'a>,
+    pub result: Hashed<'a>,
+    pub retry_budget: Option<i64>,
+    pub plan_step: Option<i64>,
+    pub side_effect: Option<bool>,
+}
+
+/// The call in `obj`, or None when the reference decoder must look at it.
+pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
+    let run_id = identifier(obj.get("run_id"), true)?;
+    let event_id = identifier(obj.get("event_id"), true)?;
+    let tool = identifier(obj.get("tool"), true)?;
+    let ts_ms = integer(obj.get("ts_ms")?).filter(|t| *t >= 0)?;
+    let outcome = match obj.get("outcome")? {
+        Value::String(s) => OUTCOMES.iter().position(|o| o == s)? as u8,
+        _ => return None,
+    };
+    let args = match (present(obj.get("args")), present(obj.get("args_hash"))) {
+        (_, Some(hash)) if !is_hash(hash) => return None,
+        (Some(args @ Value::Object(_)), _) => Hashed::Raw(args),
+        (Some(_), _) => return None,
+        (None, Some(Value::String(hash))) => Hashed::Hash(hash),
+        (None, _) => return None,
+    };
+    let result = match present(obj.get("result_hash")) {
+        Some(Value::String(hash)) if is_hash_text(hash) => Hashed::Hash(hash),
+        Some(_) => return None,
+        None => Hashed::Raw(obj.get("result")?), // a JSON null result is a result; an absent one is not
+    };
+    let mut call = Call {
+        run_id,
+        event_id,
+        tool,
+        agent_id: None,
+        ts_ms,
+        outcome,
+        args,
+        result,
+        retry_budget: None,
+        plan_step: None,
+        side_effect: None,
+    };
+    for (name, value) in obj {
+        if value.is_null() {
+            continue; // an optional field set to null is absent
+        }
+        match name.as_str() {
+            "run_id" | "event_id" | "tool" | "ts_ms" | "outcome" | "args" | "args_hash"
+            | "result" | "result_hash" => {}
+            "agent_id" => call.agent_id = Some(identifier(Some(value), false)?),
+            "tenant" | "trace_id" | "span_id" | "parent_span_id" | "error_class" => {
+                identifier(Some(value), false)?;
+            }
+            "seq" => {
+                integer(value)?;
+            }
+            "plan_step" => call.plan_step = Some(integer(value)?),
+            "retry_budget" => {
+                call.retry_budget =
+                    Some(integer(value).filter(|b| (0..=MAX_RETRY_BUDGET).contains(b))?)
+            }
+            "side_effect" => call.side_effect = Some(value.as_bool()?),
+            "latency_ms" | "tokens" | "cost_usd" if value.as_f64()? < 0.0 => return None,
+            "latency_ms" | "tokens" | "cost_usd" => {}
+            "attrs" => {
+                value.as_object()?;
+            }
+            "schema_version" if value.as_str()? != "1" => return None,
+            _ => {} // unknown fields are ignored: forward compatible
+        }
+    }
+    Some(call)
+}
+
+fn present(value: Option<&Value>) -> Option<&Value> {
+    value.filter(|v| !v.is_null())
+}
+
+/// A string of 1 to 512 characters (required), or of at most 512 (optional).
+fn identifier(value: Option<&Value>, required: bool) -> Option<&str> {
+    let text = value?.as_str()?;
+    if (required && text.is_empty()) || !within_limit(text) {
+        return None;
+    }
+    Some(text)
+}
+
+fn within_limit(text: &str) -> bool {
+    text.len() <= MAX_ID_LENGTH || text.chars().count() <= MAX_ID_LENGTH
+}
+
+fn is_hash(value: &Value) -> bool {
+    value.as_str().is_some_and(is_hash_text)
+}
+
+fn is_hash_text(text: &str) -> bool {
+    !text.is_empty() && within_limit(text)
+}
+
+/// A JSON integer in the signed 64-bit range (floats, and integers beyond it, are for the reference).
+fn integer(value: &Value) -> Option<i64> {
+    match value {
+        Value::Number(n) => n.as_i64(),
+        _ => None,
+    }
+}

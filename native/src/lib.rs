@@ -1,0 +1,454 @@
+//! `loopwarden_native`: the replay engine in Rust, for `loopwarden replay` at full speed.
+//!
+//! The Python core (`stream_app.core`) is the reference and stays the one the worker and the SDK run.
+//! This engine folds telemetry lines into the same per-run states and reports the same findings; what
+//! it does not handle itself goes back to the reference:
+//! * a line it cannot decode on the fast path (bad, or merely unusual): `Replayer.feed` stops there and
+//!   the caller decodes it with the reference (`observe` then folds the event it gives);
+//! * the policy: settings are resolved by the reference `Policy` per (agent, tool), and object keys are
+//!   judged by that policy's `FieldFilter` (each key once, then cached);
+//! * the decision's text: a finding comes back as numbers for the reference's `explain`.
+
+mod contract;
+mod detector;
+mod normalize;
+
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::rc::Rc;
+
+use hashlink::LinkedHashMap;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList};
+use serde_json::Value;
+
+use contract::{Call, Hashed, OUTCOMES};
+use detector::{short, tool_digest, Admission, RunState, Settings, Step};
+use normalize::{hex, semantic_hash as hash_value, HashError};
+
+/// Cached key decisions per field filter (the reference caches as many).
+const FIELD_CACHE_LIMIT: usize = 4096;
+/// Cached (agent, tool) resolutions (the reference caches as many).
+const POLICY_CACHE_LIMIT: usize = 10_000;
+
+/// A finding as the reference's `Finding` fields: verdict, count, budget, period, first_event_id,
+/// args_hash, args_verified, result_hash.
+type FindingTuple = (&'static str, i64, i64, i64, String, String, bool, String);
+
+/// The settings of one (agent, tool) pair and its field filter.
+struct CallPolicy {
+    settings: Settings,
+    tool: [u8; 4],
+    filter: Py<PyAny>,
+    ignored: RefCell<HashMap<String, bool>>,
+}
+
+impl CallPolicy {
+    fn from_reference(resolved: &Bound<'_, PyAny>, tool: &str) -> PyResult<Self> {
+        let s = resolved.getattr("settings")?;
+        let int = |name: &str| -> PyResult<i64> { s.getattr(name)?.extract() };
+        let flag = |name: &str| -> PyResult<bool> { s.getattr(name)?.extract() };
+        Ok(CallPolicy {
+            settings: Settings {
+                retry_budget: int("retry_budget")?,
+                window_ms: int("window_ms")?,
+                window_calls: int("window_calls")?,
+                iteration_ceiling: int("iteration_ceiling")?,
+                poll_alert_after: int("poll_alert_after")?,
+                cycle_occurrences: int("cycle_occurrences")?,
+                side_effect_window_ms: int("side_effect_window_ms")?,
+                circuit_open_at: int("circuit_open_at")?,
+                side_effect: flag("side_effect")?,
+                collapse_whitespace: flag("collapse_whitespace")?,
+                strict_args: flag("strict_args")?,
+                dedupe_window: int("dedupe_window")?,
+                shadow: flag("shadow")?,
+            },
+            tool: tool_digest(tool),
+            filter: resolved.getattr("fields")?.unbind(),
+            ignored: RefCell::new(HashMap::new()),
+        })
+    }
+
+    fn is_ignored(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
+        if let Some(hit) = self.ignored.borrow().get(key) {
+            return Ok(*hit);
+        }
+        let hit: bool = self
+            .filter
+            .bind(py)
+            .call_method1("is_ignored", (key,))?
+            .extract()?;
+        let mut cache = self.ignored.borrow_mut();
+        if cache.len() >= FIELD_CACHE_LIMIT {
+            cache.clear();
+        }
+        cache.insert(key.to_owned(), hit);
+        Ok(hit)
+    }
+
+    /// SHA-256 of the normalised value, None when it has no canonical form.
+    fn hash(
+        &self,
+        py: Python<'_>,
+        value: &Value,
+        scratch: &mut Vec<u8>,
+    ) -> PyResult<Option<[u8; 32]>> {
+        let mut ignored = |key: &str| self.is_ignored(py, key);
+        match hash_value(
+            value,
+            &mut ignored,
+            self.settings.collapse_whitespace,
+            scratch,
+        ) {
+            Ok(digest) => Ok(Some(digest)),
+            Err(HashError::NotNormalisable) => Ok(None),
+            Err(HashError::Filter(err)) => Err(err),
+        }
+    }
+}
+
+/// An argument or result hash: computed here, given by the runtime, or impossible (fail closed).
+enum HashOf<'a> {
+    Computed([u8; 32]),
+    Given(&'a str),
+    Missing,
+}
+
+impl HashOf<'_> {
+    fn digest(&self, missing: &str) -> [u8; 8] {
+        match self {
+            HashOf::Computed(sha) => sha[..8].try_into().expect("32 bytes"),
+            HashOf::Given(text) => short(text),
+            HashOf::Missing => short(missing),
+        }
+    }
+
+    fn text(&self, missing: &str) -> String {
+        match self {
+            HashOf::Computed(sha) => hex(sha),
+            HashOf::Given(text) => (*text).to_owned(),
+            HashOf::Missing => missing.to_owned(),
+        }
+    }
+}
+
+/// The engine behind `loopwarden replay`: run states with event-time eviction, as `RunTable`.
+#[pyclass(unsendable)]
+struct Replayer {
+    policy: Py<PyAny>,
+    policies: HashMap<String, Rc<CallPolicy>>,
+    policy_key: String,
+    runs: LinkedHashMap<String, RunState>,
+    runs_seen: HashSet<String>,
+    watermark_ms: i64,
+    ttl_ms: i64,
+    max_runs: usize,
+    max_event_bytes: usize,
+    scratch: Vec<u8>,
+    /// Events folded or dropped as redeliveries (lines that decoded).
+    #[pyo3(get)]
+    events: u64,
+    #[pyo3(get)]
+    duplicates: u64,
+    #[pyo3(get)]
+    evicted: u64,
+}
+
+#[pymethods]
+impl Replayer {
+    #[new]
+    fn new(
+        py: Python<'_>,
+        policy: Py<PyAny>,
+        max_runs: usize,
+        max_event_bytes: usize,
+    ) -> PyResult<Self> {
+        let ttl_ms = policy
+            .bind(py)
+            .getattr("defaults")?
+            .getattr("run_ttl_ms")?
+            .extract()?;
+        Ok(Replayer {
+            policy,
+            policies: HashMap::new(),
+            policy_key: String::new(),
+            runs: LinkedHashMap::new(),
+            runs_seen: HashSet::new(),
+            watermark_ms: 0,
+            ttl_ms,
+            max_runs,
+            max_event_bytes,
+            scratch: Vec::with_capacity(1024),
+            events: 0,
+            duplicates: 0,
+            evicted: 0,
+        })
+    }
+
+    /// Fold `lines[start:]` in order. Returns where it stopped (``len(lines)``, or the index of a line
+    /// the reference decoder must handle before feeding resumes after it) and the findings, as
+    /// ``(index, finding)``. Blank lines are skipped.
+    fn feed(
+        &mut self,
+        py: Python<'_>,
+        lines: &Bound<'_, PyList>,
+        start: usize,
+    ) -> PyResult<(usize, Vec<(usize, FindingTuple)>)> {
+        let mut findings = Vec::new();
+        let total = lines.len();
+        for index in start..total {
+            let item = lines.get_item(index)?;
+            let line = item.cast::<PyBytes>()?.as_bytes();
+            if line.iter().all(|b| matches!(b, b' ' | b'\t'..=b'\r')) {
+                continue;
+            }
+            if line.len() > self.max_event_bytes {
+                return Ok((index, findings));
+            }
+            let Ok(Value::Object(obj)) = serde_json::from_slice::<Value>(line) else {
+                return Ok((index, findings));
+            };
+            let Some(call) = contract::decode(&obj) else {
+                return Ok((index, findings));
+            };
+            if let Some(finding) = self.fold_call(py, &call, None)? {
+                findings.push((index, finding));
+            }
+        }
+        Ok((total, findings))
+    }
+
+    /// Fold one event the reference decoded, with the hashes it computed (``event_hashes``). Returns
+    /// ``(duplicate, finding or None)``.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (run_id, event_id, tool, agent_id, ts_ms, outcome, args_hash, args_verified,
+                        result_hash, retry_budget, plan_step, side_effect))]
+    fn observe(
+        &mut self,
+        py: Python<'_>,
+        run_id: &str,
+        event_id: &str,
+        tool: &str,
+        agent_id: Option<&str>,
+        ts_ms: i64,
+        outcome: &str,
+        args_hash: &str,
+        args_verified: bool,
+        result_hash: &str,
+        retry_budget: Option<i64>,
+        plan_step: Option<i64>,
+        side_effect: Option<bool>,
+    ) -> PyResult<(bool, Option<FindingTuple>)> {
+        let outcome = OUTCOMES.iter().position(|o| *o == outcome).ok_or_else(|| {
+            pyo3::exceptions::PyValueError::new_err(format!("unknown outcome {outcome:?}"))
+        })? as u8;
+        // The reference's hashes stand in for the JSON, which this call never sees.
+        let call = Call {
+            run_id,
+            event_id,
+            tool,
+            agent_id,
+            ts_ms,
+            outcome,
+            args: Hashed::Hash(args_hash),
+            result: Hashed::Hash(result_hash),
+            retry_budget,
+            plan_step,
+            side_effect,
+        };
+        let duplicates = self.duplicates;
+        let given = (
+            HashOf::Given(args_hash),
+            args_verified,
+            HashOf::Given(result_hash),
+        );
+        let finding = self.fold_call(py, &call, Some(given))?;
+        Ok((self.duplicates > duplicates, finding))
+    }
+
+    /// Distinct run ids seen so far (evicted ones included).
+    #[getter]
+    fn runs_seen(&self) -> usize {
+        self.runs_seen.len()
+    }
+
+    /// Runs tracked now.
+    fn __len__(&self) -> usize {
+        self.runs.len()
+    }
+}
+
+impl Replayer {
+    fn resolve(
+        &mut self,
+        py: Python<'_>,
+        agent_id: Option<&str>,
+        tool: &str,
+    ) -> PyResult<Rc<CallPolicy>> {
+        let key = &mut self.policy_key;
+        key.clear();
+        match agent_id {
+            Some(agent) => {
+                key.push('a');
+                key.push_str(agent);
+            }
+            None => key.push('-'),
+        }
+        key.push('\u{1f}');
+        key.push_str(tool);
+        if let Some(hit) = self.policies.get(key.as_str()) {
+            return Ok(hit.clone());
+        }
+        let resolved = self
+            .policy
+            .bind(py)
+            .call_method1("resolve", (agent_id, tool))?;
+        let policy = Rc::new(CallPolicy::from_reference(&resolved, tool)?);
+        if self.policies.len() >= POLICY_CACHE_LIMIT {
+            self.policies.clear();
+        }
+        self.policies
+            .insert(self.policy_key.clone(), policy.clone());
+        Ok(policy)
+    }
+
+    /// Fold one call into its run (created on first sight), then evict as `RunTable` does. ``given``:
+    /// the reference's hashes (args, verified, result) instead of hashing the call's JSON here.
+    fn fold_call(
+        &mut self,
+        py: Python<'_>,
+        call: &Call,
+        given: Option<(HashOf, bool, HashOf)>,
+    ) -> PyResult<Option<FindingTuple>> {
+        self.events += 1;
+        if !self.runs_seen.contains(call.run_id) {
+            self.runs_seen.insert(call.run_id.to_owned());
+        }
+        let policy = self.resolve(py, call.agent_id, call.tool)?;
+        let settings = &policy.settings;
+        let state = match self.runs.get_mut(call.run_id) {
+            Some(_) => {
+                self.runs.to_back(call.run_id);
+                self.runs.get_mut(call.run_id).expect("just moved")
+            }
+            None => self
+                .runs
+                .entry(call.run_id.to_owned())
+                .or_insert_with(RunState::default),
+        };
+        let mut finding = None;
+        match state.admit(call.event_id, call.ts_ms, settings) {
+            Admission::Duplicate => self.duplicates += 1,
+            Admission::Halted => {}
+            Admission::Fold => {
+                state.count_call(call.plan_step);
+                let (args, verified, result) = match given {
+                    Some(hashes) => hashes,
+                    None => {
+                        let (args, verified) = match call.args {
+                            Hashed::Raw(value) => {
+                                match policy.hash(py, value, &mut self.scratch)? {
+                                    Some(sha) => (HashOf::Computed(sha), true),
+                                    None => (HashOf::Missing, false),
+                                }
+                            }
+                            Hashed::Hash(text) => (HashOf::Given(text), !settings.strict_args),
+                        };
+                        let result = match call.result {
+                            Hashed::Raw(value) => {
+                                match policy.hash(py, value, &mut self.scratch)? {
+                                    Some(sha) => HashOf::Computed(sha),
+                                    None => HashOf::Missing,
+                                }
+                            }
+                            Hashed::Hash(text) => HashOf::Given(text),
+                        };
+                        (args, verified, result)
+                    }
+                };
+                let step = Step {
+                    event_id: call.event_id,
+                    ts_ms: call.ts_ms,
+                    outcome: call.outcome,
+                    call: if verified { args.digest("") } else { short("") },
+                    result: result.digest("unhashable"),
+                    tool: policy.tool,
+                    retry_budget: call.retry_budget,
+                    side_effect: call.side_effect,
+                };
+                finding = state.fold(&step, settings).map(|f| {
+                    (
+                        f.verdict,
+                        f.count,
+                        f.budget,
+                        f.period,
+                        f.first_event_id,
+                        args.text(""),
+                        verified,
+                        result.text("unhashable"),
+                    )
+                });
+            }
+        }
+        if call.ts_ms > self.watermark_ms {
+            self.watermark_ms = call.ts_ms;
+        }
+        self.evict();
+        Ok(finding)
+    }
+
+    fn evict(&mut self) {
+        let horizon = self.watermark_ms - self.ttl_ms;
+        while let Some((_, oldest)) = self.runs.front() {
+            if oldest.last_ts_ms >= horizon && self.runs.len() <= self.max_runs {
+                return;
+            }
+            self.runs.pop_front();
+            self.evicted += 1;
+        }
+    }
+}
+
+/// The semantic hash (hex) of a JSON document under a reference ``FieldFilter``, or None when it has
+/// no canonical form; the differential tests compare it with ``stream_app.core.semantic_hash``.
+#[pyfunction]
+fn semantic_hash(
+    py: Python<'_>,
+    json: &[u8],
+    fields: Py<PyAny>,
+    collapse_whitespace: bool,
+) -> PyResult<Option<String>> {
+    let value: Value = serde_json::from_slice(json)
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("not JSON: {e}")))?;
+    let policy = CallPolicy {
+        settings: Settings {
+            retry_budget: 0,
+            window_ms: 1,
+            window_calls: 0,
+            iteration_ceiling: 0,
+            poll_alert_after: 0,
+            cycle_occurrences: 2,
+            side_effect_window_ms: 1,
+            circuit_open_at: 2,
+            side_effect: false,
+            collapse_whitespace,
+            strict_args: false,
+            dedupe_window: 1,
+            shadow: false,
+        },
+        tool: [0; 4],
+        filter: fields,
+        ignored: RefCell::new(HashMap::new()),
+    };
+    Ok(policy
+        .hash(py, &value, &mut Vec::new())?
+        .map(|sha| hex(&sha)))
+}
+
+#[pymodule]
+fn loopwarden_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Replayer>()?;
+    m.add_function(wrap_pyfunction!(semantic_hash, m)?)?;
+    Ok(())
+}
