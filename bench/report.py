@@ -21,6 +21,7 @@ from typing import Any
 
 from .workers import REPO
 
+TARGET_CORE_EVENTS_PER_S = 100_000
 TARGET_EVENTS_PER_S = 20_000
 TARGET_P99_MS_AT_HALF = 50.0
 TARGET_OVERSHOOT = {"10": 1, "100": 5}
@@ -162,6 +163,15 @@ class Page:
 
     def targets(self) -> None:
         rows = []
+        if self.core and "replay_python_events_per_s" in self.core:
+            c = self.core
+            rows.append(("core replay >= 100,000 events/s on one core, parsing included",
+                         f"{_n(c['replay_events_per_s'])} events/s native "
+                         f"({_n(c['replay_python_events_per_s'])} Python reference)",
+                         _met(c["replay_events_per_s"] >= TARGET_CORE_EVENTS_PER_S and c["engines_identical"])))
+            rows.append(("core memory < 2 KB per tracked run", f"{_n(c['bytes_per_tracked_run'])} B native, "
+                         f"{_n(c['bytes_per_tracked_run_python'])} B Python",
+                         _met(max(c["bytes_per_tracked_run"], c["bytes_per_tracked_run_python"]) < 2048)))
         if self.fleet:
             one = self.fleet["1w"]
             best = max(one["sustained_per_s"], one["probe"]["applied_per_s"])
