@@ -61,7 +61,10 @@ from .state import Change, RunStore
 log = logging.getLogger(__name__)
 
 RUNS_TABLE = "runs"
-SWEEP_INTERVAL_S = 0.5  # how often stored runs are checked for expiry (a timer, off the per-batch path)
+SWEEP_INTERVAL_S = 0.5
+#: Dead-lettered values are cut to this many bytes (header ``value_bytes``: the original size), below the
+#: producer's 1 MB request limit: the telemetry topic may allow larger messages than the DLQ does.
+DLQ_VALUE_LIMIT = 256 * 1024  # how often stored runs are checked for expiry (a timer, off the per-batch path)
 
 
 def configured_app(settings: WorkerSettings) -> faust.App:
@@ -303,8 +306,11 @@ class BatchProcessor:
             ("source_partition", str(message.partition).encode()),
             ("source_offset", str(message.offset).encode()),
         ]
-        value = event.value if isinstance(event.value, bytes | bytearray) else b""
-        await self.dlq.send(key=message.key, value=bytes(value), headers=headers)
+        value = bytes(event.value) if isinstance(event.value, bytes | bytearray) else b""
+        if len(value) > DLQ_VALUE_LIMIT:  # a multi-megabyte payload must not fail the DLQ send too
+            headers.append(("value_bytes", str(len(value)).encode()))
+            value = value[:DLQ_VALUE_LIMIT]
+        await self.dlq.send(key=message.key, value=value, headers=headers)
 
     async def _publish(self, decisions: list[Decision]) -> None:
         """Send decisions and wait until the broker has them all."""

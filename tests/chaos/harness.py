@@ -19,14 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from stream_app.client import KafkaClientConfig
 from stream_app.client.listener import HaltListener
 from stream_app.client.publisher import TelemetryPublisher
 from stream_app.core import Detector, Policy, RunTable, decode_event
 from stream_app.fleet_sim import simulate_fleet
+from stream_app.wire import encode_telemetry, header
 
-from ..integration.workers import Fleet, WorkerProcess
+from ..integration.workers import Fleet, WorkerProcess, consume
 
 Fault = Callable[[float], Awaitable[dict[str, Any]]]
 
@@ -266,13 +270,119 @@ def _median(values: list[float]) -> float:
 
 def _sample(worker: WorkerProcess, fleet: Fleet, t_s: float, runs: int) -> dict[str, float]:
     metrics = worker.metrics()
-    status = Path(f"/proc/{worker.process.pid}/status").read_text()
-    rss_kb = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
     state = sum(f.stat().st_size for f in fleet.workdir.rglob("*") if f.is_file() and "state" in str(f))
     return {
-        "t_s": round(t_s, 1), "runs": runs, "rss_mb": rss_kb / 1024,
+        "t_s": round(t_s, 1), "runs": runs, "rss_mb": _rss_mb(worker),
         "runs_tracked": metrics.get("loopwarden_runs_tracked", 0.0),
         "evicted": metrics.get("loopwarden_evicted_runs_total", 0.0),
         "lag": sum(v for k, v in metrics.items() if k.startswith("loopwarden_consumer_lag{")),
         "state_mb": state / 2**20,
     }
+
+
+# --- bad input through Kafka ------------------------------------------------------------------------
+
+def _base(i: int) -> dict[str, Any]:
+    return {"run_id": f"bad-{i}", "event_id": f"bad-{i}", "tool": "search", "ts_ms": 1_764_000_000_000 + i,
+            "outcome": "error", "args": {"q": "x"}, "result": {"error": "503"}}
+
+
+def _with(i: int, **fields: Any) -> bytes:
+    return orjson.dumps({**_base(i), **fields})
+
+
+_WRONG_TYPES = [("run_id", 5), ("event_id", []), ("tool", None), ("ts_ms", "soon"), ("outcome", "kaput"),
+                ("args", [1, 2]), ("retry_budget", -1), ("side_effect", "yes"), ("plan_step", 1.5),
+                ("schema_version", "9"), ("attrs", "x"), ("latency_ms", -3)]
+
+#: Each class of bad input the issue names, as a function of a counter (no two messages are equal).
+BAD_INPUT_CLASSES: dict[str, Callable[[int], bytes]] = {
+    "not JSON": lambda i: b"{not json %d" % i,
+    "invalid UTF-8": lambda i: b'{"run_id": "r\xff\xfe%d", "event_id": "e"}' % i,
+    "NaN / Infinity": lambda i: _with(i).replace(b'"result":', b'"latency_ms":NaN,"result":' if i % 2 else
+                                                   b'"latency_ms":Infinity,"result":'),
+    "deep nesting (5,000 levels)": lambda i: b'{"run_id":"r%d","args":' % i + b"[" * 5000 + b"]" * 5000 + b"}",
+    "duplicate keys, the last one wrong": lambda i: _with(i)[:-1] + b',"ts_ms":"later"}',
+    "integer beyond 64 bits": lambda i: _with(i).replace(b'"ts_ms":1764', b'"ts_ms":999999999999999999999999', 1),
+    "wrong type in a field": lambda i: _with(i, **dict([_WRONG_TYPES[i % len(_WRONG_TYPES)]])),
+    "huge string (600 KB run id)": lambda i: _with(i, run_id="r" * 600_000 + str(i)),
+    "huge array (100,000 items) as args": lambda i: _with(i, args=list(range(100_000 + i))),
+    "multi-megabyte payload (3 MB)": lambda i: _with(i, result={"blob": "x" * 3_000_000}),
+}
+
+
+async def bad_input_flood(fleet: Fleet, worker: WorkerProcess, seed: int, runs: int = 200,
+                          per_class: int = 20) -> dict[str, Any]:
+    """The worker's rate on clean telemetry, then on telemetry interleaved with every class of bad input
+    (one bad message per good one at the start); bad messages must land in the DLQ with their reason,
+    good ones must decide as replay does, and the worker's memory must not grow with the garbage."""
+    clean, mixed = (_renamed(simulate_fleet(runs, seed=seed + n)[1], f"p{n}-") for n in (0, 1))
+    bad = [(name, make(i)) for i in range(per_class) for name, make in BAD_INPUT_CLASSES.items()]
+    admin = AIOKafkaAdminClient(bootstrap_servers=fleet.bootstrap)
+    await admin.start()
+    try:  # an operator may allow big messages on the input; the worker must still cope
+        await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, fleet.telemetry_topic,
+                                                  configs={"max.message.bytes": str(8 << 20)})])
+    finally:
+        await admin.close()
+    producer = AIOKafkaProducer(bootstrap_servers=fleet.bootstrap, acks="all", max_request_size=8 << 20,
+                                linger_ms=5)
+    await producer.start()
+
+    async def timed(messages: list[tuple[bytes | None, bytes]], done: float) -> float:
+        started = time.monotonic()
+        for key, value in messages:
+            await producer.send(fleet.telemetry_topic, key=key, value=value)
+        await producer.flush()
+        while await asyncio.to_thread(_taken, worker) < done:
+            if time.monotonic() - started > 300:
+                raise AssertionError(f"worker stuck at {await asyncio.to_thread(_taken, worker)} of {done} messages")
+            await asyncio.sleep(0.05)
+        return time.monotonic() - started
+
+    try:
+        clean_s = await timed([encode_telemetry(e) for e in clean], len(clean))
+        rss_before = await asyncio.to_thread(_rss_mb, worker)
+        interleaved: list[tuple[bytes | None, bytes]] = []
+        good = [encode_telemetry(e) for e in mixed]
+        for i, message in enumerate(good):
+            interleaved.append(message)
+            if i < len(bad):
+                interleaved.append((f"bad-{i}".encode(), bad[i][1]))
+        interleaved.extend((b"bad", value) for _, value in bad[len(good):])
+        mixed_s = await timed(interleaved, len(clean) + len(interleaved))
+        rss_after = await asyncio.to_thread(_rss_mb, worker)
+    finally:
+        await producer.stop()
+
+    expected = replay_decisions(clean) | replay_decisions(mixed)
+    control = await consume(fleet.bootstrap, fleet.control_topic, len(expected), timeout=60, settle=1.0)
+    got = {orjson.loads(r.value)["decision_id"] for r in control}
+    dlq = await consume(fleet.bootstrap, fleet.dlq_topic, len(bad), timeout=60, settle=1.0)
+    with_reason = [r for r in dlq if header(r.headers, "error")]
+    return {
+        "classes": list(BAD_INPUT_CLASSES), "bad_messages": len(bad), "good_events": len(clean) + len(mixed),
+        "clean_events_per_s": len(clean) / clean_s,
+        "mixed_good_events_per_s": len(mixed) / mixed_s, "mixed_messages_per_s": len(interleaved) / mixed_s,
+        "dlq_messages": len(dlq), "dlq_with_reason": len(with_reason),
+        "dlq_truncated": sum(1 for r in dlq if header(r.headers, "value_bytes")),
+        "dlq_reasons": sorted({header(r.headers, "error").decode()[:80] for r in with_reason})[:40],
+        "decisions_expected": len(expected), "decisions_missing": len(expected.keys() - got),
+        "decisions_extra": len(got - expected.keys()), "rss_mb_before": rss_before, "rss_mb_after": rss_after,
+    }
+
+
+def _renamed(stream: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]]:
+    return [{**e, "run_id": prefix + e["run_id"], "event_id": prefix + e["event_id"]} for e in stream]
+
+
+def _taken(worker: WorkerProcess) -> float:
+    """Input messages the worker has finished with: applied, skipped as redeliveries, or dead-lettered."""
+    metrics = worker.metrics()
+    return sum(v for k, v in metrics.items() if k.startswith(("loopwarden_events_total{", "loopwarden_dlq_total{"))) \
+        + metrics.get("loopwarden_duplicate_events_total", 0.0)
+
+
+def _rss_mb(worker: WorkerProcess) -> float:
+    status = Path(f"/proc/{worker.process.pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024

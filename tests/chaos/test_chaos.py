@@ -90,6 +90,24 @@ def test_slow_worker(kafka_bootstrap: str, tmp_path: Path, trial: int) -> None:
     assert result.fault["lag_after"] == 0
 
 
+def test_bad_input_flood(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """Every class of bad input through Kafka, one bad message per good one: each lands in the DLQ with
+    its reason, good telemetry decides as replay does, the worker keeps its rate and its memory."""
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4)
+    worker = fleet.start_worker(0)
+    try:
+        result = asyncio.run(harness.bad_input_flood(fleet, worker, seed=6000))
+    finally:
+        fleet.stop()
+    if RESULTS:
+        with Path(RESULTS).open("ab") as out:
+            out.write(orjson.dumps({"scenario": "bad_input", **result}) + b"\n")
+    assert result["dlq_messages"] == result["dlq_with_reason"] == result["bad_messages"], result
+    assert result["dlq_truncated"] > 0, "the multi-megabyte payloads were not cut for the DLQ"
+    assert (result["decisions_missing"], result["decisions_extra"]) == (0, 0), result
+    assert result["rss_mb_after"] < result["rss_mb_before"] + 200, result
+
+
 def test_soak(kafka_bootstrap: str, tmp_path: Path) -> None:
     """Distinct runs at a steady rate: memory and state stay flat (eviction works), decisions stay right."""
     minutes = float(os.environ.get("CHAOS_SOAK_MINUTES", "0.25"))
