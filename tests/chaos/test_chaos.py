@@ -1,11 +1,10 @@
 """The chaos suite: faults a fleet sees, on the real broker and real worker processes.
 
-``make chaos`` runs the full suite (20 worker-crash trials, several of the others, a 30-minute soak)
-and writes RELIABILITY.md from the results; ``pytest -m chaos`` alone runs one trial of each. It is
-kept out of ``make test`` until one unexplained failure is understood: a same-state worker-crash
-trial in a CI run on a heavily loaded machine ended with 5 halts missing and 4 made later than
-replay made them; eight later trials (four under synthetic CPU load) were clean. Each trial now
-records the runs that differ (``notes``) to diagnose it.
+``make chaos`` runs the full suite (20 worker-crash trials, several of the others, a bad-input flood, a
+30-minute soak) and writes RELIABILITY.md from the results; ``make test`` runs one short trial of each
+(the defaults below). Each trial records the runs that differ (``notes``) to diagnose a failure: that is
+how the delivery bug fixed in ``stream_app/worker/delivery.py`` was found.
+
 Environment: CHAOS_TRIALS (default 1), CHAOS_SOAK_MINUTES (default 0.25), CHAOS_SOAK_RUNS (default
 2000), CHAOS_RESULTS (a JSONL file each trial appends to).
 """
