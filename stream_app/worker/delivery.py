@@ -34,6 +34,7 @@ from typing import Any
 from weakref import WeakSet
 
 import faust
+from aiokafka.errors import IllegalStateError
 from faust.transport.drivers.aiokafka import Consumer
 from faust.types import TP, EventT, Message
 from faust.types.tuples import ack_lock
@@ -147,7 +148,10 @@ class Sequencer:
             else:
                 held[tp] = expected
         for tp, offset in held.items():
-            await self.app.consumer.seek(tp, offset)
+            try:
+                await self.app.consumer.seek(tp, offset)
+            except IllegalStateError:  # revoked meanwhile: its next owner starts from the committed offset
+                self.forget([tp])
         return admitted
 
     async def _gap_is_real(self, tp: TP, expected: int, offset: int) -> bool:

@@ -13,6 +13,7 @@ import pytest
 
 faust = pytest.importorskip("faust")
 
+from aiokafka.errors import IllegalStateError  # noqa: E402
 from faust.types import TP, Message  # noqa: E402
 
 from stream_app.worker import delivery  # noqa: E402
@@ -99,8 +100,11 @@ class _Consumer:
     def __init__(self) -> None:
         self.seeks: list[tuple[TP, int]] = []
         self.gaps: list[tuple[TP, int, int]] = []
+        self.assigned = True
 
     async def seek(self, tp: TP, offset: int) -> None:
+        if not self.assigned:
+            raise IllegalStateError(f"No current assignment for partition {tp}")
         self.seeks.append((tp, offset))
 
     async def confirm_gap(self, tp: TP, offset_from: int, offset_to: int) -> None:
@@ -164,3 +168,11 @@ async def test_a_revoked_partition_starts_again_from_what_is_delivered() -> None
     sequencer.forget([PARTITION])
     assert _offsets(await sequencer.admit(_events(50))) == [(0, 50)]
     assert consumer.seeks == []
+
+
+async def test_a_partition_revoked_before_its_seek_is_forgotten() -> None:
+    sequencer, consumer, _, _ = _sequencer()
+    await sequencer.admit(_events(5))
+    consumer.assigned = False
+    assert await sequencer.admit(_events(9)) == []
+    assert _offsets(await sequencer.admit(_events(40))) == [(0, 40)]  # a new assignment starts afresh
