@@ -119,23 +119,17 @@ def time_core_only(lines: list[bytes]) -> float:
 
 
 def native_bytes_per_run(runs: int, calls: int) -> float:
-    """Resident bytes the native engine holds per tracked run (its memory is not Python's heap, so this
-    is the growth of the process's resident set while it takes ``runs`` runs in)."""
-    from loopwarden_native import Replayer
+    """Heap bytes the native engine holds per tracked run (states, digests, table entry, run-id keys),
+    counted by its allocator as tracemalloc counts Python's."""
+    from loopwarden_native import Replayer, heap_bytes
 
     lines = generate_lines(runs, calls, seed=2)
+    before = heap_bytes()
     engine = Replayer(BENCH_POLICY, runs, 1 << 20)
-    gc.collect()
-    before = _resident_bytes()
     engine.feed(lines, 0)
-    held = _resident_bytes() - before
+    held = heap_bytes() - before
     assert len(engine) == runs
     return held / runs
-
-
-def _resident_bytes() -> int:
-    with open("/proc/self/statm", encoding="ascii") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def bytes_per_run(runs: int, calls: int) -> float:
@@ -217,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     hashed_rates, _ = replay_rates(hashed_lines, "native", args.repeat, "native, hashed")
     hashed_python_rates, _ = replay_rates(hashed_lines, "python", args.repeat, "python, hashed")
     del hashed_lines
-    native_per_run = native_bytes_per_run(args.runs * 2, 30)
+    native_per_run = native_bytes_per_run(args.runs, 30)
     per_run = bytes_per_run(args.runs, 30)
     print("core: cost of one call as a run grows (ours vs naive history rescan) ...", file=sys.stderr, flush=True)
     growth = cost_vs_run_length()
@@ -244,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"core.replay_hashed_events_per_s (args/results as hashes, native / python): "
           f"{result['replay_hashed_events_per_s']:,.0f} / {result['replay_hashed_python_events_per_s']:,.0f}")
     print(f"core.detector_only_events_per_s (reference, pre-decoded events): {core_rate:,.0f}")
-    print(f"core.bytes_per_tracked_run (native, {args.runs * 2:,} runs x 30 calls, resident set growth): "
+    print(f"core.bytes_per_tracked_run (native, {args.runs:,} runs x 30 calls, its allocator's count): "
           f"{native_per_run:,.0f}")
     print(f"core.bytes_per_tracked_run_python ({args.runs:,} runs x 30 calls, tracemalloc): {per_run:,.0f}")
     first, last = growth[0], growth[-1]

@@ -214,7 +214,7 @@ class Page:
                 ("replay_hashed_events_per_s", "replay path, hashes sent by the SDK, native, events/s", ""),
                 ("replay_hashed_python_events_per_s", "replay path, hashes sent by the SDK, Python, events/s", ""),
                 ("detector_only_events_per_s", "Python detector alone (pre-decoded events), events/s", ""),
-                ("bytes_per_tracked_run", "memory per tracked run, native (resident set growth)", " B"),
+                ("bytes_per_tracked_run", "memory per tracked run, native (heap, its allocator's count)", " B"),
                 ("bytes_per_tracked_run_python", "memory per tracked run, Python (tracemalloc)", " B")):
             if key in c:
                 self.add(f"| {label} | {_n(c[key])}{unit} |")

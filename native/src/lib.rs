@@ -11,6 +11,7 @@
 
 mod contract;
 mod detector;
+mod heap;
 mod normalize;
 
 use std::cell::RefCell;
@@ -446,9 +447,17 @@ fn semantic_hash(
         .map(|sha| hex(&sha)))
 }
 
+/// Bytes this extension holds on the heap now (requested sizes, as tracemalloc counts Python's): the
+/// benchmark's memory per tracked run.
+#[pyfunction]
+fn heap_bytes() -> usize {
+    heap::allocated()
+}
+
 #[pymodule]
 fn loopwarden_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Replayer>()?;
     m.add_function(wrap_pyfunction!(semantic_hash, m)?)?;
+    m.add_function(wrap_pyfunction!(heap_bytes, m)?)?;
     Ok(())
 }

@@ -1,0 +1,50 @@
+//! The system allocator, counting the bytes held: the memory per tracked run is measured, not guessed
+//! (a resident-set delta is hidden by memory the process freed earlier and reuses).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
+struct Counting;
+
+static HELD: AtomicUsize = AtomicUsize::new(0);
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// Bytes currently allocated through Rust's allocator in this library.
+pub fn allocated() -> usize {
+    HELD.load(Relaxed)
+}
+
+// SAFETY: every call is forwarded to `System` unchanged; only a counter is updated beside it.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let ptr = System.alloc(layout);
+        if !ptr.is_null() {
+            HELD.fetch_add(layout.size(), Relaxed);
+        }
+        ptr
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let ptr = System.alloc_zeroed(layout);
+        if !ptr.is_null() {
+            HELD.fetch_add(layout.size(), Relaxed);
+        }
+        ptr
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout);
+        HELD.fetch_sub(layout.size(), Relaxed);
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let moved = System.realloc(ptr, layout, new_size);
+        if !moved.is_null() {
+            HELD.fetch_add(new_size, Relaxed);
+            HELD.fetch_sub(layout.size(), Relaxed);
+        }
+        moved
+    }
+}
