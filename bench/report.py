@@ -206,7 +206,8 @@ class Page:
                      "bench/results/core.json`).", "")
             return
         c = self.core
-        self.add("Command: `python -m bench.core --json bench/results/core.json` (part of `make bench`).", "",
+        self.add("Command: `python -m bench.core --json bench/results/core.json` (part of `make bench`; it can be",
+                 "re-run alone, so this section may be newer than the Kafka sections).", "",
                  "| figure | value |", "|---|---|")
         for key, label, unit in (
                 ("replay_events_per_s", "replay path (JSONL -> decisions), native engine, events/s", ""),
