@@ -256,15 +256,14 @@ async def soak(fleet: Fleet, worker: WorkerProcess, minutes: float, runs_total: 
         await publisher.stop()
         await listener.stop()
     third = max(1, len(samples) // 3)
+    thirds = {"first": samples[:third], "middle": samples[third:-third] or samples, "last": samples[-third:]}
     halted_set = set(halted)
     return {
         "minutes": minutes, "runs": made, "events": events, "runaways": len(runaways),
         "missing_halts": len(runaways - halted_set), "false_halts": len(halted_set - runaways),
         "halts_applied_twice": len(halted) - len(halted_set), "publish_failed": publisher.failed,
-        "rss_mb_first_third": _median([s["rss_mb"] for s in samples[:third]]),
-        "rss_mb_last_third": _median([s["rss_mb"] for s in samples[-third:]]),
-        "tracked_first_third": _median([s["runs_tracked"] for s in samples[:third]]),
-        "tracked_last_third": _median([s["runs_tracked"] for s in samples[-third:]]),
+        **{f"rss_mb_{name}_third": _median([s["rss_mb"] for s in part]) for name, part in thirds.items()},
+        **{f"tracked_{name}_third": _median([s["runs_tracked"] for s in part]) for name, part in thirds.items()},
         "state_mb_last": samples[-1]["state_mb"], "evicted": samples[-1]["evicted"], "samples": samples,
     }
 
@@ -368,6 +367,7 @@ async def bad_input_flood(fleet: Fleet, worker: WorkerProcess, seed: int, runs: 
     with_reason = [r for r in dlq if header(r.headers, "error")]
     return {
         "classes": list(BAD_INPUT_CLASSES), "bad_messages": len(bad), "good_events": len(clean) + len(mixed),
+        "bad_megabytes": sum(len(value) for _, value in bad) / 2**20,
         "clean_events_per_s": len(clean) / clean_s,
         "mixed_good_events_per_s": len(mixed) / mixed_s, "mixed_messages_per_s": len(interleaved) / mixed_s,
         "dlq_messages": len(dlq), "dlq_with_reason": len(with_reason),

@@ -25,6 +25,7 @@ from . import harness
 pytestmark = pytest.mark.chaos
 
 TRIALS = int(os.environ.get("CHAOS_TRIALS", "1"))
+SOAK_ROCKSDB_MB = 4
 RESULTS = os.environ.get("CHAOS_RESULTS")
 
 
@@ -113,7 +114,11 @@ def test_soak(kafka_bootstrap: str, tmp_path: Path) -> None:
     runs = int(os.environ.get("CHAOS_SOAK_RUNS", "2000"))
     policy = tmp_path / "policy.yaml"
     policy.write_text("defaults:\n  run_ttl_ms: 30000\n")
-    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4, extra_env={"LOOPWARDEN_POLICY": str(policy)})
+    # RocksDB's caches and write buffers fill up to their configured size whatever the runs do: smaller
+    # ones fill within the first minutes, so growth after that is the worker's own.
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4, extra_env={
+        "LOOPWARDEN_POLICY": str(policy), "LOOPWARDEN_ROCKSDB_BLOCK_CACHE_MB": str(SOAK_ROCKSDB_MB),
+        "LOOPWARDEN_ROCKSDB_WRITE_BUFFER_MB": str(SOAK_ROCKSDB_MB)})
     worker = fleet.start_worker(0)
     try:
         result = asyncio.run(harness.soak(fleet, worker, minutes, runs, seed=5, progress=print))
@@ -125,5 +130,6 @@ def test_soak(kafka_bootstrap: str, tmp_path: Path) -> None:
     assert (result["missing_halts"], result["false_halts"], result["halts_applied_twice"]) == (0, 0, 0), result
     assert result["publish_failed"] == 0
     if minutes >= 5:  # flatness needs time to show; the short representative only checks correctness
-        assert result["rss_mb_last_third"] < result["rss_mb_first_third"] * 1.5, result
+        assert result["rss_mb_last_third"] < result["rss_mb_middle_third"] * 1.25, result
+        assert result["tracked_last_third"] < result["tracked_middle_third"] * 1.5, result
         assert result["evicted"] > 0
