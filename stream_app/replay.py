@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import BinaryIO, Literal, TextIO
+from typing import Any, BinaryIO, Literal, TextIO
 
 import orjson
 
@@ -68,14 +68,6 @@ class ReplaySummary:
         )
 
 
-def native_available() -> bool:
-    try:
-        import loopwarden_native  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def replay(
     lines: Iterable[bytes],
     policy: Policy,
@@ -87,10 +79,18 @@ def replay(
 ) -> ReplaySummary:
     """Run every line through the detector; write decisions to ``out`` and problems to ``err``."""
     writer = _Writer(out, err, flush_each, progress_every_s)
-    if engine == "native" or (engine == "auto" and native_available()):
-        _replay_native(lines, policy, writer)
-    else:
+    replayer = None
+    if engine != "python":
+        try:
+            from loopwarden_native import Replayer as replayer
+        except ImportError as exc:
+            if engine == "native":
+                raise EngineUnavailable("the native engine is not installed: pip install ./native (make install "
+                                        "does), or use --engine python") from exc
+    if replayer is None:
         _replay_python(lines, policy, writer)
+    else:
+        _replay_native(lines, policy, writer, replayer(policy, DEFAULT_MAX_RUNS, MAX_EVENT_BYTES))
     writer.finish()
     return writer.summary
 
@@ -151,13 +151,7 @@ def _replay_python(lines: Iterable[bytes], policy: Policy, writer: _Writer) -> N
     summary.runs = len(runs)
 
 
-def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer) -> None:
-    try:
-        from loopwarden_native import Replayer
-    except ImportError as exc:
-        raise EngineUnavailable("the native engine is not installed: pip install ./native (make install does), "
-                                "or use --engine python") from exc
-    engine = Replayer(policy, DEFAULT_MAX_RUNS, MAX_EVENT_BYTES)
+def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer, engine: Any) -> None:
 
     def decide(event: TelemetryEvent, finding: tuple) -> None:
         writer.decision(explain(event, policy.resolve(event.agent_id, event.tool).settings, Finding(*finding)))
@@ -187,10 +181,10 @@ def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer) -> N
     summary.events, summary.duplicates, summary.runs = engine.events, engine.duplicates, engine.runs_seen
 
 
-def _observe(engine: object, event: TelemetryEvent, policy: Policy) -> tuple | None:
+def _observe(engine: Any, event: TelemetryEvent, policy: Policy) -> tuple | None:
     """Fold an event the reference decoded into the native engine, with the reference's hashes."""
     args_hash, args_verified, result_hash = event_hashes(event, policy.resolve(event.agent_id, event.tool))
-    _, finding = engine.observe(  # type: ignore[attr-defined]
+    _, finding = engine.observe(
         event.run_id, event.event_id, event.tool, event.agent_id, event.ts_ms, event.outcome, args_hash,
         args_verified, result_hash, event.retry_budget, event.plan_step, event.side_effect)
     return finding

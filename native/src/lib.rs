@@ -40,8 +40,7 @@ type FindingTuple = (&'static str, i64, i64, i64, String, String, bool, String);
 struct CallPolicy {
     settings: Settings,
     tool: [u8; 4],
-    filter: Py<PyAny>,
-    ignored: RefCell<HashMap<String, bool>>,
+    fields: FieldFilter,
 }
 
 impl CallPolicy {
@@ -66,9 +65,33 @@ impl CallPolicy {
                 shadow: flag("shadow")?,
             },
             tool: tool_digest(tool),
-            filter: resolved.getattr("fields")?.unbind(),
-            ignored: RefCell::new(HashMap::new()),
+            fields: FieldFilter::new(resolved.getattr("fields")?.unbind()),
         })
+    }
+
+    fn hash(
+        &self,
+        py: Python<'_>,
+        value: &Value,
+        scratch: &mut Vec<u8>,
+    ) -> PyResult<Option<[u8; 32]>> {
+        self.fields
+            .hash(py, value, self.settings.collapse_whitespace, scratch)
+    }
+}
+
+/// A reference ``FieldFilter``, asked once per key name (then cached here, as it caches itself).
+struct FieldFilter {
+    filter: Py<PyAny>,
+    ignored: RefCell<HashMap<String, bool>>,
+}
+
+impl FieldFilter {
+    fn new(filter: Py<PyAny>) -> Self {
+        FieldFilter {
+            filter,
+            ignored: RefCell::new(HashMap::new()),
+        }
     }
 
     fn is_ignored(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
@@ -93,15 +116,11 @@ impl CallPolicy {
         &self,
         py: Python<'_>,
         value: &Value,
+        collapse: bool,
         scratch: &mut Vec<u8>,
     ) -> PyResult<Option<[u8; 32]>> {
         let mut ignored = |key: &str| self.is_ignored(py, key);
-        match hash_value(
-            value,
-            &mut ignored,
-            self.settings.collapse_whitespace,
-            scratch,
-        ) {
+        match hash_value(value, &mut ignored, collapse, scratch) {
             Ok(digest) => Ok(Some(digest)),
             Err(HashError::NotNormalisable) => Ok(None),
             Err(HashError::Filter(err)) => Err(err),
@@ -422,28 +441,9 @@ fn semantic_hash(
 ) -> PyResult<Option<String>> {
     let value: Value = serde_json::from_slice(json)
         .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("not JSON: {e}")))?;
-    let policy = CallPolicy {
-        settings: Settings {
-            retry_budget: 0,
-            window_ms: 1,
-            window_calls: 0,
-            iteration_ceiling: 0,
-            poll_alert_after: 0,
-            cycle_occurrences: 2,
-            side_effect_window_ms: 1,
-            circuit_open_at: 2,
-            side_effect: false,
-            collapse_whitespace,
-            strict_args: false,
-            dedupe_window: 1,
-            shadow: false,
-        },
-        tool: [0; 4],
-        filter: fields,
-        ignored: RefCell::new(HashMap::new()),
-    };
-    Ok(policy
-        .hash(py, &value, &mut Vec::new())?
+    let fields = FieldFilter::new(fields);
+    Ok(fields
+        .hash(py, &value, collapse_whitespace, &mut Vec::new())?
         .map(|sha| hex(&sha)))
 }
 

@@ -134,13 +134,18 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
 
         app.timer(SWEEP_INTERVAL_S)(expire_silent_runs)
 
-    @app.agent(telemetry, concurrency=1, name="loopwarden.detect")
-    async def detect(stream: StreamT) -> None:
+    async def in_order(stream: StreamT, handle: Callable[[list[EventT]], Awaitable[None]]) -> None:
+        """Hand ``stream``'s batches to ``handle``, each partition in offset order, and mark what it
+        finished as processed (only that gets committed)."""
         async for batch in stream.take_events(settings.batch_max, within=settings.batch_within_s):
             events = await sequencer.admit(batch)
             if events:
-                await processor.process(events)
+                await handle(events)
                 processed.mark_processed(events)
+
+    @app.agent(telemetry, concurrency=1, name="loopwarden.detect")
+    async def detect(stream: StreamT) -> None:
+        await in_order(stream, processor.process)
 
     if settings.otlp_topic:
         relay = OtlpRelay(telemetry, settings, processor.dead_letter)
@@ -148,11 +153,7 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
 
         @app.agent(spans, concurrency=1, name="loopwarden.otlp")
         async def relay_tool_spans(stream: StreamT) -> None:
-            async for batch in stream.take_events(settings.batch_max, within=settings.batch_within_s):
-                events = await sequencer.admit(batch)
-                if events:
-                    await relay.relay(events)
-                    processed.mark_processed(events)
+            await in_order(stream, relay.relay)
 
     return app
 
