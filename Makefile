@@ -33,7 +33,7 @@ test-setup:
 	@$(MAKE) --no-print-directory -j2 kafka-jars deploy-tools
 
 kafka-jars: install
-	@$(BIN)/python scripts/kafka_local.py resolve
+	@$(BIN)/python -m scripts.kafka_local resolve
 
 ## make test: install, fetch the Kafka jars and the deploy tools, start a local broker (unless
 ## KAFKA_BOOTSTRAP_SERVERS is set), run every test (the native engine's Rust unit tests first), with one
@@ -49,7 +49,7 @@ test-deploy: test-setup
 ## make run: a local Kafka (unless KAFKA_BOOTSTRAP_SERVERS is set), a worker and a simulated fleet of
 ## agents guarded through the SDK; ends with what was halted. Ctrl-C stops everything.
 run: install
-	@$(BIN)/python scripts/kafka_local.py exec -- $(BIN)/loopwarden demo
+	@$(BIN)/python -m scripts.kafka_local exec -- $(BIN)/loopwarden demo
 
 ## make bench: the core benchmark, then the Kafka benchmarks (a local broker unless KAFKA_BOOTSTRAP_SERVERS
 ## is set, real workers); rewrites BENCHMARKS.md and bench/results/ (never part of make test; ~15 min).
@@ -65,7 +65,7 @@ bench: install
 ## Not part of make test.
 CHAOS_RESULTS := var/chaos-results.jsonl
 chaos: install
-	@$(BIN)/python scripts/kafka_local.py resolve
+	@$(BIN)/python -m scripts.kafka_local resolve
 	@mkdir -p var && rm -f $(CHAOS_RESULTS)
 	@status=0; CHAOS_TRIALS=$${CHAOS_TRIALS:-20} CHAOS_SOAK_MINUTES=$${CHAOS_SOAK_MINUTES:-30} \
 	  CHAOS_SOAK_RUNS=$${CHAOS_SOAK_RUNS:-1000000} CHAOS_RESULTS=$(CHAOS_RESULTS) \

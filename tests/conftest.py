@@ -9,36 +9,21 @@ a second, secured session broker (SASL_SSL, mutual TLS, ACLs), started by the fi
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
 import secrets
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from scripts import kafka_local
+
 if TYPE_CHECKING:
     from stream_app.client import KafkaClientConfig
-
-
-def _load_kafka_local() -> ModuleType:
-    """Import scripts/kafka_local.py by path: scripts/ is not a package."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / "kafka_local.py"
-    spec = importlib.util.spec_from_file_location("kafka_local", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up in sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-kafka_local = _load_kafka_local()
 
 
 @pytest.fixture(scope="session")
