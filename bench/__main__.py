@@ -2,8 +2,7 @@
 
     python -m bench [--quick] [--skip-core] [--only limit,fleet,halt,overshoot,settings]
 
-1. The core benchmark (``python -m bench.core --json bench/results/core.json``), skipped with a note
-   if that module cannot write JSON yet.
+1. The core benchmark (``python -m bench.core --json bench/results/core.json``).
 2. On one broker (``KAFKA_BOOTSTRAP_SERVERS``, else a local one started here): the limit (raw
    consume, round trip), fleet throughput (one and two workers), halt latency at three loads,
    overshoot at three call rates, and worker settings tried through their environment variables.
@@ -31,21 +30,23 @@ from pathlib import Path
 from typing import Any
 
 from stream_app.client import Guard
+from stream_app.worker.settings import SETTINGS
 
 from . import corpus, fleet, halt, limit, report
 from .kafka import broker
 from .stats import progress
-from .workers import REPO, Deployment
+from .workers import REPO, BenchDeployment, commit_overruns
 
 RESULTS = REPO / "bench" / "results"
 WORKDIR = REPO / "var" / "bench"
 SECTIONS = ("limit", "fleet", "halt", "overshoot", "settings")
 
-#: Settings tried against the default, one worker, saturation probe: (label, worker environment).
-#: PRODUCER_LINGER_MS is faust's own variable (faust reads it over the app's ``producer_linger_ms=1``).
-SETTINGS_TRIED: tuple[tuple[str, dict[str, str]], ...] = (
-    ("producer linger 10 ms: PRODUCER_LINGER_MS=10", {"PRODUCER_LINGER_MS": "10"}),
-    ("batch window 20 ms: LOOPWARDEN_BATCH_WITHIN_S=0.02", {"LOOPWARDEN_BATCH_WITHIN_S": "0.02"}),
+#: Settings tried against the default, one worker, saturation probe: (label, worker settings by field,
+#: other environment). PRODUCER_LINGER_MS is faust's own variable (faust reads it over the app's
+#: ``producer_linger_ms=1``).
+SETTINGS_TRIED: tuple[tuple[str, dict[str, object], dict[str, str]], ...] = (
+    ("producer linger 10 ms: PRODUCER_LINGER_MS=10", {}, {"PRODUCER_LINGER_MS": "10"}),
+    ("batch window 20 ms: LOOPWARDEN_BATCH_WITHIN_S=0.02", {"batch_within_s": 0.02}, {}),
 )
 
 
@@ -79,12 +80,7 @@ QUICK = Plan(template_runs=4_000, raw_messages=40_000, repeats=2, round_trips=10
 
 
 def run_core(results: Path) -> None:
-    """The lead's core benchmark, if it can write JSON; its progress goes straight to our stderr."""
-    help_text = subprocess.run([sys.executable, "-m", "bench.core", "--help"], cwd=REPO, capture_output=True,
-                               text=True, check=False).stdout
-    if "--json" not in help_text:
-        progress("core: bench.core has no --json option yet; core section skipped")
-        return
+    """The core benchmark in its own process; its progress goes straight to our stderr."""
     progress("core: python -m bench.core --json bench/results/core.json")
     status = subprocess.call([sys.executable, "-m", "bench.core", "--json", str(results / "core.json")], cwd=REPO)
     if status != 0:
@@ -118,15 +114,15 @@ async def kafka_benches(bootstrap: str, plan: Plan, sections: set[str], results:
 
     if sections & {"halt", "overshoot"}:
         base = sustained_one or 1000.0
-        deployment = Deployment(bootstrap, WORKDIR)
+        deployment = BenchDeployment(bootstrap, WORKDIR)
         try:
-            await deployment.start_worker()
+            await deployment.start_worker_async()
             await fleet.warm_up(deployment, template, "hw")
             guard = await halt.guard_for(deployment)
             try:
                 if "halt" in sections:
                     save("halt", await halt_section(deployment, guard, template, plan, base)
-                         | {"commit_overruns": deployment.workers[0].commit_overruns()})
+                         | {"commit_overruns": commit_overruns(deployment.workers[0])})
                 if "overshoot" in sections:
                     save("overshoot", await overshoot_section(deployment, guard, template, plan, base))
             finally:
@@ -147,11 +143,11 @@ async def fleet_section(bootstrap: str, template: Path, plan: Plan, results: Pat
     capacity_one: float | None = None
     for workers in (1, 2):
         load_before = os.getloadavg()[0]
-        deployment = Deployment(bootstrap, WORKDIR)
+        deployment = BenchDeployment(bootstrap, WORKDIR)
         try:
             progress(f"fleet: starting {workers} worker(s)")
             for _ in range(workers):
-                await deployment.start_worker()
+                await deployment.start_worker_async()
             await fleet.warm_up(deployment, template, f"f{workers}w")
             backlog = plan.backlog_for(capacity_one, plan.measure_s)
             progress(f"fleet: {workers} worker(s), saturation probe ({backlog:,} events backlog)")
@@ -163,7 +159,7 @@ async def fleet_section(bootstrap: str, template: Path, plan: Plan, results: Pat
             capacity_one = capacity_one or probe["applied_per_s"]
             steps = await fleet.sustained(deployment, template, probe["applied_per_s"], plan.step_fractions,
                                           plan.step_s, f"f{workers}s")
-            overruns = deployment.workers[0].commit_overruns()
+            overruns = commit_overruns(deployment.workers[0])
         finally:
             deployment.stop()
         data[f"{workers}w"] = {"probe": probe, **steps, "commit_overruns": overruns, "load_before": load_before,
@@ -172,7 +168,7 @@ async def fleet_section(bootstrap: str, template: Path, plan: Plan, results: Pat
     return data
 
 
-async def halt_section(deployment: Deployment, guard: Guard, template: Path, plan: Plan,
+async def halt_section(deployment: BenchDeployment, guard: Guard, template: Path, plan: Plan,
                        sustained: float) -> dict[str, Any]:
     """Halt latency at each load level, ``plan.repeats`` times."""
     clock = halt.HaltClock()
@@ -189,7 +185,7 @@ async def halt_section(deployment: Deployment, guard: Guard, template: Path, pla
             "wrong_trigger": clock.wrong_trigger}
 
 
-async def _halt_levels(deployment: Deployment, guard: Guard, clock: halt.HaltClock, template: Path, plan: Plan,
+async def _halt_levels(deployment: BenchDeployment, guard: Guard, clock: halt.HaltClock, template: Path, plan: Plan,
                        sustained: float) -> list[dict[str, Any]]:
     levels = []
     for level in plan.load_levels:
@@ -215,7 +211,7 @@ async def _halt_levels(deployment: Deployment, guard: Guard, clock: halt.HaltClo
     return levels
 
 
-async def overshoot_section(deployment: Deployment, guard: Guard, template: Path, plan: Plan,
+async def overshoot_section(deployment: BenchDeployment, guard: Guard, template: Path, plan: Plan,
                             sustained: float) -> dict[str, Any]:
     """Overshoot per call rate on an idle fleet, and at 50% load for the paces with a target."""
     loads = []
@@ -233,13 +229,13 @@ async def settings_section(bootstrap: str, template: Path, plan: Plan, capacity_
     # Settings may be much faster than the default, and these deployments are not reused: a generous
     # backlog costs only its production, a backlog that runs out costs a second probe.
     backlog = plan.backlog_for(capacity_one, plan.measure_s - 2, margin=3.0)
-    configs = (("default", {}), *SETTINGS_TRIED)
-    probes: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in configs}
+    configs = (("default", {}, {}), *SETTINGS_TRIED)
+    probes: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in configs}
     for round_ in range(plan.settings_rounds):
-        for label, env in configs:
-            deployment = Deployment(bootstrap, WORKDIR, env=env)
+        for label, settings, env in configs:
+            deployment = BenchDeployment(bootstrap, WORKDIR, settings=dict(settings), env=env)
             try:
-                await deployment.start_worker()
+                await deployment.start_worker_async()
                 probe = await fleet.capacity(deployment, template, backlog, f"v{round_}{len(probes[label])}",
                                              None, plan.warm_s, plan.measure_s - 2, drain=False)
             finally:
@@ -247,11 +243,11 @@ async def settings_section(bootstrap: str, template: Path, plan: Plan, capacity_
             probes[label].append(probe)
             progress(f"settings: round {round_ + 1}/{plan.settings_rounds}, {label}: "
                      f"{probe['applied_per_s']:,.0f} ev/s, {probe['worker_cpu_us_per_event']:,.0f} us CPU per event")
-    return {"tried": [{"label": label, "env": env, "probes": probes[label],
+    return {"tried": [{"label": label, "env": {**SETTINGS.env(**settings), **env}, "probes": probes[label],
                        "applied_per_s": statistics.median(p["applied_per_s"] for p in probes[label]),
                        "worker_cpu_us_per_event": statistics.median(p["worker_cpu_us_per_event"]
                                                                     for p in probes[label])}
-                      for label, env in configs]}
+                      for label, settings, env in configs]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         run_core(RESULTS)
     if sections:
         template = WORKDIR / "corpus.tsv"
-        progress(f"corpus: {plan.template_runs:,} simulated runs (stream_app.fleet_sim) -> {template}")
+        progress(f"corpus: {plan.template_runs:,} simulated runs (stream_app.devtools.fleet_sim) -> {template}")
         events = corpus.write_template(template, plan.template_runs)
         corpus.check_renamed(corpus.read_template(template)[:1])
         with broker() as (bootstrap, version):

@@ -28,8 +28,8 @@ from typing import Any
 
 import orjson
 
+from stream_app.commands.replay import Engine, replay
 from stream_app.core import Detector, Policy, RunState, RunTable, TelemetryEvent, decode_event, semantic_hash
-from stream_app.replay import Engine, replay
 
 from . import naive
 

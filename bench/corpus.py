@@ -2,7 +2,7 @@
 
 Every benchmark step needs events of runs the worker has never seen: re-sending the same run ids would
 hit the per-run dedupe (same event ids) and halted runs, both cheaper than real traffic. So the fleet of
-``stream_app.fleet_sim`` (the mix ``make run`` and the parity tests use: healthy runs, retries, loops,
+``stream_app.devtools.fleet_sim`` (the mix ``make run`` and the parity tests use: healthy runs, retries, loops,
 cycles, polling, duplicate e-mails) is serialised once to a template file, and each pass over it swaps
 the run-id prefix (``run-`` becomes e.g. ``s3c1-``) in the bytes, before any timing starts.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import orjson
 
-from stream_app.fleet_sim import simulate_fleet
-from stream_app.wire import encode_telemetry
+from stream_app.bus.wire import encode_telemetry
+from stream_app.devtools.fleet_sim import simulate_fleet
 
 #: Run ids in the template start with this (``fleet_sim`` names runs ``run-000123``).
 TEMPLATE_PREFIX = b"run-"

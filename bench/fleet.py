@@ -24,7 +24,7 @@ from typing import Any
 from . import profile
 from .loadgen import LoadGen
 from .stats import progress
-from .workers import Deployment
+from .workers import BenchDeployment
 
 SAMPLE_S = 0.5
 #: A step keeps up when, over its second half, the backlog grows by less than this share of the rate...
@@ -86,7 +86,7 @@ def _slope(points: list[tuple[float, float]]) -> float:
     return sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var else 0.0
 
 
-async def run_load(deployment: Deployment, template: Path, rate: float, duration_s: float, prefix: str,
+async def run_load(deployment: BenchDeployment, template: Path, rate: float, duration_s: float, prefix: str,
                    drain_timeout_s: float = 15.0) -> Step:
     """One open-loop step at ``rate`` for ``duration_s``, then wait (at most ``drain_timeout_s``) for the
     workers to apply everything."""
@@ -121,7 +121,7 @@ async def run_load(deployment: Deployment, template: Path, rate: float, duration
     return step
 
 
-async def saturate(deployment: Deployment, template: Path, backlog: int, warm_s: float, measure_s: float,
+async def saturate(deployment: BenchDeployment, template: Path, backlog: int, warm_s: float, measure_s: float,
                    prefix: str, profile_to: Path | None = None) -> dict[str, Any]:
     """Produce ``backlog`` events as fast as possible, then measure the apply rate over ``measure_s``
     after ``warm_s`` (or until the backlog runs out), with the producer idle; with ``profile_to``, a
@@ -134,7 +134,7 @@ async def saturate(deployment: Deployment, template: Path, backlog: int, warm_s:
     final = await gen.wait()
     await asyncio.sleep(max(0.0, warm_s - (time.monotonic() - started)))
     before, _ = await deployment.progress()
-    batches0 = _batches(await deployment.scrape())
+    batches0 = _batches(await deployment.scrape_async())
     cpu0 = sum(w.cpu_s() for w in deployment.workers)
     window_start = time.monotonic()
     profiling = None
@@ -146,7 +146,7 @@ async def saturate(deployment: Deployment, template: Path, backlog: int, warm_s:
         after, lag = await deployment.progress()
     elapsed = time.monotonic() - window_start
     cpu = sum(w.cpu_s() for w in deployment.workers) - cpu0
-    batches1 = _batches(await deployment.scrape())
+    batches1 = _batches(await deployment.scrape_async())
     result: dict[str, Any] = {
         "mean_batch_events": (batches1[0] - batches0[0]) / max(batches1[1] - batches0[1], 1),
         "backlog": final["acked"],
@@ -173,7 +173,7 @@ def _batches(samples: list[dict[str, float]]) -> tuple[float, float]:
             sum(s.get("loopwarden_batch_events_count", 0.0) for s in samples))
 
 
-async def capacity(deployment: Deployment, template: Path, backlog: int, prefix: str,
+async def capacity(deployment: BenchDeployment, template: Path, backlog: int, prefix: str,
                    profile_to: Path | None = None, warm_s: float = 3.0, measure_s: float = 8.0,
                    drain: bool = True) -> dict[str, Any]:
     """Saturation probe: ``saturate``, again with a bigger backlog if it ran out before a measurable
@@ -193,12 +193,12 @@ async def capacity(deployment: Deployment, template: Path, backlog: int, prefix:
         progress(f"  backlog gone after {result['window_s']:.1f} s of measuring; again with {backlog:,} events")
 
 
-async def warm_up(deployment: Deployment, template: Path, prefix: str) -> None:
+async def warm_up(deployment: BenchDeployment, template: Path, prefix: str) -> None:
     """A few seconds of light load, so that a rebalance after start-up and cold caches are behind us."""
     await run_load(deployment, template, 50.0, 3.0, prefix, drain_timeout_s=30.0)
 
 
-async def sustained(deployment: Deployment, template: Path, cap: float, fractions: tuple[float, ...],
+async def sustained(deployment: BenchDeployment, template: Path, cap: float, fractions: tuple[float, ...],
                     step_s: float, prefix: str, max_steps: int = 3) -> dict[str, Any]:
     """Open-loop steps, ``max_steps`` at most: up through ``fractions`` of ``cap`` while they keep up,
     then bisecting between the highest step that kept up (or zero) and the lowest that did not."""

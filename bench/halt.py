@@ -29,7 +29,7 @@ from stream_app.client import Guard, GuardedRun, KafkaClientConfig, RunHalted
 
 from .loadgen import LoadGen
 from .stats import percentiles, progress
-from .workers import Deployment
+from .workers import BenchDeployment
 
 #: A runaway that is not halted by then gives up (and is reported as never halted).
 MAX_CALLS = 5_000
@@ -106,7 +106,7 @@ class HaltClock:
                 "outbound_p50": statistics.median(self.received_epoch_ms[r] - self.sent_epoch_ms[r] for r in both)}
 
 
-async def halt_latency(deployment: Deployment, guard: Guard, clock: HaltClock, template: Path,
+async def halt_latency(deployment: BenchDeployment, guard: Guard, clock: HaltClock, template: Path,
                        background_per_s: float, inject_per_s: float, duration_s: float,
                        prefix: str) -> dict[str, Any]:
     """Inject runaways at ``inject_per_s`` for ``duration_s`` over ``background_per_s`` of telemetry."""
@@ -165,7 +165,7 @@ async def overshoot_run(guard: Guard, run_id: str, calls_per_s: float) -> dict[s
     return {"calls": run.calls, "trigger_seq": None, "overshoot": None}
 
 
-async def overshoot(deployment: Deployment, guard: Guard, template: Path, rates: tuple[float, ...], runs: int,
+async def overshoot(deployment: BenchDeployment, guard: Guard, template: Path, rates: tuple[float, ...], runs: int,
                     background_per_s: float, prefix: str) -> dict[str, Any]:
     """``runs`` sequential runaways per pace in ``rates``, over ``background_per_s`` of telemetry; the
     worker is let drain before, and between paces when there is no background (a fast runaway can
@@ -194,7 +194,7 @@ async def overshoot(deployment: Deployment, guard: Guard, template: Path, rates:
             await gen.kill()
 
 
-async def guard_for(deployment: Deployment) -> Guard:
+async def guard_for(deployment: BenchDeployment) -> Guard:
     """A started fleet guard on the deployment's topics."""
     guard = Guard.fleet(KafkaClientConfig(deployment.bootstrap), deployment.telemetry_topic,
                         deployment.control_topic, trusted_keys=deployment.trusted_keys(), lookback_ms=0)

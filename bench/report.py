@@ -46,7 +46,7 @@ def machine() -> dict[str, Any]:
     worker_defaults = {var: default for _, var, default, _ in SETTINGS
                        if var in ("LOOPWARDEN_BATCH_MAX", "LOOPWARDEN_BATCH_WITHIN_S", "LOOPWARDEN_COMMIT_INTERVAL_S",
                                   "LOOPWARDEN_PARTITIONS", "LOOPWARDEN_STANDBY_REPLICAS",
-                                  "LOOPWARDEN_EVICT_SCAN_PER_SWEEP", "LOOPWARDEN_EVICT_SCAN_PER_BATCH")}
+                                  "LOOPWARDEN_EVICT_SCAN_PER_SWEEP")}
     return {
         "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M"),
         "commit": _git("rev-parse", "--short", "HEAD") + (" (with uncommitted changes)"
@@ -143,10 +143,10 @@ class Page:
             f"| OS | {m['os']} |",
             f"| Python | {m['python']} |",
             f"| Kafka | Apache Kafka {m.get('kafka', '?')} (single KRaft node on loopback, "
-            f"`scripts/kafka_local.py`), {m['java']} |",
+            f"`scripts/kafka_local`), {m['java']} |",
             f"| packages | {packages} |",
             "| worker defaults | " + ", ".join(f"`{k}={v}`" for k, v in m.get("worker_defaults", {}).items()) + " |",
-            f"| corpus | `stream_app.fleet_sim` mix, {_n(m.get('corpus_events', 0))} events per pass, "
+            f"| corpus | `stream_app.devtools.fleet_sim` mix, {_n(m.get('corpus_events', 0))} events per pass, "
             f"{m.get('corpus_mean_bytes', 0):.0f} B mean value, fresh run ids per pass |",
             f"| load average (1 min) | {m['load_at_start']:.1f} at the start, "
             f"{m.get('load_at_end', float('nan')):.1f} at the end |",
@@ -504,7 +504,7 @@ class Page:
             f"  {_n(cpu_us)} us of CPU; {core:.0%} of the samples are in the detector core{core_alone}, {framework:.0%} in",
             "  faust, mode, aiokafka and the asyncio loop. Nearly all of it is the main thread: one core, Python.",
             *self._sweep_bullet(sweep),
-            "- **State is written a batch at a time** (`stream_app/worker/state.py`): one RocksDB `WriteBatch` per",
+            "- **State is written a batch at a time** (`stream_app/worker/store.py`): one RocksDB `WriteBatch` per",
             "  partition per batch, the changelog sent through the app's producer, the persisted offset once per",
             f"  partition; {write:.0%} of samples in that write, {changelog:.0%} in aiokafka's sender (changelog and",
             "  decisions). Through Faust's Table API (a FutureMessage, a buffered send and a RocksDB offset write",
@@ -519,17 +519,13 @@ class Page:
         )
 
     def _sweep_bullet(self, share: float) -> list[str]:
-        defaults = self.machine.get("worker_defaults", {})
-        if "LOOPWARDEN_EVICT_SCAN_PER_SWEEP" in defaults:
-            return [f"- **The expiry sweep is off the batch path** (a timer every 0.5 s, up to"
-                    f" {defaults['LOOPWARDEN_EVICT_SCAN_PER_SWEEP']} stored runs per partition): {share:.0%} of samples."
-                    " It still decodes each stored run with orjson only to read `last_ts_ms`; keeping that field"
-                    " readable without decoding the value would make it cheaper still, but it is not where the time"
-                    " goes." if share < 0.05 else
-                    f"- **The expiry sweep** (on a timer): {share:.0%} of samples. *Recommendation*: keep `last_ts_ms`"
-                    " readable without decoding the whole run state with orjson, and scan fewer runs per sweep."]
-        return [f"- **The expiry sweep runs per batch**: {share:.0%} of samples, decoding stored runs with orjson only"
-                " to read `last_ts_ms`. *Recommendation*: sweep on a timer, off the batch path."]
+        per_sweep = self.machine.get("worker_defaults", {}).get("LOOPWARDEN_EVICT_SCAN_PER_SWEEP", "?")
+        return [f"- **The expiry sweep is off the batch path** (a timer every 0.5 s, up to {per_sweep} stored runs"
+                f" per partition): {share:.0%} of samples."
+                + (" It reads `last_ts_ms` by decoding each stored run with orjson; it is not where the time goes."
+                   if share < 0.05 else
+                   " *Recommendation*: scan fewer runs per sweep, or keep `last_ts_ms` readable without decoding"
+                   " the whole stored run.")]
 
     def _batch_bullet(self, probe: dict[str, Any]) -> list[str]:
         defaults = self.machine.get("worker_defaults", {})

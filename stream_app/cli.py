@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .bus.policy_file import load_policy
 from .core import PolicyError
-from .policy_file import load_policy
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "simulate":
         import orjson
 
-        from .fleet_sim import simulate_fleet
+        from .devtools.fleet_sim import simulate_fleet
 
         _, stream = simulate_fleet(args.runs, seed=args.seed)
         sys.stdout.buffer.writelines(orjson.dumps(event) + b"\n" for event in stream)
@@ -76,11 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         import os
 
-        from .demo import main as demo_main
+        from .devtools.demo import main as demo_main
 
         return demo_main(os.environ.get("KAFKA_BOOTSTRAP_SERVERS"), args.runs, args.partitions, args.seed)
     if args.command == "worker":
-        from .signing import KeyFileError
+        from .bus.signing import KeyFileError
         from .worker.main import run_worker
         from .worker.settings import SettingsError, WorkerSettings
 
@@ -91,11 +91,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"loopwarden worker: {exc}", file=sys.stderr)
             return 2
     if args.command in ("halt", "resume"):
-        from .overrides import run_operator_command
+        from .commands.operator import run_operator_command
 
         return run_operator_command(args.command, args.run_id, args.reason, args.operator, args.key)
     if args.command == "keys":
-        from .signing import KeyFileError, generate
+        from .bus.signing import KeyFileError, generate
 
         try:
             private, public, kid = generate(args.out, args.name)
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kid}\n  private: {private}\n  public:  {public}")
         return 0
     if args.command == "notify":
-        from .client.kafka_config import KafkaConfigError
-        from .notify import NotifySettings, NotifySettingsError, run_notify
+        from .bus.kafka import KafkaConfigError
+        from .commands.notify import NotifySettings, NotifySettingsError, run_notify
 
         try:
             notify_settings = NotifySettings.from_env(url=args.url, format=args.format)
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loopwarden: {exc}", file=sys.stderr)
         return 2
     if args.command == "replay":
-        from .replay import EngineUnavailable, run_replay
+        from .commands.replay import EngineUnavailable, run_replay
 
         try:
             return run_replay(args.file, policy, args.engine)

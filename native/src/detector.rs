@@ -4,9 +4,9 @@
 
 use std::collections::VecDeque;
 
-/// The thresholds of one call (the reference's `Settings`).
+/// The thresholds of one call (the reference's `Thresholds`).
 #[derive(Clone, Debug)]
-pub struct Settings {
+pub struct Thresholds {
     pub retry_budget: i64,
     pub window_ms: i64,
     pub window_calls: i64,
@@ -123,13 +123,13 @@ pub struct Finding {
 
 impl RunState {
     /// Drop a redelivered event id; note the event's time; stop at a halted run.
-    pub fn admit(&mut self, event_id: &str, ts_ms: i64, settings: &Settings) -> Admission {
+    pub fn admit(&mut self, event_id: &str, ts_ms: i64, thresholds: &Thresholds) -> Admission {
         let digest = checksum(event_id);
         if self.seen_ids.contains(&digest) {
             return Admission::Duplicate;
         }
         self.seen_ids.push_back(digest);
-        while self.seen_ids.len() as i64 > settings.dedupe_window {
+        while self.seen_ids.len() as i64 > thresholds.dedupe_window {
             self.seen_ids.pop_front();
         }
         if ts_ms > self.last_ts_ms {
@@ -157,33 +157,33 @@ impl RunState {
     }
 
     /// Fold an admitted, counted call; the finding of the rule that fires, if one does.
-    pub fn fold(&mut self, step: &Step, settings: &Settings) -> Option<Finding> {
+    pub fn fold(&mut self, step: &Step, thresholds: &Thresholds) -> Option<Finding> {
         let failing = step.outcome != SUCCESS;
         let mut side_key = [0u8; 12];
         side_key[..8].copy_from_slice(&step.call);
         side_key[8..].copy_from_slice(&step.tool);
-        let occurrences = self.side_effect_occurrence(step, side_key, settings);
+        let occurrences = self.side_effect_occurrence(step, side_key, thresholds);
         let mut key = [0u8; 13];
         key[..8].copy_from_slice(&step.result);
         key[8] = OUTCOME_CODE[step.outcome as usize];
         key[9..].copy_from_slice(&step.tool);
-        let (count, budget) = self.streak(step, key, settings);
+        let (count, budget) = self.streak(step, key, thresholds);
         let mut sig = [0u8; 21];
         sig[..8].copy_from_slice(&step.call);
         sig[8..].copy_from_slice(&key);
-        let period = self.cycle(sig, failing, step.ts_ms, settings);
+        let period = self.cycle(sig, failing, step.ts_ms, thresholds);
 
-        if !(self.calls > settings.iteration_ceiling
+        if !(self.calls > thresholds.iteration_ceiling
             || occurrences >= 2
             || (failing && count > budget)
             || period > 0
-            || (!failing && 0 < settings.poll_alert_after && settings.poll_alert_after <= count))
+            || (!failing && 0 < thresholds.poll_alert_after && thresholds.poll_alert_after <= count))
         {
             return None;
         }
-        let (verdict, count) = if self.calls > settings.iteration_ceiling {
+        let (verdict, count) = if self.calls > thresholds.iteration_ceiling {
             ("iteration_ceiling", self.calls)
-        } else if occurrences >= settings.circuit_open_at {
+        } else if occurrences >= thresholds.circuit_open_at {
             ("circuit_open", occurrences)
         } else if failing && count > budget {
             (
@@ -223,7 +223,7 @@ impl RunState {
             period,
             first_event_id: self.streak_first_event_id.clone(),
         };
-        if settings.shadow {
+        if thresholds.shadow {
             self.resume(); // as if halted and resumed at once
         } else {
             self.halted = true;
@@ -254,12 +254,12 @@ impl RunState {
         &mut self,
         step: &Step,
         call: SideEffectKey,
-        settings: &Settings,
+        thresholds: &Thresholds,
     ) -> i64 {
-        if !step.side_effect.unwrap_or(settings.side_effect) {
+        if !step.side_effect.unwrap_or(thresholds.side_effect) {
             return 0;
         }
-        let window = settings.side_effect_window_ms;
+        let window = thresholds.side_effect_window_ms;
         let table = &mut self.side_effects;
         if let Some(entry) = table.iter_mut().find(|e| e.0 == call) {
             if (0..=window).contains(&(step.ts_ms - entry.1)) {
@@ -284,7 +284,7 @@ impl RunState {
         1
     }
 
-    fn streak(&mut self, step: &Step, key: StreakKey, settings: &Settings) -> (i64, i64) {
+    fn streak(&mut self, step: &Step, key: StreakKey, thresholds: &Thresholds) -> (i64, i64) {
         if self.streak_key == Some(key) {
             if step.call != self.streak_call {
                 self.streak_varied = true;
@@ -298,17 +298,17 @@ impl RunState {
             self.streak_first_event_id.clear();
             self.streak_first_event_id.push_str(step.event_id);
         }
-        let budget = step.retry_budget.unwrap_or(settings.retry_budget);
+        let budget = step.retry_budget.unwrap_or(thresholds.retry_budget);
         let times = &mut self.streak_ts;
         times.push_back(step.ts_ms);
         let count = times.len();
         if count > 1 {
-            let horizon = step.ts_ms - settings.window_ms;
+            let horizon = step.ts_ms - thresholds.window_ms;
             let mut stale = times.iter().take_while(|t| **t < horizon).count();
             // Only budget + 1 (or the polling threshold) members can matter; keep no more than that.
-            let keep = settings
+            let keep = thresholds
                 .window_calls
-                .min(budget.max(settings.poll_alert_after) + 1)
+                .min(budget.max(thresholds.poll_alert_after) + 1)
                 .max(0) as usize;
             if count.saturating_sub(keep) > stale {
                 stale = count - keep;
@@ -318,8 +318,8 @@ impl RunState {
         (times.len() as i64, budget)
     }
 
-    fn cycle(&mut self, sig: StepSig, failing: bool, ts_ms: i64, settings: &Settings) -> i64 {
-        let occurrences = settings.cycle_occurrences as usize;
+    fn cycle(&mut self, sig: StepSig, failing: bool, ts_ms: i64, thresholds: &Thresholds) -> i64 {
+        let occurrences = thresholds.cycle_occurrences as usize;
         let capacity = CYCLE_PERIODS[1] * occurrences;
         let sigs = &mut self.recent_sigs;
         let n = sigs.len();
@@ -342,7 +342,7 @@ impl RunState {
         let n = sigs.len();
         for period in CYCLE_PERIODS {
             let span = period * occurrences;
-            if span > steps || span as i64 > settings.window_calls || span > n {
+            if span > steps || span as i64 > thresholds.window_calls || span > n {
                 continue;
             }
             let unit_start = n - period;
@@ -351,7 +351,7 @@ impl RunState {
             if repeated
                 && !all_this_step
                 && self.recent_failing & ((1u8 << period) - 1) != 0
-                && ts_ms - times[steps - span] <= settings.window_ms
+                && ts_ms - times[steps - span] <= thresholds.window_ms
             {
                 return period as i64;
             }

@@ -5,7 +5,7 @@
 //! it does not handle itself goes back to the reference:
 //! * a line it cannot decode on the fast path (bad, or merely unusual): `Replayer.feed` stops there and
 //!   the caller decodes it with the reference (`observe` then folds the event it gives);
-//! * the policy: settings are resolved by the reference `Policy` per (agent, tool), and object keys are
+//! * the policy: thresholds are resolved by the reference `Policy` per (agent, tool), and object keys are
 //!   judged by that policy's `FieldFilter` (each key once, then cached);
 //! * the decision's text: a finding comes back as numbers for the reference's `explain`.
 
@@ -24,7 +24,7 @@ use pyo3::types::{PyBytes, PyList};
 use serde_json::Value;
 
 use contract::{Call, Hashed, OUTCOMES};
-use detector::{short, tool_digest, Admission, RunState, Settings, Step};
+use detector::{short, tool_digest, Admission, RunState, Thresholds, Step};
 use normalize::{hex, semantic_hash as hash_value, HashError};
 
 /// Cached key decisions per field filter (the reference caches as many).
@@ -36,20 +36,20 @@ const POLICY_CACHE_LIMIT: usize = 10_000;
 /// args_hash, args_verified, result_hash.
 type FindingTuple = (&'static str, i64, i64, i64, String, String, bool, String);
 
-/// The settings of one (agent, tool) pair and its field filter.
+/// The thresholds of one (agent, tool) pair and its field filter.
 struct CallPolicy {
-    settings: Settings,
+    thresholds: Thresholds,
     tool: [u8; 4],
     fields: FieldFilter,
 }
 
 impl CallPolicy {
     fn from_reference(resolved: &Bound<'_, PyAny>, tool: &str) -> PyResult<Self> {
-        let s = resolved.getattr("settings")?;
+        let s = resolved.getattr("thresholds")?;
         let int = |name: &str| -> PyResult<i64> { s.getattr(name)?.extract() };
         let flag = |name: &str| -> PyResult<bool> { s.getattr(name)?.extract() };
         Ok(CallPolicy {
-            settings: Settings {
+            thresholds: Thresholds {
                 retry_budget: int("retry_budget")?,
                 window_ms: int("window_ms")?,
                 window_calls: int("window_calls")?,
@@ -76,7 +76,7 @@ impl CallPolicy {
         scratch: &mut Vec<u8>,
     ) -> PyResult<Option<[u8; 32]>> {
         self.fields
-            .hash(py, value, self.settings.collapse_whitespace, scratch)
+            .hash(py, value, self.thresholds.collapse_whitespace, scratch)
     }
 }
 
@@ -346,7 +346,7 @@ impl Replayer {
             self.runs_seen.insert(call.run_id.to_owned());
         }
         let policy = self.resolve(py, call.agent_id, call.tool)?;
-        let settings = &policy.settings;
+        let thresholds = &policy.thresholds;
         let state = match self.runs.get_mut(call.run_id) {
             Some(_) => {
                 self.runs.to_back(call.run_id);
@@ -358,7 +358,7 @@ impl Replayer {
                 .or_insert_with(RunState::default),
         };
         let mut finding = None;
-        match state.admit(call.event_id, call.ts_ms, settings) {
+        match state.admit(call.event_id, call.ts_ms, thresholds) {
             Admission::Duplicate => self.duplicates += 1,
             Admission::Halted => {}
             Admission::Fold => {
@@ -373,7 +373,7 @@ impl Replayer {
                                     None => (HashOf::Missing, false),
                                 }
                             }
-                            Hashed::Hash(text) => (HashOf::Given(text), !settings.strict_args),
+                            Hashed::Hash(text) => (HashOf::Given(text), !thresholds.strict_args),
                         };
                         let result = match call.result {
                             Hashed::Raw(value) => {
@@ -397,7 +397,7 @@ impl Replayer {
                     retry_budget: call.retry_budget,
                     side_effect: call.side_effect,
                 };
-                finding = state.fold(&step, settings).map(|f| {
+                finding = state.fold(&step, thresholds).map(|f| {
                     (
                         f.verdict,
                         f.count,

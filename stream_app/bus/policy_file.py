@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from .core import Policy, PolicyError
+from ..core import Policy, PolicyError
 
 
 def load_policy(path: str | Path | None) -> Policy:

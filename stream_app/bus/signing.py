@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from .core import LoopwardenError
+from ..core import LoopwardenError
 from .wire import Headers, header
 
 KEY_ID_HEADER: Final = "lw_key_id"

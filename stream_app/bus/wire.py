@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from .core import Decision, OperatorCommand
+from ..core import Decision, OperatorCommand
 
 CE_TYPE_PREFIX = "dev.loopwarden."
 CONTENT_TYPE = b"application/json"

@@ -16,8 +16,8 @@ Errors (``LoopwardenError`` is the core's root)::
 
 from __future__ import annotations
 
+from ..bus.kafka import KafkaClientConfig, KafkaConfigError
 from .guard import CallIds, Guard, GuardedRun, PendingCall, RunHalted, ToolOutcome
-from .kafka_config import KafkaClientConfig, KafkaConfigError
 from .listener import ControlBoard, DecisionCallback, HaltListener
 from .publisher import DEFAULT_REDACTED_FIELDS, FinishedCall, TelemetryBuilder, TelemetryPublisher
 

@@ -31,29 +31,28 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
+from ..bus.clock import wall_clock_ms
+from ..bus.kafka import KafkaClientConfig
 from ..core import (
     OUTCOMES,
     Detector,
     LoopwardenError,
     Outcome,
     Policy,
-    RunState,
     RunTable,
     decode_event,
 )
 from ..core.contract import MAX_ID_LENGTH, MAX_RETRY_BUDGET
-from .kafka_config import KafkaClientConfig
 from .listener import ControlBoard, DecisionCallback, HaltListener
 from .publisher import (
     DEFAULT_REDACTED_FIELDS,
     FinishedCall,
     TelemetryBuilder,
     TelemetryPublisher,
-    wall_clock_ms,
 )
 
 if TYPE_CHECKING:
-    from ..signing import KeyRing
+    from ..bus.signing import KeyRing
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +149,7 @@ class _LocalDetector:
         state = self.table.get(event["run_id"])
         if state is None:
             return False
-        scratch = RunState.from_record(state.to_record())
+        scratch = state.copy()
         decisions = self.table.detector.evaluate(scratch, decode_event(event)).decisions
         return any(d.action in ("suppress", "halt") for d in decisions)
 
@@ -404,8 +403,8 @@ class GuardedRun:
             plan_step,
             ids,
         )
-        settings = self._builder.policy.resolve(self.agent_id, tool).settings
-        side_effecting = side_effect if side_effect is not None else settings.side_effect
+        thresholds = self._builder.policy.resolve(self.agent_id, tool).thresholds
+        side_effecting = side_effect if side_effect is not None else thresholds.side_effect
         now_ms = self._clock()
         earlier = self._recall(spec.key, now_ms) if side_effecting else None
         if earlier is not None:
@@ -422,8 +421,8 @@ class GuardedRun:
                     tool,
                     extra={"run_id": self.run_id, "tool": tool},
                 )
-                return PendingCall(spec, side_effecting, settings.side_effect_window_ms, earlier)
-        return PendingCall(spec, side_effecting, settings.side_effect_window_ms, None)
+                return PendingCall(spec, side_effecting, thresholds.side_effect_window_ms, earlier)
+        return PendingCall(spec, side_effecting, thresholds.side_effect_window_ms, None)
 
     async def finish(self, pending: PendingCall, result: Any = None, *, error: Exception | None = None,
                      latency_ms: float = 0.0) -> Any:

@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypeGuard
 
 import orjson
 
-from .kafka_config import KafkaClientConfig, KafkaConfigError
-from .publisher import wall_clock_ms
+from ..bus.clock import wall_clock_ms
+from ..bus.kafka import KafkaClientConfig, KafkaConfigError
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaConsumer
     from aiokafka.structs import ConsumerRecord, TopicPartition
 
-    from ..signing import KeyRing
+    from ..bus.signing import KeyRing
 
 logger = logging.getLogger(__name__)
 
@@ -412,7 +412,7 @@ class HaltListener:
         """Check one record's signature and age, then apply it; returns what happened to it."""
         value = record.value if record.value is not None else b""
         if self.trusted_keys is not None:
-            from ..signing import SignatureRejected
+            from ..bus.signing import SignatureRejected
 
             try:
                 self.trusted_keys.verify(value, record.headers)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -31,9 +30,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 
+from ..bus.kafka import KafkaClientConfig, KafkaConfigError
+from ..bus.wire import encode_telemetry
 from ..core import FieldFilter, NormalisationError, Outcome, Policy, semantic_hash
-from ..wire import encode_telemetry
-from .kafka_config import KafkaClientConfig, KafkaConfigError
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaProducer
@@ -60,11 +59,6 @@ DEFAULT_REDACTED_FIELDS: Final[tuple[str, ...]] = (
 #: Hash sent for a value with no JSON form. Every such value of a tool compares equal, which can only
 #: halt sooner (the core treats an unhashable result the same way): fail closed.
 UNHASHABLE: Final = "unhashable"
-
-
-def wall_clock_ms() -> int:
-    """Epoch milliseconds now. The SDK reads the clock; the core never does."""
-    return time.time_ns() // 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +150,7 @@ class TelemetryBuilder:
         call_policy = self.policy.resolve(agent_id, tool)
         try:
             form = self._redacted(tool, part, _json_form(value))
-            return semantic_hash(form, call_policy.fields, call_policy.settings.collapse_whitespace), form
+            return semantic_hash(form, call_policy.fields, call_policy.thresholds.collapse_whitespace), form
         except NormalisationError as exc:
             logger.debug("value of tool %s has no canonical form: %s", tool, exc, extra={"tool": tool})
             return UNHASHABLE, _NO_FORM
@@ -171,7 +165,7 @@ class TelemetryBuilder:
         return kept
 
     def _warn_if_strict(self, agent_id: str | None, tool: str) -> None:
-        if tool in self._warned_strict or not self.policy.resolve(agent_id, tool).settings.strict_args:
+        if tool in self._warned_strict or not self.policy.resolve(agent_id, tool).thresholds.strict_args:
             return
         self._warned_strict.add(tool)
         logger.warning(

@@ -46,9 +46,10 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from .client.kafka_config import KafkaClientConfig
-from .core import LoopwardenError
-from .wire import CE_TYPE_PREFIX
+from ..bus.kafka import KafkaClientConfig
+from ..bus.settings import SettingsError, SettingsTable
+from ..bus.wire import CE_TYPE_PREFIX
+from ..core import LoopwardenError
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaConsumer
@@ -59,8 +60,12 @@ log = logging.getLogger(__name__)
 FORMATS = ("json", "slack")
 RECENT_IDS = 10_000  # decision ids remembered to skip a worker's re-sent decisions
 
-# (field, env var, default, meaning) -- the notifier's configuration, like the worker's SETTINGS.
-NOTIFY_SETTINGS: tuple[tuple[str, str, str, str], ...] = (
+class NotifySettingsError(SettingsError):
+    """A notifier setting has a value it cannot use. Operator action: fix the variable named."""
+
+
+#: The notifier's configuration, read like the worker's.
+NOTIFY_SETTINGS = SettingsTable((
     ("url", "LOOPWARDEN_NOTIFY_URL", "", "webhook URL (http or https); required"),
     ("format", "LOOPWARDEN_NOTIFY_FORMAT", "json", "json (a CloudEvent, structured mode) or slack"),
     ("alerts_topic", "LOOPWARDEN_ALERTS_TOPIC", "agent.alerts", "topic the workers publish halts to"),
@@ -72,11 +77,7 @@ NOTIFY_SETTINGS: tuple[tuple[str, str, str, str], ...] = (
     ("max_attempts", "LOOPWARDEN_NOTIFY_MAX_ATTEMPTS", "0", "posts of one alert before it is dropped; 0 retries until it is delivered"),
     ("metrics_port", "LOOPWARDEN_NOTIFY_METRICS_PORT", "0", "Prometheus metrics port of the notifier; 0 disables"),
     ("log_level", "LOOPWARDEN_LOG_LEVEL", "info", "log level"),
-)
-
-
-class NotifySettingsError(LoopwardenError, ValueError):
-    """A notifier setting has a value it cannot use. Operator action: fix the variable named."""
+), error=NotifySettingsError)
 
 
 class BadAlert(LoopwardenError, ValueError):
@@ -116,15 +117,7 @@ class NotifySettings:
         """Build and validate the settings from the environment; ``overrides`` (None values ignored)
         come from command-line options. Raises NotifySettingsError naming the variable at fault."""
         env = os.environ if environ is None else environ
-        raw = {name: env.get(var, default).strip() for name, var, default, _ in NOTIFY_SETTINGS}
-        raw.update({name: str(value) for name, value in overrides.items() if value is not None})
-        values: dict[str, Any] = dict(raw)
-        for name, kind in (("timeout_s", float), ("backoff_s", float), ("backoff_max_s", float),
-                           ("max_attempts", int), ("metrics_port", int)):
-            try:
-                values[name] = kind(raw[name])
-            except ValueError as exc:
-                raise NotifySettingsError(f"{_var(name)}={raw[name]!r}: expected {kind.__name__}") from exc
+        values = NOTIFY_SETTINGS.read(cls, env, overrides)
         parsed = urllib.parse.urlsplit(values["url"])
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise NotifySettingsError(f"{_var('url')}: required, an http:// or https:// URL (got {_redact(values['url'])!r})")
@@ -145,8 +138,7 @@ class NotifySettings:
         return _redact(self.url)
 
 
-def _var(name: str) -> str:
-    return next(var for field_name, var, _, _ in NOTIFY_SETTINGS if field_name == name)
+_var = NOTIFY_SETTINGS.var
 
 
 def _redact(url: str) -> str:

@@ -16,11 +16,11 @@ import sys
 import uuid
 from collections.abc import Mapping
 
-from .client.kafka_config import KafkaClientConfig, KafkaConfigError
-from .client.publisher import wall_clock_ms
-from .core import OperatorCommand
-from .signing import KeyFileError, Signer
-from .wire import encode_operator
+from ..bus.clock import wall_clock_ms
+from ..bus.kafka import KafkaClientConfig, KafkaConfigError
+from ..bus.signing import KeyFileError, Signer
+from ..bus.wire import encode_operator
+from ..core import OperatorCommand
 
 DEFAULT_TELEMETRY_TOPIC = "agent.telemetry"
 

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO, Literal, TextIO
 
 import orjson
 
-from .core import (
+from ..core import (
     Decision,
     Detector,
     Finding,
@@ -36,8 +36,8 @@ from .core import (
     explain,
     parse_event,
 )
-from .core.contract import MAX_EVENT_BYTES
-from .core.runs import DEFAULT_MAX_RUNS
+from ..core.contract import MAX_EVENT_BYTES
+from ..core.runs import DEFAULT_MAX_RUNS
 
 Engine = Literal["auto", "native", "python"]
 ENGINES: tuple[Engine, ...] = ("auto", "native", "python")
@@ -154,7 +154,7 @@ def _replay_python(lines: Iterable[bytes], policy: Policy, writer: _Writer) -> N
 def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer, engine: Any) -> None:
 
     def decide(event: TelemetryEvent, finding: tuple) -> None:
-        writer.decision(explain(event, policy.resolve(event.agent_id, event.tool).settings, Finding(*finding)))
+        writer.decision(explain(event, policy.resolve(event.agent_id, event.tool).thresholds, Finding(*finding)))
 
     done = 0
     for chunk in _chunks(lines, 1 if writer.flush_each else CHUNK_LINES):

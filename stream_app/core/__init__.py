@@ -19,9 +19,9 @@ from .contract import (
     parse_event,
 )
 from .detector import DUPLICATE, Detector, Evaluation, Finding, RunState, decision_id, event_hashes, explain
-from .errors import InvalidEvent, LoopwardenError, NormalisationError, PolicyError
+from .errors import InvalidEvent, LoopwardenError, NormalisationError, NotJSON, PolicyError
 from .normalize import DEFAULT_IGNORED_FIELDS, FieldFilter, canonical_json, normalise, semantic_hash
-from .policy import CallPolicy, Policy, Settings
+from .policy import CallPolicy, Policy, Thresholds
 from .runs import RunTable
 
 __all__ = [
@@ -39,14 +39,15 @@ __all__ = [
     "InvalidEvent",
     "LoopwardenError",
     "NormalisationError",
+    "NotJSON",
     "OperatorCommand",
     "Outcome",
     "Policy",
     "PolicyError",
     "RunState",
     "RunTable",
-    "Settings",
     "TelemetryEvent",
+    "Thresholds",
     "Verdict",
     "canonical_json",
     "decision_id",

@@ -11,7 +11,7 @@ from typing import Any, Final, Literal
 
 import orjson
 
-from .errors import InvalidEvent
+from .errors import InvalidEvent, NotJSON
 
 Outcome = Literal["success", "error", "empty", "noop"]
 Action = Literal["halt", "suppress", "alert", "resume"]
@@ -158,7 +158,7 @@ def parse_event(raw: bytes, max_bytes: int = MAX_EVENT_BYTES) -> TelemetryEvent:
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise InvalidEvent("", f"not JSON: {exc}") from exc
+        raise NotJSON(str(exc)) from exc
     return decode_event(obj)
 
 
@@ -233,7 +233,7 @@ def decode_operator_command(raw: bytes, key_id: str = "") -> OperatorCommand:
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise InvalidEvent("", f"not JSON: {exc}") from exc
+        raise NotJSON(str(exc)) from exc
     if type(obj) is not dict or obj.get("kind") != "operator":
         raise InvalidEvent("kind", "not an operator command")
     for name in ("run_id", "command_id", "operator", "reason"):

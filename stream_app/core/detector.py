@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 from .contract import Action, Decision, OperatorCommand, TelemetryEvent, Verdict
 from .errors import NormalisationError
 from .normalize import semantic_hash
-from .policy import CallPolicy, Policy, Settings
+from .policy import CallPolicy, Policy, Thresholds
 
 # Digests are 8 bytes: a collision needs ~2**32 distinct values within one run's small windows. They are
 # cut from the SHA-256 hashes already computed (no second hash), or from two checksums for ids and names.
@@ -112,49 +112,13 @@ class RunState:
         self.recent_ts = array("q")
         self.recent_failing = 0
 
-    def to_record(self) -> dict[str, Any]:
-        """A JSON-ready dict (bytes as hex) for durable stores; ``from_record`` inverts it."""
-        return {
-            "calls": self.calls,
-            "last_ts_ms": self.last_ts_ms,
-            "halted_by": self.halted_by,
-            "plan_step": self.plan_step,
-            "seen_ids": self.seen_ids.hex(),
-            "streak_key": self.streak_key.hex(),
-            "streak_call": self.streak_call.hex(),
-            "streak_varied": self.streak_varied,
-            "streak_ts": self.streak_ts.tolist(),
-            "streak_first_event_id": self.streak_first_event_id,
-            "streak_alerted": self.streak_alerted,
-            "recent_sigs": self.recent_sigs.hex(),
-            "recent_ts": self.recent_ts.tolist(),
-            "recent_failing": self.recent_failing,
-            "side_effects": (
-                {k.hex(): v for k, v in self.side_effects.items()} if self.side_effects else None
-            ),
-        }
-
-    @classmethod
-    def from_record(cls, record: dict[str, Any]) -> RunState:
-        side_effects = record.get("side_effects")
-        return cls(
-            calls=record["calls"],
-            last_ts_ms=record["last_ts_ms"],
-            halted_by=record["halted_by"],
-            plan_step=record["plan_step"],
-            seen_ids=bytes.fromhex(record["seen_ids"]),
-            streak_key=bytes.fromhex(record["streak_key"]),
-            streak_call=bytes.fromhex(record["streak_call"]),
-            streak_varied=record["streak_varied"],
-            streak_ts=array("q", record["streak_ts"]),
-            streak_first_event_id=record["streak_first_event_id"],
-            streak_alerted=record["streak_alerted"],
-            recent_sigs=bytes.fromhex(record["recent_sigs"]),
-            recent_ts=array("q", record["recent_ts"]),
-            recent_failing=record["recent_failing"],
-            side_effects=(
-                {bytes.fromhex(k): list(v) for k, v in side_effects.items()} if side_effects else None
-            ),
+    def copy(self) -> RunState:
+        """An independent copy (a scratch state to ask "what would this event decide?")."""
+        return RunState(
+            self.calls, self.last_ts_ms, self.halted_by, self.plan_step, self.seen_ids, self.streak_key,
+            self.streak_call, self.streak_varied, array("q", self.streak_ts), self.streak_first_event_id,
+            self.streak_alerted, self.recent_sigs, array("q", self.recent_ts), self.recent_failing,
+            {k: list(v) for k, v in self.side_effects.items()} if self.side_effects is not None else None,
         )
 
 
@@ -184,11 +148,11 @@ class Detector:
     def evaluate(self, state: RunState, event: TelemetryEvent) -> Evaluation:
         """Fold one event into its run's state; return the decisions it triggers."""
         call_policy = self.policy.resolve(event.agent_id, event.tool)
-        settings = call_policy.settings
+        thresholds = call_policy.thresholds
         event_digest = _checksum(event.event_id)
         if _contains(state.seen_ids, event_digest):
             return DUPLICATE
-        state.seen_ids = (state.seen_ids + event_digest)[-_DIGEST * settings.dedupe_window :]
+        state.seen_ids = (state.seen_ids + event_digest)[-_DIGEST * thresholds.dedupe_window :]
         if event.ts_ms > state.last_ts_ms:
             state.last_ts_ms = event.ts_ms
         if state.halted_by is not None:
@@ -206,27 +170,27 @@ class Detector:
         tool_sum = call_policy.tool_digest
         failing = event.outcome != "success"
 
-        occurrences = self._side_effect_occurrence(state, event, call + tool_sum, settings)
+        occurrences = self._side_effect_occurrence(state, event, call + tool_sum, thresholds)
         key = _short(result_hash) + _OUTCOME_CODE[event.outcome] + tool_sum
-        count, budget = self._streak(state, event, call, key, settings)
-        period = self._cycle(state, call + key, failing, event.ts_ms, settings)
+        count, budget = self._streak(state, event, call, key, thresholds)
+        period = self._cycle(state, call + key, failing, event.ts_ms, thresholds)
 
-        if not (state.calls > settings.iteration_ceiling or occurrences >= 2 or (failing and count > budget)
-                or period or (not failing and 0 < settings.poll_alert_after <= count)):
+        if not (state.calls > thresholds.iteration_ceiling or occurrences >= 2 or (failing and count > budget)
+                or period or (not failing and 0 < thresholds.poll_alert_after <= count)):
             return _NOTHING  # the common case: nothing to decide, no evidence to build
-        finding = self._judge(state, event, settings, failing, occurrences, count, budget, period)
+        finding = self._judge(state, event, thresholds, failing, occurrences, count, budget, period)
         if finding is None:
             return _NOTHING
-        return Evaluation(False, (explain(event, settings, finding._replace(
+        return Evaluation(False, (explain(event, thresholds, finding._replace(
             args_hash=args_hash, args_verified=args_verified, result_hash=result_hash)),))
 
-    def _judge(self, state: RunState, event: TelemetryEvent, settings: Settings, failing: bool,
+    def _judge(self, state: RunState, event: TelemetryEvent, thresholds: Thresholds, failing: bool,
                occurrences: int, count: int, budget: int, period: int) -> Finding | None:
         """Pick the rule that wins (module docstring order) and apply its effect on the run."""
         verdict: Verdict
-        if state.calls > settings.iteration_ceiling:
+        if state.calls > thresholds.iteration_ceiling:
             verdict, count = "iteration_ceiling", state.calls
-        elif occurrences >= settings.circuit_open_at:
+        elif occurrences >= thresholds.circuit_open_at:
             verdict, count = "circuit_open", occurrences
         elif failing and count > budget:
             verdict = "semantic_loop" if state.streak_varied else "recursion"
@@ -240,7 +204,7 @@ class Detector:
         else:
             return None
         finding = Finding(verdict, count, budget, period, state.streak_first_event_id)
-        if settings.shadow:
+        if thresholds.shadow:
             self.resume(state)  # as if halted and resumed at once: a loop must fill a whole budget again
         else:
             state.halted_by = decision_id(event.run_id, event.event_id, "halt", verdict)
@@ -286,19 +250,19 @@ class Detector:
 
     @staticmethod
     def _side_effect_occurrence(state: RunState, event: TelemetryEvent, call: bytes,
-                                settings: Settings) -> int:
+                                thresholds: Thresholds) -> int:
         """Occurrence number of this side-effecting call within its window, 0 if not side-effecting."""
-        side_effect = event.side_effect if event.side_effect is not None else settings.side_effect
+        side_effect = event.side_effect if event.side_effect is not None else thresholds.side_effect
         if not side_effect:
             return 0
         table = state.side_effects
         if table is None:
             table = state.side_effects = {}
         entry = table.get(call)
-        if entry is not None and 0 <= event.ts_ms - entry[0] <= settings.side_effect_window_ms:
+        if entry is not None and 0 <= event.ts_ms - entry[0] <= thresholds.side_effect_window_ms:
             entry[1] += 1
             return entry[1]
-        horizon = event.ts_ms - settings.side_effect_window_ms
+        horizon = event.ts_ms - thresholds.side_effect_window_ms
         for stale in [k for k, (first, _) in table.items() if first < horizon]:
             del table[stale]
         if len(table) >= _SIDE_EFFECT_SLOTS:
@@ -308,7 +272,7 @@ class Detector:
 
     @staticmethod
     def _streak(state: RunState, event: TelemetryEvent, call: bytes, key: bytes,
-                settings: Settings) -> tuple[int, int]:
+                thresholds: Thresholds) -> tuple[int, int]:
         """Extend or restart the streak of calls with this (tool, outcome, result) key; return the
         number of its calls within the window, and the budget that applies."""
         if key == state.streak_key:
@@ -320,18 +284,18 @@ class Detector:
             state.streak_varied = state.streak_alerted = False
             del state.streak_ts[:]
             state.streak_first_event_id = event.event_id
-        budget = event.retry_budget if event.retry_budget is not None else settings.retry_budget
+        budget = event.retry_budget if event.retry_budget is not None else thresholds.retry_budget
         times = state.streak_ts
         ts_ms = event.ts_ms
         times.append(ts_ms)
         count = len(times)
         if count > 1:
-            horizon = ts_ms - settings.window_ms
+            horizon = ts_ms - thresholds.window_ms
             stale = 0
             while times[stale] < horizon:
                 stale += 1
             # Only budget + 1 (or the polling threshold) members can matter; keep no more than that.
-            keep = min(settings.window_calls, max(budget, settings.poll_alert_after) + 1)
+            keep = min(thresholds.window_calls, max(budget, thresholds.poll_alert_after) + 1)
             if count - keep > stale:
                 stale = count - keep
             if stale:
@@ -340,9 +304,9 @@ class Detector:
         return count, budget
 
     @staticmethod
-    def _cycle(state: RunState, sig: bytes, failing: bool, ts_ms: int, settings: Settings) -> int:
+    def _cycle(state: RunState, sig: bytes, failing: bool, ts_ms: int, thresholds: Thresholds) -> int:
         """Record the step's signature; return the period (2 or 3) of a cycle it completes, or 0."""
-        occurrences = settings.cycle_occurrences
+        occurrences = thresholds.cycle_occurrences
         capacity = _CYCLE_PERIODS[-1] * occurrences
         previous = state.recent_sigs
         # A cycle of period p can only complete on a step equal to the step p back: checking that first
@@ -359,13 +323,13 @@ class Detector:
         steps = len(times)
         for period in _CYCLE_PERIODS:
             span = period * occurrences
-            if span > steps or span > settings.window_calls:
+            if span > steps or span > thresholds.window_calls:
                 continue
             unit = sigs[-_SIG * period :]
             if (sigs[-_SIG * span :] == unit * occurrences
                     and unit != sig * period
                     and state.recent_failing & ((1 << period) - 1)
-                    and ts_ms - times[-span] <= settings.window_ms):
+                    and ts_ms - times[-span] <= thresholds.window_ms):
                 return period
         return 0
 
@@ -387,7 +351,7 @@ class Finding(NamedTuple):
 _ACTIONS: dict[str, Action] = {"duplicate_call": "suppress", "polling": "alert"}
 
 
-def explain(event: TelemetryEvent, settings: Settings, finding: Finding) -> Decision:
+def explain(event: TelemetryEvent, thresholds: Thresholds, finding: Finding) -> Decision:
     """The decision for ``finding`` on ``event``: action, reason and evidence (shadow mode: an alert)."""
     verdict = finding.verdict
     evidence: dict[str, Any] = {
@@ -401,34 +365,34 @@ def explain(event: TelemetryEvent, settings: Settings, finding: Finding) -> Deci
         evidence["seq"] = event.seq  # lets a runtime tell which of its calls triggered the decision
     count = finding.count
     if verdict == "iteration_ceiling":
-        evidence.update(count=count, ceiling=settings.iteration_ceiling)
-        reason = f"run reached its iteration ceiling: call {count} exceeds {settings.iteration_ceiling}"
+        evidence.update(count=count, ceiling=thresholds.iteration_ceiling)
+        reason = f"run reached its iteration ceiling: call {count} exceeds {thresholds.iteration_ceiling}"
     elif verdict == "circuit_open":
-        evidence.update(count=count, window_ms=settings.side_effect_window_ms)
+        evidence.update(count=count, window_ms=thresholds.side_effect_window_ms)
         reason = (f"side-effecting call {event.tool} repeated {count} times within "
-                  f"{settings.side_effect_window_ms // 1000} s; circuit opened")
+                  f"{thresholds.side_effect_window_ms // 1000} s; circuit opened")
     elif verdict in ("recursion", "semantic_loop"):
-        evidence.update(count=count, budget=finding.budget, window_ms=settings.window_ms,
-                        window_calls=settings.window_calls, first_event_id=finding.first_event_id)
+        evidence.update(count=count, budget=finding.budget, window_ms=thresholds.window_ms,
+                        window_calls=thresholds.window_calls, first_event_id=finding.first_event_id)
         same = "with mutating arguments" if verdict == "semantic_loop" else "with identical arguments"
         reason = (f"{event.tool} {same} returned the identical {event.outcome} result "
-                  f"{finding.result_hash[:12]} {count} times in a row within {settings.window_ms // 1000} s; "
+                  f"{finding.result_hash[:12]} {count} times in a row within {thresholds.window_ms // 1000} s; "
                   f"retry budget is {finding.budget}")
     elif verdict == "cycle":
-        evidence.update(count=settings.cycle_occurrences, period=finding.period, window_ms=settings.window_ms)
+        evidence.update(count=thresholds.cycle_occurrences, period=finding.period, window_ms=thresholds.window_ms)
         reason = (f"a {finding.period}-call cycle ending in {event.tool} repeated "
-                  f"{settings.cycle_occurrences} times with identical outcomes")
+                  f"{thresholds.cycle_occurrences} times with identical outcomes")
     elif verdict == "duplicate_call":
-        evidence.update(count=count, window_ms=settings.side_effect_window_ms)
+        evidence.update(count=count, window_ms=thresholds.side_effect_window_ms)
         reason = (f"side-effecting call {event.tool} is a duplicate (occurrence {count} within "
-                  f"{settings.side_effect_window_ms // 1000} s); hand back the earlier result instead of "
+                  f"{thresholds.side_effect_window_ms // 1000} s); hand back the earlier result instead of "
                   "acting again")
     else:
         evidence.update(count=count, first_event_id=finding.first_event_id)
         reason = (f"{event.tool} returned the same successful result {count} times in a row "
                   "(polling?); advisory only")
     action = _ACTIONS.get(verdict, "halt")
-    if settings.shadow and action != "alert":
+    if thresholds.shadow and action != "alert":
         evidence.update(shadow=True, would=action)
         reason = f"shadow mode, would {action}: {reason}"
         action = "alert"
@@ -461,20 +425,20 @@ def _args_hash(event: TelemetryEvent, call_policy: CallPolicy) -> tuple[str, boo
     Fail closed: arguments that cannot be normalised, or a bare hash for a tool whose policy demands
     normalisation here, make the call comparable by tool name alone, which can only halt sooner.
     """
-    settings = call_policy.settings
+    thresholds = call_policy.thresholds
     if event.args is not None:
         try:
-            return semantic_hash(event.args, call_policy.fields, settings.collapse_whitespace), True
+            return semantic_hash(event.args, call_policy.fields, thresholds.collapse_whitespace), True
         except NormalisationError:
             return _UNVERIFIED, False
     assert event.args_hash is not None  # the contract guarantees one of the two
-    return event.args_hash, not settings.strict_args
+    return event.args_hash, not thresholds.strict_args
 
 
 def _result_hash(event: TelemetryEvent, call_policy: CallPolicy) -> str:
     if event.result_hash is not None:
         return event.result_hash
     try:
-        return semantic_hash(event.result, call_policy.fields, call_policy.settings.collapse_whitespace)
+        return semantic_hash(event.result, call_policy.fields, call_policy.thresholds.collapse_whitespace)
     except NormalisationError:
         return "unhashable"  # every unhashable result compares equal: fail closed

@@ -23,7 +23,7 @@ from .normalize import DEFAULT_IGNORED_FIELDS, FieldFilter
 
 
 @dataclass(frozen=True, slots=True)
-class Settings:
+class Thresholds:
     """Every threshold of the detector; the defaults are the documented behaviour."""
 
     #: Failing identical repetitions allowed when the event declares no ``retry_budget``.
@@ -76,14 +76,14 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise PolicyError(f"{name}: must be an integer >= {minimum}, got {value!r}")
 
 
-_SETTING_TYPES: dict[str, type] = {f.name: type(getattr(Settings(), f.name)) for f in fields(Settings)}
+_SETTING_TYPES: dict[str, type] = {f.name: type(getattr(Thresholds(), f.name)) for f in fields(Thresholds)}
 
 
 @dataclass(frozen=True, slots=True)
 class CallPolicy:
     """The settings resolved for one (agent, tool) pair, with the field filter built once."""
 
-    settings: Settings
+    thresholds: Thresholds
     fields: FieldFilter
     #: 4 stable bytes naming the tool inside the detector's digests (crc32 of the name).
     tool_digest: bytes
@@ -96,11 +96,11 @@ class Policy:
 
     def __init__(
         self,
-        defaults: Settings | None = None,
+        defaults: Thresholds | None = None,
         agents: dict[str, dict[str, Any]] | None = None,
         tools: dict[str, dict[str, Any]] | None = None,
     ) -> None:
-        self.defaults = defaults or Settings()
+        self.defaults = defaults or Thresholds()
         self._agents = list((agents or {}).items())
         self._tools = list((tools or {}).items())
         self._cache: dict[tuple[str | None, str], CallPolicy] = {}
@@ -117,7 +117,7 @@ class Policy:
             raise PolicyError(f"policy: unknown section(s) {sorted(unknown)}; expected defaults, agents, tools")
         if document.get("version", 1) != 1:
             raise PolicyError(f"version: unsupported policy version {document['version']!r}; expected 1")
-        defaults = replace(Settings(), **_overrides("defaults", document.get("defaults") or {}))
+        defaults = replace(Thresholds(), **_overrides("defaults", document.get("defaults") or {}))
         sections = {}
         for section in ("agents", "tools"):
             entries = document.get(section) or {}
@@ -132,15 +132,15 @@ class Policy:
         key = (agent_id, tool)
         hit = self._cache.get(key)
         if hit is None:
-            settings = self.defaults
+            thresholds = self.defaults
             agent_overrides = _match(self._agents, agent_id) if agent_id is not None else None
             if agent_overrides:
-                settings = replace(settings, **agent_overrides)
+                thresholds = replace(thresholds, **agent_overrides)
             tool_overrides = _match(self._tools, tool)
             if tool_overrides:
-                settings = replace(settings, **tool_overrides)
-            filter_ = FieldFilter(DEFAULT_IGNORED_FIELDS + settings.ignore_fields, settings.keep_fields)
-            hit = CallPolicy(settings, filter_, zlib.crc32(tool.encode()).to_bytes(4, "big"))
+                thresholds = replace(thresholds, **tool_overrides)
+            filter_ = FieldFilter(DEFAULT_IGNORED_FIELDS + thresholds.ignore_fields, thresholds.keep_fields)
+            hit = CallPolicy(thresholds, filter_, zlib.crc32(tool.encode()).to_bytes(4, "big"))
             if len(self._cache) >= self._CACHE_LIMIT:
                 self._cache.clear()
             self._cache[key] = hit
@@ -173,7 +173,7 @@ def _overrides(path: str, raw: Any) -> dict[str, Any]:
             raise PolicyError(f"{path}.{name}: must be {expected.__name__}, got {value!r}")
         out[name] = value
     try:
-        replace(Settings(), **out)
+        replace(Thresholds(), **out)
     except PolicyError as exc:
         raise PolicyError(f"{path}.{exc}") from exc
     return out

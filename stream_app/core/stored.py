@@ -1,28 +1,76 @@
-"""The per-run table value: the core's RunState plus the offset of the last message applied to it.
+"""The stored run: the one owner of the format a run's state is kept in (the worker's RocksDB table and
+its changelog topic), with a version, so workers of two releases can share a changelog.
 
-The offset makes at-least-once delivery harmless: after a crash Faust re-delivers everything since the
-last commit, and a message at or below the stored offset was already folded into this state, so it is
-skipped. (The core's event-id ring catches runtimes that publish the same event twice.)
+A record is one JSON object: the core's ``RunState`` (bytes as hex, arrays as lists), the offset of the
+last telemetry message folded into it, and ``v``, the format version. The offset makes at-least-once
+delivery harmless: after a crash the worker re-reads everything since its last commit, and a message at
+or below the stored offset was already folded in, so it is skipped (the event-id ring in the state
+catches runtimes that publish the same event twice).
+
+Versions:
+
+- 0: the records of every release before versioning (no ``v`` key);
+- 1: version 0 plus ``v``.
+
+A reader decodes every version up to ``FORMAT_VERSION``, and a worker writes the version its operator
+sets (``LOOPWARDEN_STATE_WRITE_VERSION``, default ``FORMAT_VERSION``), so a rolling upgrade rolls the
+readers out first and raises the write version after. A record newer than the reader is refused with
+``StateVersionError``, which says what to do, never decoded half-way.
+
+A change to the record bumps ``FORMAT_VERSION``, teaches ``decode_run`` the previous version (and
+``encode_run`` to still write it, for the roll-out), and adds a fixture of the previous version
+(``tests/fixtures/state/``, made with ``python -m tests.fixtures.state.make_fixture`` before the change).
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
+from typing import Any, Final
 
 import orjson
 
-from ..core import RunState
+from .detector import RunState
+from .errors import LoopwardenError
+
+#: The version this release writes by default, and the newest it reads.
+FORMAT_VERSION: Final = 1
+#: The key of the version in a record; absent in version 0.
+VERSION_KEY: Final = "v"
+
+
+class StoredRecordError(LoopwardenError, RuntimeError):
+    """A stored run record that cannot be decoded. Operator action: find what else writes the changelog
+    topic (only workers of this app id may), and restore the record or delete the run's key."""
+
+
+class StateVersionError(StoredRecordError):
+    """A stored run record of a format this release cannot read or write."""
+
+    def __init__(self, version: object, action: str) -> None:
+        self.version = version
+        super().__init__(
+            f"stored run record has format version {version!r}; this release reads versions 0 to "
+            f"{FORMAT_VERSION}. Operator action: {action}"
+        )
 
 
 @dataclass(slots=True)
 class StoredRun:
+    """A run's state and the offset of the last message folded into it (-1: none yet)."""
+
     state: RunState
     offset: int = -1
 
 
-def encode_run(run: StoredRun) -> bytes:
-    record = run.state.to_record()
+def encode_run(run: StoredRun, version: int = FORMAT_VERSION) -> bytes:
+    """The record of ``run`` in format ``version`` (0 or 1)."""
+    record = _record_of(run.state)
     record["offset"] = run.offset
+    if version == 1:
+        record[VERSION_KEY] = 1
+    elif version != 0:
+        raise StateVersionError(version, f"set LOOPWARDEN_STATE_WRITE_VERSION to 0..{FORMAT_VERSION}")
     return orjson.dumps(record)
 
 
@@ -30,5 +78,78 @@ def decode_run(raw: bytes | None) -> StoredRun:
     """The stored run, or a fresh one for a run never seen (or evicted)."""
     if raw is None:
         return StoredRun(RunState())
-    record = orjson.loads(raw)
-    return StoredRun(RunState.from_record(record), record.get("offset", -1))
+    record = _load(raw)
+    try:
+        return StoredRun(_state_of(record), record.get("offset", -1))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StoredRecordError(f"stored run record is damaged ({type(exc).__name__}: {exc})") from exc
+
+
+def last_ts_ms(raw: bytes) -> int:
+    """The event time of the run's last event (what expiry goes by), without building its state."""
+    value = _load(raw).get("last_ts_ms")
+    if type(value) is not int:
+        raise StoredRecordError(f"stored run record is damaged: last_ts_ms is {value!r}")
+    return value
+
+
+def _load(raw: bytes) -> dict[str, Any]:
+    try:
+        record = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise StoredRecordError(f"stored run record is not JSON: {exc}") from exc
+    if type(record) is not dict:
+        raise StoredRecordError(f"stored run record is a JSON {type(record).__name__}, not an object")
+    version = record.get(VERSION_KEY, 0)
+    if type(version) is not int or not 0 <= version <= FORMAT_VERSION:
+        raise StateVersionError(
+            version, "a worker of a newer release wrote this record; upgrade this worker to that release "
+                     "(or newer) before it reads the state, and raise LOOPWARDEN_STATE_WRITE_VERSION only "
+                     "once every worker reads the new version")
+    return record
+
+
+def _record_of(state: RunState) -> dict[str, Any]:
+    """A JSON-ready dict of ``state`` (bytes as hex); ``_state_of`` inverts it."""
+    return {
+        "calls": state.calls,
+        "last_ts_ms": state.last_ts_ms,
+        "halted_by": state.halted_by,
+        "plan_step": state.plan_step,
+        "seen_ids": state.seen_ids.hex(),
+        "streak_key": state.streak_key.hex(),
+        "streak_call": state.streak_call.hex(),
+        "streak_varied": state.streak_varied,
+        "streak_ts": state.streak_ts.tolist(),
+        "streak_first_event_id": state.streak_first_event_id,
+        "streak_alerted": state.streak_alerted,
+        "recent_sigs": state.recent_sigs.hex(),
+        "recent_ts": state.recent_ts.tolist(),
+        "recent_failing": state.recent_failing,
+        "side_effects": (
+            {k.hex(): v for k, v in state.side_effects.items()} if state.side_effects else None
+        ),
+    }
+
+
+def _state_of(record: dict[str, Any]) -> RunState:
+    side_effects = record.get("side_effects")
+    return RunState(
+        calls=record["calls"],
+        last_ts_ms=record["last_ts_ms"],
+        halted_by=record["halted_by"],
+        plan_step=record["plan_step"],
+        seen_ids=bytes.fromhex(record["seen_ids"]),
+        streak_key=bytes.fromhex(record["streak_key"]),
+        streak_call=bytes.fromhex(record["streak_call"]),
+        streak_varied=record["streak_varied"],
+        streak_ts=array("q", record["streak_ts"]),
+        streak_first_event_id=record["streak_first_event_id"],
+        streak_alerted=record["streak_alerted"],
+        recent_sigs=bytes.fromhex(record["recent_sigs"]),
+        recent_ts=array("q", record["recent_ts"]),
+        recent_failing=record["recent_failing"],
+        side_effects=(
+            {bytes.fromhex(k): list(v) for k, v in side_effects.items()} if side_effects else None
+        ),
+    )

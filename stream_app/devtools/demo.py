@@ -16,29 +16,24 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .client import Guard, GuardedRun, KafkaClientConfig, RunHalted
-from .signing import KeyRing, ensure_pairs
-
-MAX_CALLS = 200  # a runaway the fleet never stops gives up here, and is reported as missed
-
-
-class ToolFailed(Exception):
-    """What the simulated tools raise."""
+from ..client import Guard, GuardedRun, KafkaClientConfig, RunHalted
+from .harness import Deployment, WorkerStartError
+from .scenarios import DEMO_MIX, Scenario, kinds
 
 
 @dataclass
-class Outcome:
+class RunRecord:
+    """One simulated run of the demo: its kind, the halt it must get, and what happened."""
+
     scenario: str
     expected: str | None
     run: GuardedRun | None = None
@@ -48,20 +43,6 @@ class Outcome:
     @property
     def calls(self) -> int:
         return self.run.calls if self.run is not None else 0
-
-
-@dataclass
-class Scene:
-    """A scenario: how an agent of this kind behaves, and the halt it must (or must not) get."""
-
-    name: str
-    expected: str | None
-    behave: Callable[[ThinkingRun, random.Random], Awaitable[None]]
-    share: int
-
-
-async def _latency(rng: random.Random) -> None:
-    await asyncio.sleep(rng.uniform(0.02, 0.08))
 
 
 class ThinkingRun:
@@ -76,216 +57,33 @@ class ThinkingRun:
         return await self.run.call(tool, fn, args, **options)
 
 
-async def healthy(run: ThinkingRun, rng: random.Random) -> None:
-    async def search(query: str) -> dict[str, Any]:
-        await _latency(rng)
-        return {"hits": rng.randrange(1, 40), "query": query}
-
-    for step in range(12):
-        await run.call("search_docs", search, {"query": f"topic {step} {rng.randrange(10**6)}"}, plan_step=step)
-
-
-async def flaky_retry(run: ThinkingRun, rng: random.Random) -> None:
-    failures = iter(range(4))
-
-    async def fetch_invoice(invoice: str, attempt: int) -> dict[str, Any]:
-        await _latency(rng)
-        if next(failures, None) is not None:
-            raise ToolFailed("503 Service Unavailable")
-        return {"invoice": invoice, "total": 120}
-
-    invoice = f"INV-{rng.randrange(10**5)}"
-    for attempt in range(6):
-        try:
-            await run.call("fetch_invoice", fetch_invoice, {"invoice": invoice, "attempt": attempt}, retry_budget=5)
-            break
-        except ToolFailed:
-            continue
-
-
-async def runaway(run: ThinkingRun, rng: random.Random) -> None:
-    async def search(query: str) -> dict[str, Any]:
-        await _latency(rng)
-        raise ToolFailed("index unavailable")
-
-    query = f"quarterly report {rng.randrange(10**4)}"
-    for _ in range(MAX_CALLS):
-        try:
-            await run.call("search_docs", search, {"query": query})
-        except ToolFailed:
-            continue
-
-
-async def mutating_loop(run: ThinkingRun, rng: random.Random) -> None:
-    async def search(query: str, attempt: int, client_state: str) -> dict[str, Any]:
-        await _latency(rng)
-        raise ToolFailed("429 rate limited")
-
-    for attempt in range(MAX_CALLS):
-        args = {"query": "refund policy", "attempt": attempt, "client_state": f"{rng.getrandbits(64):016x}"}
-        try:
-            await run.call("search_docs", search, args)
-        except ToolFailed:
-            continue
-
-
-async def edit_cycle(run: ThinkingRun, rng: random.Random) -> None:
-    async def read_file(path: str) -> str:
-        await _latency(rng)
-        return "def f(): ..."
-
-    async def apply_patch(path: str, patch: str) -> None:
-        await _latency(rng)
-        raise ToolFailed("hunk 1 failed")
-
-    path = f"/src/module_{rng.randrange(100)}.py"
-    for _ in range(MAX_CALLS // 2):
-        await run.call("read_file", read_file, {"path": path})
-        try:
-            await run.call("apply_patch", apply_patch, {"path": path, "patch": "--- a\n+++ b"})
-        except ToolFailed:
-            continue
-
-
-async def polling(run: ThinkingRun, rng: random.Random) -> None:
-    remaining = iter(range(23))
-
-    async def check_job(job_id: str) -> dict[str, str]:
-        await _latency(rng)
-        return {"state": "running" if next(remaining, None) is not None else "done"}
-
-    job = f"job-{rng.randrange(10**6)}"
-    while (await run.call("check_job", check_job, {"job_id": job}))["state"] != "done":
-        pass
-
-
-async def duplicate_email(run: ThinkingRun, rng: random.Random) -> None:
-    sent: list[str] = []
-
-    async def send_email(to: str, subject: str, body: str, request_id: str) -> None:
-        await _latency(rng)
-        sent.append(to)  # the mail goes out, but the relay times out before it says so
-        raise ToolFailed("ETIMEDOUT talking to the mail relay")
-
-    args = {"to": f"customer{rng.randrange(1000)}@example.com", "subject": "Your refund", "body": "Approved."}
-    for _ in range(MAX_CALLS):
-        try:
-            await run.call("send_email", send_email, {**args, "request_id": uuid.uuid4().hex}, side_effect=True)
-        except ToolFailed:
-            continue
-
-
-SCENES = (
-    Scene("healthy", None, healthy, 30),
-    Scene("flaky_retry", None, flaky_retry, 15),
-    Scene("polling", None, polling, 8),
-    Scene("runaway", "recursion", runaway, 15),
-    Scene("mutating_loop", "semantic_loop", mutating_loop, 12),
-    Scene("edit_cycle", "cycle", edit_cycle, 8),
-    Scene("duplicate_email", "circuit_open", duplicate_email, 12),
-)
-
-
-@dataclass
-class Worker:
-    """The worker process the demo starts, and where its files go."""
-
-    name: str
-    workdir: Path
-    process: subprocess.Popen[bytes] | None = None
-    metrics_port: int = 0
-    env: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def topics(self) -> tuple[str, str]:
-        return f"{self.name}.telemetry", f"{self.name}.control"
-
-    @property
-    def keys(self) -> Path:
-        """A development key pair: the worker signs its decisions with it, the agents' guard trusts it."""
-        return ensure_pairs(self.workdir / "keys", "worker")
-
-    def start(self, bootstrap: str, partitions: int) -> None:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.metrics_port = sock.getsockname()[1]
-        telemetry, control = self.topics
-        self.env = {
-            **os.environ,
-            "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
-            "LOOPWARDEN_APP_ID": self.name,
-            "LOOPWARDEN_TELEMETRY_TOPIC": telemetry,
-            "LOOPWARDEN_CONTROL_TOPIC": control,
-            "LOOPWARDEN_ALERTS_TOPIC": f"{self.name}.alerts",
-            "LOOPWARDEN_DLQ_TOPIC": f"{self.name}.dlq",
-            "LOOPWARDEN_PARTITIONS": str(partitions),
-            "LOOPWARDEN_STATE_DIR": str(self.workdir / "state"),
-            "LOOPWARDEN_METRICS_PORT": str(self.metrics_port),
-            "LOOPWARDEN_METRICS_HOST": "127.0.0.1",
-            "LOOPWARDEN_SIGNING_KEY": str(self.keys / "worker.key"),
-        }
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        log = (self.workdir / "worker.log").open("wb")
-        self.process = subprocess.Popen([sys.executable, "-m", "stream_app", "worker"], env=self.env,
-                                        stdout=log, stderr=subprocess.STDOUT)
-
-    async def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.process is not None
-            if self.process.poll() is not None:
-                raise SystemExit(f"loopwarden demo: the worker exited; see {self.workdir / 'worker.log'}")
-            try:
-                text = await asyncio.to_thread(self._scrape)
-                if "loopwarden_worker_ready 1.0" in text:
-                    return
-            except OSError:
-                pass
-            await asyncio.sleep(0.25)
-        raise SystemExit(f"loopwarden demo: worker not ready after {timeout:.0f} s; see {self.workdir}")
-
-    def _scrape(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as response:
-            return str(response.read().decode())
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-
-
-async def _agent(guard: Guard, scene: Scene, run_id: str, seed: int, outcome: Outcome) -> None:
+async def _agent(guard: Guard, scenario: Scenario, run_id: str, seed: int, record: RunRecord) -> None:
     rng = random.Random(seed)
-    run = outcome.run = guard.run(run_id, agent_id=f"{scene.name.replace('_', '-')}-agent")
+    run = record.run = guard.run(run_id, agent_id=scenario.agent_id)
     await asyncio.sleep(rng.uniform(0, 1.0))  # agents start staggered, like a real fleet
     try:
-        await scene.behave(ThinkingRun(run, rng), rng)
+        await scenario.agent(ThinkingRun(run, rng), rng)
     except RunHalted as halted:
-        outcome.verdict = halted.verdict
+        record.verdict = halted.verdict
         trigger_seq = halted.decision.get("evidence", {}).get("seq")
         if trigger_seq is not None:
-            outcome.overshoot = run.calls - (trigger_seq + 1)
+            record.overshoot = run.calls - (trigger_seq + 1)
 
 
-def _progress(outcomes: list[Outcome], started: float, done: int) -> str:
-    halted = Counter(o.verdict for o in outcomes if o.verdict)
+def _progress(records: list[RunRecord], started: float, done: int) -> str:
+    halted = Counter(o.verdict for o in records if o.verdict)
     verdicts = ", ".join(f"{v} {n}" for v, n in sorted(halted.items())) or "none yet"
-    return (f"[{time.monotonic() - started:5.1f}s] runs {len(outcomes)} ({len(outcomes) - done} active) | "
-            f"calls {sum(o.calls for o in outcomes)} | halted {sum(halted.values())}: {verdicts}")
+    return (f"[{time.monotonic() - started:5.1f}s] runs {len(records)} ({len(records) - done} active) | "
+            f"calls {sum(o.calls for o in records)} | halted {sum(halted.values())}: {verdicts}")
 
 
-def summary_table(outcomes: list[Outcome]) -> tuple[str, int, int]:
+def summary_table(records: list[RunRecord]) -> tuple[str, int, int]:
     """The closing table, the number of false halts and the number of missed runaways."""
     header = ("scenario", "runs", "calls", "halted", "verdicts", "false halts", "missed", "overshoot p50/max")
     rows = []
     false_total = missed_total = 0
-    for scene in SCENES:
-        mine = [o for o in outcomes if o.scenario == scene.name]
+    for scenario, _ in DEMO_MIX:
+        mine = [o for o in records if o.scenario == scenario]
         if not mine:
             continue
         verdicts = Counter(o.verdict for o in mine if o.verdict)
@@ -294,7 +92,7 @@ def summary_table(outcomes: list[Outcome]) -> tuple[str, int, int]:
         over = [o.overshoot for o in mine if o.overshoot is not None]
         false_total += false_halts
         missed_total += missed
-        rows.append((scene.name, str(len(mine)), str(sum(o.calls for o in mine)), str(sum(verdicts.values())),
+        rows.append((scenario, str(len(mine)), str(sum(o.calls for o in mine)), str(sum(verdicts.values())),
                      ", ".join(f"{v} {n}" for v, n in sorted(verdicts.items())) or "-", str(false_halts),
                      str(missed), f"{statistics.median(over):g} / {max(over)}" if over else "-"))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -304,34 +102,35 @@ def summary_table(outcomes: list[Outcome]) -> tuple[str, int, int]:
 
 
 async def run_demo(bootstrap: str, runs: int, partitions: int, seed: int, workdir: Path) -> int:
-    name = f"demo-{uuid.uuid4().hex[:8]}"
-    worker = Worker(name, workdir / name)
+    deployment = Deployment(bootstrap, workdir, partitions, name=f"demo-{uuid.uuid4().hex[:8]}")
+    name = deployment.name
     print(f"loopwarden demo: starting a worker on {bootstrap} (topics {name}.*) ...", file=sys.stderr, flush=True)
-    worker.start(bootstrap, partitions)
     try:
-        await worker.wait_ready()
-        telemetry, control = worker.topics
+        try:
+            await deployment.start_worker_async()
+        except WorkerStartError as exc:
+            raise SystemExit(f"loopwarden demo: {exc}") from exc
         rng = random.Random(seed)
-        weights = [scene.share for scene in SCENES]
-        plan = [SCENES[i % len(SCENES)] for i in range(len(SCENES))]  # every scenario at least once
-        plan += rng.choices(SCENES, weights, k=max(0, runs - len(plan)))
-        outcomes = [Outcome(scene.name, scene.expected) for scene in plan]
+        population, weights = kinds(DEMO_MIX)
+        plan = list(population)  # every scenario at least once
+        plan += rng.choices(population, weights, k=max(0, runs - len(plan)))
+        records = [RunRecord(scenario.name, scenario.expected_halt) for scenario in plan]
         config = KafkaClientConfig.from_env({**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap})
         halt_latency_ms: list[float] = []
-        trusted = KeyRing.from_paths([worker.keys / "worker.pub"])
-        async with Guard.fleet(config, telemetry, control, trusted_keys=trusted) as guard:
+        async with Guard.fleet(config, deployment.telemetry_topic, deployment.control_topic,
+                               trusted_keys=deployment.trusted_keys()) as guard:
             guard.on_decision(lambda d: halt_latency_ms.append(time.time() * 1000 - d["ts_ms"])
                               if d["action"] == "halt" else None)
             print(f"loopwarden demo: {len(plan)} agent runs calling tools ...", file=sys.stderr, flush=True)
             started = time.monotonic()
             tasks = [
-                asyncio.create_task(_agent(guard, scene, f"{name}-run-{i:03d}", seed * 1000 + i, outcomes[i]))
-                for i, scene in enumerate(plan)
+                asyncio.create_task(_agent(guard, scenario, f"{name}-run-{i:03d}", seed * 1000 + i, records[i]))
+                for i, scenario in enumerate(plan)
             ]
             try:
                 while True:
                     done = sum(task.done() for task in tasks)
-                    print(_progress(outcomes, started, done), file=sys.stderr, flush=True)
+                    print(_progress(records, started, done), file=sys.stderr, flush=True)
                     if done == len(tasks):
                         break
                     await asyncio.wait(tasks, timeout=1.0)
@@ -342,11 +141,11 @@ async def run_demo(bootstrap: str, runs: int, partitions: int, seed: int, workdi
                 await asyncio.gather(*tasks, return_exceptions=True)
             for task in tasks:
                 task.result()  # surface a crashed agent instead of a wrong table
-        table, false_halts, missed = summary_table(outcomes)
+        table, false_halts, missed = summary_table(records)
         print()
         print(table)
         print()
-        print(f"{sum(o.calls for o in outcomes)} calls in {len(outcomes)} runs; false halts: {false_halts}; "
+        print(f"{sum(o.calls for o in records)} calls in {len(records)} runs; false halts: {false_halts}; "
               f"runaways not stopped: {missed}. Overshoot = calls a runaway made after the call that "
               "triggered its halt, before the guard refused.")
         if halt_latency_ms:
@@ -355,8 +154,8 @@ async def run_demo(bootstrap: str, runs: int, partitions: int, seed: int, workdi
                   f"p50 {cuts[49]:.0f} ms, p95 {cuts[94]:.0f} ms, max {max(halt_latency_ms):.0f} ms")
         return 1 if false_halts or missed else 0
     finally:
-        worker.stop()
-        shutil.rmtree(worker.workdir, ignore_errors=True)
+        deployment.stop()
+        shutil.rmtree(deployment.root, ignore_errors=True)
 
 
 def main(bootstrap: str | None, runs: int, partitions: int, seed: int) -> int:

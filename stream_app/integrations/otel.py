@@ -4,7 +4,7 @@ ended GenAI tool span (``gen_ai.operation.name = execute_tool``) as one telemetr
     async with LoopwardenSpanProcessor(TelemetryPublisher(config)) as processor:
         provider.add_span_processor(processor)
 
-The span is mapped exactly as the worker maps the collector's OTLP records (``stream_app.otlp``: tool,
+The span is mapped exactly as the worker maps the collector's OTLP records (``stream_app.sources.otlp``: tool,
 outcome, run id, event id ``{trace_id}-{span_id}``, end time, our ``dev.loopwarden.*`` attributes), so
 a call reported both ways counts once. Unlike the collector route, the event is built by the SDK's
 ``TelemetryBuilder``: secrets are redacted and arguments and results are hashed here, in the app, so
@@ -31,7 +31,7 @@ from opentelemetry.trace import StatusCode
 
 from ..client import FinishedCall, TelemetryBuilder, TelemetryPublisher
 from ..core import InvalidEvent
-from ..otlp import RUN_ID_SOURCES, RunIdFrom, ToolCall, is_tool_span, tool_call
+from ..sources.otlp import RUN_ID_SOURCES, RunIdFrom, ToolCall, is_tool_span, tool_call
 
 logger = logging.getLogger(__name__)
 

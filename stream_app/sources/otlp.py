@@ -41,7 +41,7 @@ naming the attribute; the worker dead-letters the record it came in and still re
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -51,8 +51,9 @@ from google.protobuf.message import DecodeError
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Status, TracesData
 
-from .core import OUTCOMES, InvalidEvent, Outcome, decode_event
-from .core.contract import MAX_ID_LENGTH, MAX_RETRY_BUDGET
+from ..core import OUTCOMES, InvalidEvent, NotJSON, Outcome, decode_event
+from ..core.contract import MAX_ID_LENGTH, MAX_RETRY_BUDGET
+from . import Decoded
 
 Encoding = Literal["otlp_proto", "otlp_json"]
 RunIdFrom = Literal["conversation", "trace"]
@@ -263,6 +264,18 @@ def tool_calls_of(raw: bytes, encoding: Encoding, run_id_from: RunIdFrom = "conv
     return calls, errors
 
 
+def decoder(encoding: Encoding, run_id_from: RunIdFrom = "conversation",
+            max_event_bytes: int = 1 << 20) -> Callable[[bytes], Decoded]:
+    """This source's decoder for the worker's relay: one exporter record in, its tool calls as telemetry
+    v1 objects and the errors of its bad tool spans out (``tool_calls_of``)."""
+
+    def decode(raw: bytes) -> Decoded:
+        calls, errors = tool_calls_of(raw, encoding, run_id_from, max_event_bytes)
+        return Decoded([call.telemetry() for call in calls], errors, "tool span")
+
+    return decode
+
+
 def _decode(raw: bytes, encoding: Encoding) -> TracesData:
     """The record as TracesData (the collector's ``ptrace`` marshalers write exactly that message)."""
     if encoding == "otlp_proto":
@@ -273,7 +286,7 @@ def _decode(raw: bytes, encoding: Encoding) -> TracesData:
     try:
         document = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise InvalidEvent("", f"not JSON: {exc}") from exc
+        raise NotJSON(str(exc)) from exc
     try:
         if type(document) is not dict:
             raise TypeError(f"a TracesData object was expected, got {type(document).__name__}")

@@ -1,70 +1,51 @@
-"""The Faust app: telemetry in, decisions out, per-run state in a RocksDB table with a changelog.
+"""The Faust app's wiring: configuration, topics (made once), the runs table, the agents and the timer.
 
-One agent (concurrency 1, faust #606) takes telemetry in batches (``take_events``, which acks a batch
-only after it was processed), admits each partition's messages in offset order with none left out
-(``delivery``: faust can drop or skip messages around rebalances and recoveries; only processed offsets
-are committed) and hands them to ``BatchProcessor``, which:
+Telemetry in, decisions out, per-run state in a RocksDB table with a changelog. Where each part lives:
 
-1. decodes every message; bad ones go to the DLQ with the reason in a header, wrongly keyed ones are
-   re-published keyed by run id; an operator command (``loopwarden halt|resume``) is applied only if
-   signed by one of the operator keys and recent (else DLQ), in order with the run's calls;
-2. folds each run's events through the core, reading and writing the run's table value once per batch
-   (one changelog message per run per batch instead of one per event), straight to the table's
-   RocksDB partitions and changelog (``state.RunStore``: Faust's Table API costs 2x the throughput);
-3. publishes the decisions, signed with the worker's Ed25519 key (CloudEvents on the control topic;
-   halts and operator decisions also on the alerts topic), and waits for the broker to acknowledge
-   them *before* writing the new state, so a crash can duplicate a
-   decision (same id, deduplicated by runtimes) but never lose one;
-4. skips messages at or below the offset stored with the run: Faust re-delivers everything after the
-   last commit, and re-applying an event must not change state or decisions.
+- ``batch``: the batch algorithm, a pure function (decode, dead letters, re-keys, the detector fold
+  with the per-run offset guard, new stored records);
+- ``effects``: the I/O around it (stored runs in; DLQ, re-keys, signed decisions awaited *before* the
+  state write; the expiry sweep);
+- ``delivery``: every input message processed once, in offset order, before its offset is committed
+  (faust's consumer left alone drops and skips messages around rebalances and recoveries);
+- ``store``: the table's RocksDB partitions and changelog, written a batch at a time;
+- ``relay``: foreign sources (``LOOPWARDEN_OTLP_TOPIC``) re-published as telemetry keyed by run id.
 
-Windows live in the core's event-time state, not in Faust windowed tables (their expiry uses the wall
-clock and never fires after recovery).
+One detection agent (concurrency 1, faust #606) takes telemetry in batches (``take_events`` acks a batch
+only after it was processed). Windows live in the core's event-time state, not in Faust windowed tables
+(their expiry uses the wall clock and never fires after recovery).
 
-With ``LOOPWARDEN_OTLP_TOPIC`` set, a second agent (``OtlpRelay``) reads the OpenTelemetry Collector's
-trace records. Those are keyed by trace id, but state is partitioned by run id, so the relay does not
-fold them: it re-publishes each tool span as native telemetry keyed by run id (``stream_app.otlp``)
-and lets a batch's offsets be committed only once the broker has acknowledged what it published. The
-detection agent then sees them like any runtime's telemetry: same order, dedupe (event id = trace id +
-span id), recovery and decisions, and the native hot path is untouched.
+A stored record this release cannot read (a newer format, or damage) stops the worker with the reason
+and the operator action (``FatalStop``): folding on a state it cannot read would make wrong decisions.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
+import os
+import signal
 from collections.abc import Awaitable, Callable, Sequence
 
 import faust
-import orjson
 from faust.types import EventT, StreamT
 
-from ..core import (
-    Decision,
-    Detector,
-    InvalidEvent,
-    OperatorCommand,
-    Policy,
-    TelemetryEvent,
-    decode_operator_command,
-    parse_event,
-)
-from ..signing import KeyRing, SignatureRejected, Signer
-from ..wire import KIND_HEADER, OPERATOR_KIND, Headers, encode_control, encode_telemetry, header
+from ..bus.signing import KeyRing, Signer
+from ..core import Detector, Policy
+from ..core.stored import StoredRecordError
+from ..sources import Decoded
 from . import delivery
-from .codecs import decode_run, encode_run
+from .batch import BatchFold
+from .effects import DeadLetters, Effects, Topics
 from .metrics import WorkerMetrics
+from .relay import SourceRelay
 from .settings import SettingsError, WorkerSettings
-from .state import Change, RunStore
+from .store import RunStore
 
 log = logging.getLogger(__name__)
 
 RUNS_TABLE = "runs"
+#: How often stored runs are checked for expiry (a timer, off the per-batch path).
 SWEEP_INTERVAL_S = 0.5
-#: Dead-lettered values are cut to this many bytes (header ``value_bytes``: the original size), below the
-#: producer's 1 MB request limit: the telemetry topic may allow larger messages than the DLQ does.
-DLQ_VALUE_LIMIT = 256 * 1024  # how often stored runs are checked for expiry (a timer, off the per-batch path)
 
 
 def configured_app(settings: WorkerSettings) -> faust.App:
@@ -92,18 +73,48 @@ def configured_app(settings: WorkerSettings) -> faust.App:
     )
 
 
+def raw_topic(app: faust.App, name: str, partitions: int | None = None) -> faust.TopicT:
+    """A topic of raw bytes keys and values (the worker encodes and decodes itself)."""
+    return app.topic(name, partitions=partitions, key_serializer="raw", value_serializer="raw")
+
+
 def telemetry_topic(app: faust.App, settings: WorkerSettings) -> faust.TopicT:
-    return app.topic(settings.telemetry_topic, partitions=settings.partitions,
-                     key_serializer="raw", value_serializer="raw")
+    return raw_topic(app, settings.telemetry_topic, settings.partitions)
+
+
+class FatalStop:
+    """Stops the worker for an error it must not work around, and remembers why (``run_worker`` exits
+    with it). The batch in hand is not marked processed, so its offsets stay uncommitted."""
+
+    def __init__(self) -> None:
+        self.reason: BaseException | None = None
+
+    async def guard(self, step: Awaitable[None]) -> None:
+        try:
+            await step
+        except StoredRecordError as exc:
+            if self.reason is None:
+                self.reason = exc
+                log.critical("stopping the worker: %s", exc)
+                # The way an operator stops it: faust's graceful shutdown, which commits processed
+                # offsets only (this batch is not marked processed).
+                os.kill(os.getpid(), signal.SIGTERM)
+            raise
 
 
 def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics, signer: Signer | None = None,
-               operator_keys: KeyRing | None = None) -> faust.App:
-    """A configured Faust app with its topics, the runs table and the detection agent. Decisions are
+               operator_keys: KeyRing | None = None, fatal: FatalStop | None = None) -> faust.App:
+    """A configured Faust app with its topics, the runs table, the agents and the sweep. Decisions are
     signed with ``signer`` (None: unsigned, development only); operator commands are accepted from
     ``operator_keys`` only."""
+    fatal = fatal or FatalStop()
     app = configured_app(settings)
-    telemetry = telemetry_topic(app, settings)
+    topics = Topics(
+        telemetry=telemetry_topic(app, settings),
+        control=raw_topic(app, settings.control_topic),
+        alerts=raw_topic(app, settings.alerts_topic),
+        dlq=raw_topic(app, settings.dlq_topic),
+    )
     runs = app.Table(
         RUNS_TABLE,
         default=None,
@@ -117,7 +128,13 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
             "max_open_files": settings.rocksdb_max_open_files,
         },
     )
-    processor = BatchProcessor(app, telemetry, runs, Detector(policy), settings, metrics, signer, operator_keys)
+    fold = BatchFold(Detector(policy), operator_keys=operator_keys,
+                     operator_max_age_ms=int(settings.operator_max_age_s * 1000),
+                     max_event_bytes=settings.max_event_bytes, write_version=settings.state_write_version)
+    dead_letters = DeadLetters(topics.dlq, metrics)
+    effects = Effects(app, topics, RunStore(app, runs, settings.changelog_topic), fold, metrics, dead_letters,
+                      signer, settings.event_source, settings.evict_scan_per_sweep)
+
     # Offsets are committed only for processed messages, in sequence (see delivery's docstring).
     inputs = [settings.telemetry_topic] + ([settings.otlp_topic] if settings.otlp_topic else [])
     processed = delivery.install(app, inputs, metrics.refetched.labels(reason="skipped").inc)
@@ -130,254 +147,31 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
     if settings.evict_scan_per_sweep:
 
         async def expire_silent_runs() -> None:
-            await processor.sweep()
+            await fatal.guard(effects.sweep())
 
         app.timer(SWEEP_INTERVAL_S)(expire_silent_runs)
 
-    async def in_order(stream: StreamT, handle: Callable[[list[EventT]], Awaitable[None]]) -> None:
-        """Hand ``stream``'s batches to ``handle``, each partition in offset order, and mark what it
-        finished as processed (only that gets committed)."""
-        async for batch in stream.take_events(settings.batch_max, within=settings.batch_within_s):
-            events = await sequencer.admit(batch)
-            if events:
-                await handle(events)
-                processed.mark_processed(events)
+    def agent(name: str, topic: faust.TopicT, handle: Callable[[Sequence[EventT]], Awaitable[None]]) -> None:
+        async def consume(stream: StreamT) -> None:
+            async def guarded(events: Sequence[EventT]) -> None:
+                await fatal.guard(handle(events))
 
-    @app.agent(telemetry, concurrency=1, name="loopwarden.detect")
-    async def detect(stream: StreamT) -> None:
-        await in_order(stream, processor.process)
+            await delivery.in_order(stream, sequencer, processed, guarded, settings.batch_max,
+                                    settings.batch_within_s)
 
+        app.agent(topic, concurrency=1, name=name)(consume)
+
+    agent("loopwarden.detect", topics.telemetry, effects.process)
     if settings.otlp_topic:
-        relay = OtlpRelay(telemetry, settings, processor.dead_letter)
-        spans = app.topic(settings.otlp_topic, key_serializer="raw", value_serializer="raw")
-
-        @app.agent(spans, concurrency=1, name="loopwarden.otlp")
-        async def relay_tool_spans(stream: StreamT) -> None:
-            await in_order(stream, relay.relay)
-
+        relay = SourceRelay(topics.telemetry, _otlp_decoder(settings), dead_letters)
+        agent("loopwarden.otlp", raw_topic(app, settings.otlp_topic), relay.relay)
     return app
 
 
-class BatchProcessor:
-    """Applies one batch of telemetry messages; see the module docstring for the order of things."""
-
-    def __init__(self, app: faust.App, telemetry: faust.TopicT, runs: faust.Table, detector: Detector,
-                 settings: WorkerSettings, metrics: WorkerMetrics, signer: Signer | None,
-                 operator_keys: KeyRing | None) -> None:
-        self.app = app
-        self.signer = signer
-        self.operator_keys = operator_keys
-        self.telemetry = telemetry
-        self.store = RunStore(app, runs, settings.changelog_topic)
-        self.detector = detector
-        self.settings = settings
-        self.metrics = metrics
-        self.control = app.topic(settings.control_topic, key_serializer="raw", value_serializer="raw")
-        self.alerts = app.topic(settings.alerts_topic, key_serializer="raw", value_serializer="raw")
-        self.dlq = app.topic(settings.dlq_topic, key_serializer="raw", value_serializer="raw")
-        self._events_by_outcome = {o: metrics.events.labels(outcome=o) for o in ("success", "error", "empty", "noop")}
-        self._run_ttl_ms = detector.policy.defaults.run_ttl_ms
-        self._watermark_ms: dict[int, int] = {}
-        self._sweep_from: dict[int, bytes] = {}
-        #: A batch and a sweep both read, then write stored runs, awaiting in between: one at a time.
-        self._state_lock = asyncio.Lock()
-
-    async def process(self, batch: Sequence[EventT]) -> None:
-        async with self._state_lock:
-            await self._process(batch)
-
-    async def _process(self, batch: Sequence[EventT]) -> None:
-        self.metrics.batch_size.observe(len(batch))
-        by_run: dict[tuple[int, bytes], list[tuple[int, TelemetryEvent | OperatorCommand]]] = {}
-        last_of_partition: dict[int, EventT] = {}
-        for event in batch:
-            message = event.message
-            last_of_partition[message.partition] = event
-            if message.headers and header(message.headers, KIND_HEADER) == OPERATOR_KIND:
-                item: TelemetryEvent | OperatorCommand | None = await self._operator_command(event)
-            else:
-                item = await self._decode(event)
-            if item is None:
-                continue
-            key = item.run_id.encode()
-            if message.key != key:
-                self.metrics.rekeyed.inc()
-                await self.telemetry.send(key=key, value=event.value, headers=list(message.headers or ()))
-                continue
-            by_run.setdefault((message.partition, key), []).append((message.offset, item))
-            watermarks = self._watermark_ms
-            if item.ts_ms > watermarks.get(message.partition, 0):
-                watermarks[message.partition] = item.ts_ms
-
-        decisions: list[Decision] = []
-        changes: dict[int, list[Change]] = {}
-        for (partition, key), items in by_run.items():
-            stored = decode_run(self.store.get(partition, key))
-            applied = False
-            for offset, item in items:
-                if offset <= stored.offset:
-                    self.metrics.duplicates.inc()
-                    continue
-                if isinstance(item, OperatorCommand):
-                    evaluation = self.detector.operate(stored.state, item)
-                else:
-                    evaluation = self.detector.evaluate(stored.state, item)
-                    if not evaluation.duplicate:
-                        self._events_by_outcome[item.outcome].inc()
-                stored.offset = offset
-                applied = True
-                if evaluation.duplicate:
-                    self.metrics.duplicates.inc()
-                decisions.extend(evaluation.decisions)
-            if applied:
-                changes.setdefault(partition, []).append((key, encode_run(stored)))
-
-        if decisions:
-            await self._publish(decisions)
-        await self.store.write(changes)
-        for event in last_of_partition.values():
-            self._report_lag(event)
-
-    async def sweep(self) -> None:
-        """Expire silent runs in every assigned partition (called on a timer, off the per-batch path):
-        a few stored runs per partition per sweep, resuming where the last sweep stopped."""
-        async with self._state_lock:
-            await self._sweep()
-
-    async def _sweep(self) -> None:
-        topic = self.telemetry.get_topic_name()
-        assigned = {tp.partition for tp in self.app.consumer.assignment() if tp.topic == topic}
-        expired: dict[int, list[Change]] = {}
-        for partition in assigned & self._watermark_ms.keys():
-            horizon = self._watermark_ms[partition] - self._run_ttl_ms
-            found, self._sweep_from[partition] = self.store.scan(
-                partition, self._sweep_from.get(partition, b""), self.settings.evict_scan_per_sweep)
-            stale = [(key, None) for key, value in found if orjson.loads(value)["last_ts_ms"] < horizon]
-            if stale:
-                expired[partition] = stale
-        if expired:
-            await self.store.write(expired)
-            self.metrics.evictions.inc(sum(map(len, expired.values())))
-        self.metrics.runs_tracked.set(self.store.estimated_keys())
-
-    async def _decode(self, event: EventT) -> TelemetryEvent | None:
-        """The telemetry event, or None after dead-lettering a bad message."""
-        raw = event.value
-        try:
-            if not isinstance(raw, bytes | bytearray):
-                raise InvalidEvent("", "message has no value")
-            return parse_event(raw, self.settings.max_event_bytes)
-        except InvalidEvent as exc:
-            await self.dead_letter(event, exc)
-            return None
-
-    async def _operator_command(self, event: EventT) -> OperatorCommand | None:
-        """The operator command, or None after dead-lettering one that is unsigned, signed by an unknown
-        key, tampered with, malformed or too old (a replay)."""
-        raw = event.value
-        try:
-            if not isinstance(raw, bytes | bytearray):
-                raise InvalidEvent("", "message has no value")
-            if self.operator_keys is None:
-                raise InvalidEvent("signature", "operator commands are disabled: LOOPWARDEN_OPERATOR_KEYS is empty")
-            try:
-                key_id = self.operator_keys.verify(bytes(raw), event.message.headers)
-            except SignatureRejected as exc:
-                raise InvalidEvent("signature", f"operator command refused ({exc.reason}): {exc}") from exc
-            command = decode_operator_command(bytes(raw), key_id)
-            age_s = time.time() - command.ts_ms / 1000
-            if age_s > self.settings.operator_max_age_s:
-                raise InvalidEvent("ts_ms", f"operator command is {age_s:.0f} s old, over "
-                                            "LOOPWARDEN_OPERATOR_MAX_AGE_S: refused as a replay")
-            return command
-        except InvalidEvent as exc:
-            await self.dead_letter(event, exc)
-            return None
-
-    async def dead_letter(self, event: EventT, error: InvalidEvent) -> None:
-        """Send a rejected message to the DLQ with the reason in its headers, and count it."""
-        message = event.message
-        reason = error.field or ("json" if str(error).startswith("not JSON") else "payload")
-        self.metrics.dlq.labels(reason=reason).inc()
-        log.info("dead-lettered %s[%d]@%d: %s", message.topic, message.partition, message.offset, error)
-        headers: Headers = [
-            ("error", str(error)[:1024].encode()),
-            ("error_field", error.field.encode()),
-            ("source_topic", message.topic.encode()),
-            ("source_partition", str(message.partition).encode()),
-            ("source_offset", str(message.offset).encode()),
-        ]
-        value = bytes(event.value) if isinstance(event.value, bytes | bytearray) else b""
-        if len(value) > DLQ_VALUE_LIMIT:  # a multi-megabyte payload must not fail the DLQ send too
-            headers.append(("value_bytes", str(len(value)).encode()))
-            value = value[:DLQ_VALUE_LIMIT]
-        await self.dlq.send(key=message.key, value=value, headers=headers)
-
-    async def _publish(self, decisions: list[Decision]) -> None:
-        """Send decisions and wait until the broker has them all."""
-        pending = []
-        source = self.settings.event_source
-        for decision in decisions:
-            key, value, headers = encode_control(decision, source)
-            if self.signer is not None:
-                headers.extend(self.signer.headers(value))
-            pending.append(await self.control.send(key=key, value=value, headers=headers))
-            if decision.action == "halt" or decision.verdict in ("operator_halt", "operator_resume"):
-                pending.append(await self.alerts.send(key=key, value=value, headers=headers))
-        await asyncio.gather(*pending)
-        now = time.time()
-        for decision in decisions:
-            self.metrics.decisions.labels(action=decision.action, verdict=decision.verdict).inc()
-            self.metrics.decision_latency.observe(max(0.0, now - decision.ts_ms / 1000))
-
-    def _report_lag(self, event: EventT) -> None:
-        message = event.message
-        highwater = self.app.consumer.highwater(message.tp)
-        if highwater is not None:
-            self.metrics.consumer_lag.labels(partition=str(message.partition)).set(
-                max(0, highwater - message.offset - 1))
-
-
-class OtlpRelay:
-    """OTLP trace records in (``LOOPWARDEN_OTLP_TOPIC``), native telemetry out: see the module docstring.
-
-    A record that is not OTLP goes to the DLQ. A record with some invalid tool spans has its valid ones
-    relayed and is then dead-lettered once, with the first reason (redriving it re-relays the valid
-    spans, which the detector counts once by event id).
-    """
-
-    def __init__(self, telemetry: faust.TopicT, settings: WorkerSettings,
-                 dead_letter: Callable[[EventT, InvalidEvent], Awaitable[None]]) -> None:
-        try:
-            from ..otlp import tool_calls_of
-        except ImportError as exc:
-            raise SettingsError("LOOPWARDEN_OTLP_TOPIC is set but the OTLP decoder is not installed. Operator "
-                                "action: pip install 'loopwarden[worker]' (it includes opentelemetry-proto)") from exc
-        self._tool_calls_of = tool_calls_of
-        self.telemetry = telemetry
-        self.settings = settings
-        self.dead_letter = dead_letter
-
-    async def relay(self, batch: Sequence[EventT]) -> None:
-        """Publish every tool span of the batch as telemetry and wait for the broker's acknowledgements
-        (the agent acknowledges the batch, so its offsets get committed, only after this returns)."""
-        settings = self.settings
-        pending = []
-        for event in batch:
-            raw = event.value
-            try:
-                if not isinstance(raw, bytes | bytearray):
-                    raise InvalidEvent("", "message has no value")
-                calls, errors = self._tool_calls_of(bytes(raw), settings.otlp_encoding, settings.otlp_run_id,
-                                                    settings.max_event_bytes)
-            except InvalidEvent as exc:
-                await self.dead_letter(event, exc)
-                continue
-            for call in calls:
-                key, value = encode_telemetry(call.telemetry())
-                pending.append(await self.telemetry.send(key=key, value=value))
-            if errors:
-                first = errors[0]
-                more = f" (and {len(errors) - 1} more tool spans)" if len(errors) > 1 else ""
-                await self.dead_letter(event, InvalidEvent(first.field, f"tool span rejected: {first.reason}{more}"))
-        await asyncio.gather(*pending)
+def _otlp_decoder(settings: WorkerSettings) -> Callable[[bytes], Decoded]:
+    try:
+        from ..sources import otlp
+    except ImportError as exc:
+        raise SettingsError("LOOPWARDEN_OTLP_TOPIC is set but the OTLP decoder is not installed. Operator "
+                            "action: pip install 'loopwarden[worker]' (it includes opentelemetry-proto)") from exc
+    return otlp.decoder(settings.otlp_encoding, settings.otlp_run_id, settings.max_event_bytes)

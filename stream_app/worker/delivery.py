@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from weakref import WeakSet
@@ -36,7 +36,7 @@ from weakref import WeakSet
 import faust
 from aiokafka.errors import IllegalStateError
 from faust.transport.drivers.aiokafka import Consumer
-from faust.types import TP, EventT, Message
+from faust.types import TP, EventT, Message, StreamT
 from faust.types.tuples import ack_lock
 from mode.utils.futures import notify
 
@@ -170,3 +170,14 @@ class Sequencer:
         del self._repairs[tp]
         await self.app.consumer.confirm_gap(tp, expected, offset - 1)  # type: ignore[attr-defined]
         return True
+
+
+async def in_order(stream: StreamT, sequencer: Sequencer, processed: ProcessedMessages,
+                   handle: Callable[[list[EventT]], Awaitable[None]], batch_max: int, within_s: float) -> None:
+    """Hand ``stream``'s batches to ``handle``, each partition in offset order, and mark what it finished
+    as processed (only that gets committed): the body of every agent of the worker."""
+    async for batch in stream.take_events(batch_max, within=within_s):
+        events = await sequencer.admit(batch)
+        if events:
+            await handle(events)
+            processed.mark_processed(events)

@@ -13,8 +13,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
 from prometheus_client import start_http_server
 
-from ..policy_file import load_policy
-from ..signing import KeyRing, Signer
+from ..bus.policy_file import load_policy
+from ..bus.signing import KeyRing, Signer
 from .metrics import WorkerMetrics
 from .settings import WorkerSettings
 
@@ -79,7 +79,7 @@ async def _wait_for_partitions(admin: AIOKafkaAdminClient, settings: WorkerSetti
 
 def run_worker(settings: WorkerSettings) -> int:
     """Run one worker in this process until SIGINT/SIGTERM; returns the exit status."""
-    from .app import create_app
+    from .app import FatalStop, create_app
 
     level = settings.log_level.upper()
     logging.basicConfig(level=level, format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s",'
@@ -102,10 +102,18 @@ def run_worker(settings: WorkerSettings) -> int:
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=metrics.registry)
     settings.state_dir.mkdir(parents=True, exist_ok=True)
-    app = create_app(settings, policy, metrics, signer, operator_keys)
-
-    serve(app, level, on_ready=lambda: metrics.ready.set(1))
-    return 0
+    fatal = FatalStop()
+    app = create_app(settings, policy, metrics, signer, operator_keys, fatal)
+    try:
+        serve(app, level, on_ready=lambda: metrics.ready.set(1))
+    except SystemExit as exc:  # mode's worker always leaves this way
+        status = exc.code if isinstance(exc.code, int) else 1
+    else:
+        status = 0
+    if fatal.reason is not None:
+        print(f"loopwarden worker: stopped: {fatal.reason}", file=sys.stderr)
+        return 3
+    return status
 
 
 def serve(app: Any, level: str, on_ready: Callable[[], None]) -> None:

@@ -1,26 +1,24 @@
 """Worker settings, read once from the environment at start-up and validated there.
 
-Nothing else in the worker reads ``os.environ``. Each field names its variable and default; the
-README's table is generated from the same list.
+Nothing else in the worker reads ``os.environ``. ``SETTINGS`` names each field's variable, default and
+meaning; the README's table and every harness that starts a worker (``SETTINGS.env(...)``) follow it.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from ..client.kafka_config import KafkaClientConfig
+from ..bus.kafka import KafkaClientConfig
+from ..bus.settings import SettingsError, SettingsTable
+from ..core.stored import FORMAT_VERSION
 
+__all__ = ["SETTINGS", "SettingsError", "WorkerSettings"]
 
-class SettingsError(ValueError):
-    """An environment variable has a value the worker cannot use. Operator action: fix that variable."""
-
-
-# (field, env var, default, meaning) -- the single source of the worker's configuration.
-SETTINGS: tuple[tuple[str, str, str, str], ...] = (
+#: The single source of the worker's configuration.
+SETTINGS = SettingsTable((
     ("app_id", "LOOPWARDEN_APP_ID", "loopwarden", "consumer group and changelog prefix; workers sharing it split the partitions"),
     ("telemetry_topic", "LOOPWARDEN_TELEMETRY_TOPIC", "agent.telemetry", "input: telemetry v1, keyed by run id"),
     ("control_topic", "LOOPWARDEN_CONTROL_TOPIC", "agent.control", "output: halt/suppress/alert decisions (CloudEvents)"),
@@ -47,13 +45,14 @@ SETTINGS: tuple[tuple[str, str, str, str], ...] = (
     ("rocksdb_write_buffer_mb", "LOOPWARDEN_ROCKSDB_WRITE_BUFFER_MB", "16", "RocksDB write buffer per table partition, MiB"),
     ("rocksdb_max_open_files", "LOOPWARDEN_ROCKSDB_MAX_OPEN_FILES", "256", "RocksDB open files per table partition"),
     ("evict_scan_per_sweep", "LOOPWARDEN_EVICT_SCAN_PER_SWEEP", "256", "stored runs checked for expiry per partition per sweep (every 0.5 s)"),
+    ("state_write_version", "LOOPWARDEN_STATE_WRITE_VERSION", str(FORMAT_VERSION), f"format version of the stored run records this worker writes (0 to {FORMAT_VERSION}; it reads all of them): in a rolling upgrade, keep the old version until every worker runs the new release"),
     ("signing_key", "LOOPWARDEN_SIGNING_KEY", "", "Ed25519 private key (PEM file) that signs every control message; required unless LOOPWARDEN_ALLOW_UNSIGNED=true"),
     ("allow_unsigned", "LOOPWARDEN_ALLOW_UNSIGNED", "false", "publish control messages unsigned (development only: runtimes that verify refuse them)"),
     ("operator_keys", "LOOPWARDEN_OPERATOR_KEYS", "", "operators' Ed25519 public keys (PEM files or directories, comma-separated) whose `loopwarden halt/resume` commands are applied; empty: operator commands go to the DLQ"),
     ("operator_max_age_s", "LOOPWARDEN_OPERATOR_MAX_AGE_S", "900", "operator commands older than this (by their ts_ms) go to the DLQ as replays"),
     ("event_source", "LOOPWARDEN_EVENT_SOURCE", "", "CloudEvents source of decisions; empty means /loopwarden/<app_id>"),
     ("log_level", "LOOPWARDEN_LOG_LEVEL", "warning", "worker log level"),
-)
+))
 
 
 @dataclass(frozen=True)
@@ -85,6 +84,7 @@ class WorkerSettings:
     rocksdb_write_buffer_mb: int
     rocksdb_max_open_files: int
     evict_scan_per_sweep: int
+    state_write_version: int
     signing_key: Path | None
     allow_unsigned: bool
     operator_keys: str
@@ -100,34 +100,16 @@ class WorkerSettings:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerSettings:
         """Build and validate the settings; raise SettingsError naming the variable at fault."""
         env = os.environ if environ is None else environ
-        types = {f.name: f.type for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for name, var, default, _ in SETTINGS:
-            raw = env.get(var, default).strip()
-            kind = types[name]
-            try:
-                if kind == "int":
-                    values[name] = int(raw)
-                elif kind == "float":
-                    values[name] = float(raw)
-                elif kind == "bool":
-                    if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                        raise ValueError(raw)
-                    values[name] = raw.lower() in ("true", "1", "yes")
-                elif kind == "Path":
-                    values[name] = Path(raw)
-                elif kind == "Path | None":
-                    values[name] = Path(raw) if raw else None
-                else:
-                    values[name] = raw
-            except ValueError as exc:
-                raise SettingsError(f"{var}={raw!r}: expected {kind}") from exc
+        values = SETTINGS.read(cls, env)
         for name in ("partitions", "replication_factor", "batch_max", "max_event_bytes"):
             if values[name] < 1:
                 raise SettingsError(f"{_var(name)} must be >= 1, got {values[name]}")
         for name in ("batch_within_s", "commit_interval_s", "session_timeout_s", "heartbeat_s", "operator_max_age_s"):
             if values[name] <= 0:
                 raise SettingsError(f"{_var(name)} must be > 0, got {values[name]}")
+        if not 0 <= values["state_write_version"] <= FORMAT_VERSION:
+            raise SettingsError(f"LOOPWARDEN_STATE_WRITE_VERSION={values['state_write_version']}: this release writes "
+                                f"stored run records of format version 0 to {FORMAT_VERSION}")
         if values["heartbeat_s"] * 3 > values["session_timeout_s"]:
             raise SettingsError("LOOPWARDEN_HEARTBEAT_S must be at most a third of LOOPWARDEN_SESSION_TIMEOUT_S")
         if values["signing_key"] is None and not values["allow_unsigned"]:
@@ -147,5 +129,4 @@ class WorkerSettings:
         return cls(kafka=KafkaClientConfig.from_env(env), **values)
 
 
-def _var(name: str) -> str:
-    return next(var for field_name, var, _, _ in SETTINGS if field_name == name)
+_var = SETTINGS.var

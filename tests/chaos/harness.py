@@ -23,12 +23,12 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
+from stream_app.bus.wire import encode_telemetry, header
 from stream_app.client import KafkaClientConfig
 from stream_app.client.listener import HaltListener
 from stream_app.client.publisher import TelemetryPublisher
 from stream_app.core import Detector, Policy, RunTable, decode_event
-from stream_app.fleet_sim import simulate_fleet
-from stream_app.wire import encode_telemetry, header
+from stream_app.devtools.fleet_sim import simulate_fleet
 
 from ..integration.workers import Fleet, WorkerProcess, consume
 
@@ -275,7 +275,7 @@ def _median(values: list[float]) -> float:
 
 def _sample(worker: WorkerProcess, fleet: Fleet, t_s: float, runs: int) -> dict[str, float]:
     metrics = worker.metrics()
-    state = sum(f.stat().st_size for f in fleet.workdir.rglob("*") if f.is_file() and "state" in str(f))
+    state = sum(f.stat().st_size for f in fleet.root.rglob("*") if f.is_file() and "state" in str(f))
     return {
         "t_s": round(t_s, 1), "runs": runs, "rss_mb": _rss_mb(worker),
         "runs_tracked": metrics.get("loopwarden_runs_tracked", 0.0),

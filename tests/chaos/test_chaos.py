@@ -116,9 +116,8 @@ def test_soak(kafka_bootstrap: str, tmp_path: Path) -> None:
     policy.write_text("defaults:\n  run_ttl_ms: 30000\n")
     # RocksDB's caches and write buffers fill up to their configured size whatever the runs do: smaller
     # ones fill within the first minutes, so growth after that is the worker's own.
-    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4, extra_env={
-        "LOOPWARDEN_POLICY": str(policy), "LOOPWARDEN_ROCKSDB_BLOCK_CACHE_MB": str(SOAK_ROCKSDB_MB),
-        "LOOPWARDEN_ROCKSDB_WRITE_BUFFER_MB": str(SOAK_ROCKSDB_MB)})
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4, settings={
+        "policy_path": policy, "rocksdb_block_cache_mb": SOAK_ROCKSDB_MB, "rocksdb_write_buffer_mb": SOAK_ROCKSDB_MB})
     worker = fleet.start_worker(0)
     try:
         result = asyncio.run(harness.soak(fleet, worker, minutes, runs, seed=5, progress=print))

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import yaml
 
-from stream_app.notify import NOTIFY_SETTINGS
-from stream_app.policy_file import load_policy
-from stream_app.signing import KeyRing, Signer
+from stream_app.bus.policy_file import load_policy
+from stream_app.bus.signing import KeyRing, Signer
+from stream_app.commands.notify import NOTIFY_SETTINGS
 from stream_app.worker.settings import SETTINGS, WorkerSettings
 from tests.conftest import kafka_local
 
@@ -77,7 +77,7 @@ def test_no_obsolete_version_key() -> None:
 
 
 def test_kafka_is_the_official_image_at_the_local_scripts_version() -> None:
-    """The broker and the topic job run apache/kafka at the version scripts/kafka_local.py runs for tests."""
+    """The broker and the topic job run apache/kafka at the version scripts/kafka_local runs for tests."""
     image = f"apache/kafka:{kafka_local.DEFAULT_VERSION}"
     assert services()["kafka"]["image"] == image and services()["kafka-init"]["image"] == image
 
@@ -326,6 +326,6 @@ def test_the_docker_build_context_builds_the_package(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     (wheel,) = (tmp_path / "dist").glob("loopwarden-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"stream_app/worker/main.py", "stream_app/notify.py", "stream_app/_schemas/control.v1.json"} <= names
+    assert {"stream_app/worker/main.py", "stream_app/commands/notify.py", "stream_app/_schemas/control.v1.json"} <= names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "loopwarden = stream_app.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from stream_app.policy_file import load_policy
+from stream_app.bus.policy_file import load_policy
 from stream_app.worker.settings import SETTINGS, WorkerSettings
 
 from .tools import REPO, metric_names, run, tool, worker_series

@@ -25,7 +25,7 @@ def test_demo_halts_every_runaway_and_nothing_else(kafka_bootstrap: str, tmp_pat
     assert result.returncode == 0, result.stdout + result.stderr
     table = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line[:1].isalpha()}
     for scenario, verdict in [("runaway", "recursion"), ("mutating_loop", "semantic_loop"),
-                              ("edit_cycle", "cycle"), ("duplicate_email", "circuit_open")]:
+                              ("cycle", "cycle"), ("duplicate_email", "circuit_open")]:
         assert verdict in table[scenario], table[scenario]
     assert "false halts: 0; runaways not stopped: 0" in result.stdout
     assert "runs 21" in result.stderr  # progress lines were shown

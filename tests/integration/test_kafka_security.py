@@ -25,14 +25,12 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaConnectionError, TopicAuthorizationFailedError, for_code
 from aiokafka.structs import TopicPartition
 
-# scripts/ is not a package: tests/conftest.py loads scripts/kafka_local.py under this name.
-from kafka_local import BrokerSecurity, LoopwardenAcls, TopicSpec, make_tls_files
-
+from scripts.kafka_local import BrokerSecurity, LoopwardenAcls, TopicSpec, make_tls_files
+from stream_app.bus.clock import wall_clock_ms
+from stream_app.bus.wire import encode_control, encode_telemetry
 from stream_app.client import Guard, KafkaClientConfig, RunHalted
-from stream_app.client.publisher import wall_clock_ms
+from stream_app.commands.notify import Notifier, NotifySettings
 from stream_app.core import Decision, decision_id
-from stream_app.notify import Notifier, NotifySettings
-from stream_app.wire import encode_control, encode_telemetry
 
 from ..conftest import SecureKafka
 from .workers import REPO, Fleet
@@ -60,7 +58,7 @@ def deployment(secure_kafka: SecureKafka, tmp_path_factory: pytest.TempPathFacto
     """One deployment on the secured broker: its topics created by the admin (each with one record, so
     that a read proves data flows), loopwarden's ACLs granted, the worker not started yet."""
     fleet = Fleet(secure_kafka.bootstrap, tmp_path_factory.mktemp("secure-fleet"), partitions=PARTITIONS,
-                  extra_env=secure_kafka.env("worker"))
+                  env=secure_kafka.env("worker"))
     acls = LoopwardenAcls(worker="worker", runtimes=["runtime-a"], notify=["notify"], operators=["operator"],
                           app_id=fleet.name, telemetry_topic=fleet.telemetry_topic, control_topic=fleet.control_topic,
                           alerts_topic=fleet.alerts_topic, dlq_topic=fleet.dlq_topic)

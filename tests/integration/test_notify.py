@@ -26,9 +26,8 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from stream_app.core import Decision, Detector, RunTable, decode_event
-from stream_app.fleet_sim import simulate_fleet
-from stream_app.notify import (
+from stream_app.bus.wire import encode_control
+from stream_app.commands.notify import (
     NOTIFY_SETTINGS,
     BadAlert,
     Notifier,
@@ -43,7 +42,8 @@ from stream_app.notify import (
     post_webhook,
     serve_metrics,
 )
-from stream_app.wire import encode_control
+from stream_app.core import Decision, Detector, RunTable, decode_event
+from stream_app.devtools.fleet_sim import simulate_fleet
 
 from .workers import REPO, free_port
 

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaProducer
 
+from stream_app.bus.signing import KeyRing, Signer, generate
+from stream_app.bus.wire import encode_operator
 from stream_app.core import OperatorCommand
-from stream_app.signing import KeyRing, Signer, generate
-from stream_app.wire import encode_operator
 
 from .workers import REPO, Fleet, consume, decisions_of, produce, run
 

@@ -11,17 +11,15 @@ from typing import Any
 import orjson
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
-
-# scripts/ is not a package: tests/conftest.py loads scripts/kafka_local.py under this name.
-from kafka_local import TopicSpec, create_topics
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Status, StatusCode
 
+from scripts.kafka_local import TopicSpec, create_topics
+from stream_app.bus.wire import header
 from stream_app.client import KafkaClientConfig, TelemetryBuilder, TelemetryPublisher
 from stream_app.core import Detector, RunTable, decode_event, semantic_hash
-from stream_app.fleet_sim import simulate_fleet
+from stream_app.devtools.fleet_sim import simulate_fleet
 from stream_app.integrations.otel import LoopwardenSpanProcessor
-from stream_app.wire import header
 from tests.otlp_payloads import ENCODINGS, Recorder, encode, hex_ids
 from tests.readme_examples import example
 
@@ -136,7 +134,7 @@ def otlp_run(request: pytest.FixtureRequest, kafka_bootstrap: str,
     encoding = request.param
     fleet = Fleet(kafka_bootstrap, tmp_path_factory.mktemp(encoding))
     otlp_topic = f"{fleet.name}.otlp_spans"
-    fleet.extra_env.update(LOOPWARDEN_OTLP_TOPIC=otlp_topic, LOOPWARDEN_OTLP_ENCODING=encoding)
+    fleet.settings.update(otlp_topic=otlp_topic, otlp_encoding=encoding)
     worker = fleet.start_worker()
     try:
         records, expected_stream = otlp_corpus(encoding)

@@ -23,9 +23,10 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewPartitions
 from aiokafka.structs import ConsumerRecord
 
-# scripts/ is not a package: tests/integration/conftest.py loads scripts/kafka_local.py under this name.
-from kafka_local import TopicSpec, create_topics
-
+from scripts.kafka_local import TopicSpec, create_topics
+from stream_app.bus.clock import wall_clock_ms
+from stream_app.bus.signing import KeyRing, Signer, generate
+from stream_app.bus.wire import Headers, encode_control
 from stream_app.client import (
     Guard,
     HaltListener,
@@ -35,7 +36,6 @@ from stream_app.client import (
     TelemetryBuilder,
     TelemetryPublisher,
 )
-from stream_app.client.publisher import wall_clock_ms
 from stream_app.core import (
     Action,
     Decision,
@@ -46,8 +46,6 @@ from stream_app.core import (
     decode_event,
     semantic_hash,
 )
-from stream_app.signing import KeyRing, Signer, generate
-from stream_app.wire import Headers, encode_control
 
 from .tools import Counted
 

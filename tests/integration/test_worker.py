@@ -11,10 +11,10 @@ from typing import Any
 import orjson
 import pytest
 
+from stream_app.bus.wire import header
 from stream_app.client import Guard, KafkaClientConfig, RunHalted
 from stream_app.core import Detector, RunTable, decode_event
-from stream_app.fleet_sim import simulate_fleet
-from stream_app.wire import header
+from stream_app.devtools.fleet_sim import simulate_fleet
 
 from .workers import Fleet, consume, decisions_of, produce, produce_raw, run
 
@@ -41,7 +41,7 @@ def corpus_run(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -
     """One worker fed a mixed corpus (with redeliveries), bad messages in the middle, and a wrongly keyed
     event; everything it wrote, collected."""
     fleet = Fleet(kafka_bootstrap, tmp_path_factory.mktemp("corpus"),
-                  extra_env={"LOOPWARDEN_MAX_EVENT_BYTES": "65536"})
+                  settings={"max_event_bytes": 65536})
     worker = fleet.start_worker()
     try:
         _, stream = simulate_fleet(150, seed=21)
@@ -194,7 +194,7 @@ def test_silent_runs_are_evicted_in_event_time(kafka_bootstrap: str, tmp_path: P
     and its next call starts a fresh streak."""
     policy = tmp_path / "policy.yaml"
     policy.write_text("defaults:\n  run_ttl_ms: 60000\n")
-    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=1, extra_env={"LOOPWARDEN_POLICY": str(policy)})
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=1, settings={"policy_path": policy})
     worker = fleet.start_worker()
     try:
         old = [_failing_call("run-old", n) for n in (1, 2, 3)]

@@ -10,7 +10,7 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from stream_app.core import Detector, InvalidEvent, RunTable, decode_event
-from stream_app.fleet_sim import simulate_fleet
+from stream_app.devtools.fleet_sim import simulate_fleet
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
 GOOD: dict[str, Any] = {"run_id": "r", "event_id": "e", "tool": "t", "ts_ms": 1, "outcome": "error",

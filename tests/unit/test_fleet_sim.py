@@ -4,7 +4,7 @@ no missed loops. This is the accuracy claim ``make run`` shows."""
 from __future__ import annotations
 
 from stream_app.core import Detector, RunTable, decode_event
-from stream_app.fleet_sim import simulate_fleet
+from stream_app.devtools.fleet_sim import simulate_fleet
 
 
 def test_every_run_gets_the_verdict_its_scenario_expects() -> None:

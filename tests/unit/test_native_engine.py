@@ -15,6 +15,7 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from stream_app.commands.replay import replay
 from stream_app.core import (
     DEFAULT_IGNORED_FIELDS,
     FieldFilter,
@@ -23,7 +24,6 @@ from stream_app.core import (
     parse_event,
     semantic_hash,
 )
-from stream_app.replay import replay
 
 REPO = Path(__file__).resolve().parents[2]
 

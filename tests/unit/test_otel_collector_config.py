@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from stream_app.otlp import ENCODINGS
+from stream_app.sources.otlp import ENCODINGS
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "otel-collector" / "config.yaml"
 

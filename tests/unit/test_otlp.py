@@ -1,4 +1,4 @@
-"""OpenTelemetry tool spans as telemetry: the mapping rules of ``stream_app.otlp`` on real SDK spans,
+"""OpenTelemetry tool spans as telemetry: the mapping rules of ``stream_app.sources.otlp`` on real SDK spans,
 encoded both ways the collector's kafka exporter writes them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from opentelemetry.trace import StatusCode
 
 from stream_app.core import InvalidEvent, decode_event
-from stream_app.otlp import ToolCall, tool_calls_of
+from stream_app.sources.otlp import ToolCall, tool_calls_of
 from stream_app.worker.settings import SettingsError, WorkerSettings
 from tests.otlp_payloads import ENCODINGS, Recorder, encode, hex_ids
 

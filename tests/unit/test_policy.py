@@ -13,16 +13,16 @@ def test_tool_overrides_agent_overrides_defaults() -> None:
         "agents": {"billing-*": {"retry_budget": 4, "iteration_ceiling": 80}},
         "tools": {"charge": {"retry_budget": 0}},
     })
-    assert policy.resolve(None, "search").settings.retry_budget == 2
-    assert policy.resolve("billing-1", "search").settings.retry_budget == 4
-    assert policy.resolve("billing-1", "charge").settings.retry_budget == 0
-    assert policy.resolve("billing-1", "charge").settings.iteration_ceiling == 80
+    assert policy.resolve(None, "search").thresholds.retry_budget == 2
+    assert policy.resolve("billing-1", "search").thresholds.retry_budget == 4
+    assert policy.resolve("billing-1", "charge").thresholds.retry_budget == 0
+    assert policy.resolve("billing-1", "charge").thresholds.iteration_ceiling == 80
 
 
 def test_exact_names_win_over_globs() -> None:
     policy = Policy.from_mapping({"tools": {"*": {"retry_budget": 1}, "search": {"retry_budget": 9}}})
-    assert policy.resolve(None, "search").settings.retry_budget == 9
-    assert policy.resolve(None, "other").settings.retry_budget == 1
+    assert policy.resolve(None, "search").thresholds.retry_budget == 9
+    assert policy.resolve(None, "other").thresholds.retry_budget == 1
 
 
 @pytest.mark.parametrize(

@@ -16,10 +16,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from stream_app.bus.wire import encode_telemetry
 from stream_app.client import FinishedCall, TelemetryBuilder
 from stream_app.client.publisher import DEFAULT_REDACTED_FIELDS
 from stream_app.core import Detector, FieldFilter, RunTable, decode_event, semantic_hash
-from stream_app.wire import encode_telemetry
 
 PASSWORD = "hunter2-correct-horse"
 SECRETS = FieldFilter(DEFAULT_REDACTED_FIELDS)

@@ -259,10 +259,10 @@ def test_decision_ids_are_stable_and_distinct() -> None:
 
 def test_state_round_trips_through_its_record(run: Run) -> None:
     """A state saved mid-streak and restored continues exactly: the 4th call still halts."""
-    from stream_app.core import RunState
+    from stream_app.core.stored import StoredRun, decode_run, encode_run
 
     run.feed_all([event(ts_ms=i, side_effect=True) for i in range(2)])
-    restored = RunState.from_record(run.state.to_record())
+    restored = decode_run(encode_run(StoredRun(run.state, 7))).state
     assert restored == run.state
     run.state = restored
     run.feed_all([event(ts_ms=2, side_effect=True), event(ts_ms=3, side_effect=True)])

@@ -9,10 +9,10 @@ import orjson
 import pytest
 from aiokafka.structs import ConsumerRecord
 
-from stream_app.client.kafka_config import KafkaClientConfig, KafkaConfigError
+from stream_app.bus.clock import wall_clock_ms
+from stream_app.bus.kafka import KafkaClientConfig, KafkaConfigError
+from stream_app.bus.signing import KeyFileError, KeyRing, SignatureRejected, Signer, generate
 from stream_app.client.listener import ControlBoard, HaltListener
-from stream_app.client.publisher import wall_clock_ms
-from stream_app.signing import KeyFileError, KeyRing, SignatureRejected, Signer, generate
 
 
 @pytest.fixture(scope="module")

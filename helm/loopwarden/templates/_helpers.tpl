@@ -70,7 +70,7 @@ app.kubernetes.io/part-of: loopwarden
 
 {{/*
 Settings that cannot work together fail the render, with the value to fix, instead of a worker that
-refuses to start (stream_app/client/kafka_config.py checks the same at run time).
+refuses to start (stream_app/bus/kafka.py checks the same at run time).
 */}}
 {{- define "loopwarden.validate" -}}
 {{- $protocol := .Values.kafka.securityProtocol }}

@@ -1,0 +1,192 @@
+"""The worker's batch algorithm, as one pure function: raw records and stored runs in, a result out.
+
+``BatchFold.fold(records, stored, now_ms)`` is everything the worker decides about one batch, with no
+Kafka, Faust or RocksDB in sight (this module imports none of them; a test checks), so it is tested
+in-process and a native implementation can replace it whole. The I/O around it (reading stored runs,
+publishing, writing state) is ``effects``; the consumer plumbing is ``delivery``.
+
+For each record, in batch order:
+
+1. an operator command (header ``lw_kind: operator``) is accepted only if signed by one of the operator
+   keys and younger than the maximum age at ``now_ms`` (else it is dead-lettered: ``signature``,
+   ``ts_ms``); anything else is decoded as telemetry v1 (a bad one is dead-lettered with its reason);
+2. a good record whose key is not its run id is re-keyed (the effects re-publish it keyed by run id,
+   where it is folded when it comes back) and not folded here;
+3. the rest is grouped by (partition, run) in offset order and folded through the core detector into
+   the run's stored state: a record at or below the offset stored with the run was folded before (the
+   input is re-delivered after a crash) and is skipped, as is an event id the run has seen.
+
+The result holds each changed run's new stored record (one per run per batch, in the format version
+the worker writes), the decisions in the order they were made, the dead letters and re-keys by record
+index, counts for the metrics, and ``facts``: room for what later folds keyed by something other than
+the run will need (none yet).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..bus.signing import SignatureRejected
+from ..bus.wire import KIND_HEADER, OPERATOR_KIND, header
+from ..core import (
+    Decision,
+    Detector,
+    InvalidEvent,
+    OperatorCommand,
+    TelemetryEvent,
+    decode_operator_command,
+    parse_event,
+)
+from ..core.stored import FORMAT_VERSION, decode_run, encode_run
+
+__all__ = ["BatchFold", "BatchResult", "DeadLetter", "RawRecord", "Rekey", "Verifier"]
+
+Headers = Sequence[tuple[str, bytes]]
+
+
+class Verifier(Protocol):
+    """Checks a value's signature headers; returns the signing key's id or raises SignatureRejected
+    (``bus.signing.KeyRing``)."""
+
+    def verify(self, value: bytes, headers: Any) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RawRecord:
+    """One input record as the consumer delivered it."""
+
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: Headers = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """Record ``index`` of the batch is refused; ``reason`` is its metric label and DLQ header."""
+
+    index: int
+    error: InvalidEvent
+
+    @property
+    def reason(self) -> str:
+        return self.error.field or self.error.kind
+
+
+@dataclass(frozen=True, slots=True)
+class Rekey:
+    """Record ``index`` of the batch belongs to run ``key``: publish it again keyed by that."""
+
+    index: int
+    key: bytes
+
+
+@dataclass(slots=True)
+class BatchResult:
+    #: New stored records by partition: (run key, encoded record), one per run the batch changed.
+    records: dict[int, list[tuple[bytes, bytes]]] = field(default_factory=dict)
+    decisions: list[Decision] = field(default_factory=list)
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+    rekeys: list[Rekey] = field(default_factory=list)
+    #: Telemetry events folded, by outcome class.
+    applied: Counter[str] = field(default_factory=Counter)
+    #: Records skipped as already folded (by offset or by event id).
+    duplicates: int = 0
+    #: The newest event time seen per partition (what run expiry goes by).
+    watermarks: dict[int, int] = field(default_factory=dict)
+    #: Facts for folds keyed by something other than the run (none yet).
+    facts: list[object] = field(default_factory=list)
+
+
+Item = TelemetryEvent | OperatorCommand
+
+
+class BatchFold:
+    """The configured batch function of one worker."""
+
+    def __init__(self, detector: Detector, *, operator_keys: Verifier | None = None,
+                 operator_max_age_ms: int = 900_000, max_event_bytes: int = 1 << 20,
+                 write_version: int = FORMAT_VERSION) -> None:
+        self.detector = detector
+        self.operator_keys = operator_keys
+        self.operator_max_age_ms = operator_max_age_ms
+        self.max_event_bytes = max_event_bytes
+        self.write_version = write_version
+
+    @staticmethod
+    def keys(records: Sequence[RawRecord]) -> set[tuple[int, bytes]]:
+        """The (partition, key) pairs whose stored records ``fold`` needs."""
+        return {(r.partition, r.key) for r in records if r.key is not None}
+
+    def fold(self, records: Sequence[RawRecord], stored: Mapping[tuple[int, bytes], bytes | None],
+             now_ms: int) -> BatchResult:
+        """Fold ``records`` into the stored runs (``stored``: every pair of ``keys(records)``, None for a
+        run not stored); ``now_ms`` judges operator commands' age. Raises ``StoredRecordError`` for a
+        stored record this release cannot read (the worker must stop, not guess)."""
+        result = BatchResult()
+        by_run: dict[tuple[int, bytes], list[tuple[int, Item]]] = {}
+        watermarks = result.watermarks
+        for index, record in enumerate(records):
+            try:
+                item = self._decode(record, now_ms)
+            except InvalidEvent as exc:
+                result.dead_letters.append(DeadLetter(index, exc))
+                continue
+            key = item.run_id.encode()
+            if record.key != key:
+                result.rekeys.append(Rekey(index, key))
+                continue
+            by_run.setdefault((record.partition, key), []).append((record.offset, item))
+            if item.ts_ms > watermarks.get(record.partition, 0):
+                watermarks[record.partition] = item.ts_ms
+
+        detector = self.detector
+        for (partition, key), items in by_run.items():
+            run = decode_run(stored[(partition, key)])
+            applied = False
+            for offset, item in items:
+                if offset <= run.offset:
+                    result.duplicates += 1
+                    continue
+                if isinstance(item, OperatorCommand):
+                    evaluation = detector.operate(run.state, item)
+                else:
+                    evaluation = detector.evaluate(run.state, item)
+                    if not evaluation.duplicate:
+                        result.applied[item.outcome] += 1
+                run.offset = offset
+                applied = True
+                if evaluation.duplicate:
+                    result.duplicates += 1
+                result.decisions.extend(evaluation.decisions)
+            if applied:
+                result.records.setdefault(partition, []).append((key, encode_run(run, self.write_version)))
+        return result
+
+    def _decode(self, record: RawRecord, now_ms: int) -> Item:
+        value = record.value
+        if value is None:
+            raise InvalidEvent("", "message has no value")
+        if record.headers and header(record.headers, KIND_HEADER) == OPERATOR_KIND:
+            return self._operator_command(value, record.headers, now_ms)
+        return parse_event(value, self.max_event_bytes)
+
+    def _operator_command(self, value: bytes, headers: Headers, now_ms: int) -> OperatorCommand:
+        """A command signed by an operator key and recent; else InvalidEvent (unsigned, unknown key,
+        tampered, malformed, or too old: a replay)."""
+        if self.operator_keys is None:
+            raise InvalidEvent("signature", "operator commands are disabled: LOOPWARDEN_OPERATOR_KEYS is empty")
+        try:
+            key_id = self.operator_keys.verify(value, headers)
+        except SignatureRejected as exc:
+            raise InvalidEvent("signature", f"operator command refused ({exc.reason}): {exc}") from exc
+        command = decode_operator_command(value, key_id)
+        age_ms = now_ms - command.ts_ms
+        if age_ms > self.operator_max_age_ms:
+            raise InvalidEvent("ts_ms", f"operator command is {age_ms / 1000:.0f} s old, over "
+                                        "LOOPWARDEN_OPERATOR_MAX_AGE_S: refused as a replay")
+        return command

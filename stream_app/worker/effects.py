@@ -1,0 +1,189 @@
+"""The I/O around the batch function: stored runs in, decisions, dead letters and state out; the sweep.
+
+For one batch (``Effects.process``), in this order:
+
+1. the stored records of the batch's runs are read from the runs table's RocksDB partitions;
+2. ``BatchFold.fold`` decides everything (``batch``);
+3. dead letters go to the DLQ with the reason in their headers, re-keyed records back to the telemetry
+   topic keyed by run id;
+4. decisions are signed with the worker's Ed25519 key and published (CloudEvents on the control topic;
+   halts and operator decisions also on the alerts topic), and the broker's acknowledgement of every
+   one is awaited *before* the new state is written, so a crash can duplicate a decision (same id,
+   deduplicated by runtimes) but never lose one;
+5. the runs' new records are written (``store.RunStore``: local RocksDB and the changelog).
+
+A batch and a sweep both read, then write stored runs, awaiting in between, so they take turns. The
+sweep (a timer, off the batch path) forgets runs silent for ``run_ttl_ms`` of event time, a few stored
+runs per partition per sweep, resuming where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from faust.types import EventT, TopicT
+
+from ..bus.clock import wall_clock_ms
+from ..bus.signing import Signer
+from ..bus.wire import Headers, encode_control
+from ..core import Decision, InvalidEvent
+from ..core.stored import last_ts_ms
+from .batch import BatchFold, RawRecord
+from .metrics import WorkerMetrics
+from .store import Change, RunStore
+
+log = logging.getLogger(__name__)
+
+#: Dead-lettered values are cut to this many bytes (header ``value_bytes``: the original size), below the
+#: producer's 1 MB request limit: the telemetry topic may allow larger messages than the DLQ does.
+DLQ_VALUE_LIMIT = 256 * 1024
+
+
+@dataclass(frozen=True)
+class Topics:
+    """The worker's topics, made once by the app."""
+
+    telemetry: TopicT
+    control: TopicT
+    alerts: TopicT
+    dlq: TopicT
+
+
+class DeadLetters:
+    """Sends rejected messages to the DLQ with the reason in their headers, and counts them."""
+
+    def __init__(self, dlq: TopicT, metrics: WorkerMetrics) -> None:
+        self.dlq = dlq
+        self.metrics = metrics
+
+    async def send(self, event: EventT, error: InvalidEvent) -> None:
+        message = event.message
+        self.metrics.dlq.labels(reason=error.field or error.kind).inc()
+        log.info("dead-lettered %s[%d]@%d: %s", message.topic, message.partition, message.offset, error)
+        headers: Headers = [
+            ("error", str(error)[:1024].encode()),
+            ("error_field", error.field.encode()),
+            ("source_topic", message.topic.encode()),
+            ("source_partition", str(message.partition).encode()),
+            ("source_offset", str(message.offset).encode()),
+        ]
+        value = bytes(event.value) if isinstance(event.value, bytes | bytearray) else b""
+        if len(value) > DLQ_VALUE_LIMIT:  # a multi-megabyte payload must not fail the DLQ send too
+            headers.append(("value_bytes", str(len(value)).encode()))
+            value = value[:DLQ_VALUE_LIMIT]
+        await self.dlq.send(key=message.key, value=value, headers=headers)
+
+
+class Effects:
+    """Runs the batch function between the consumer and the outputs (see the module docstring)."""
+
+    def __init__(self, app: object, topics: Topics, store: RunStore, fold: BatchFold, metrics: WorkerMetrics,
+                 dead_letters: DeadLetters, signer: Signer | None, event_source: str,
+                 evict_scan_per_sweep: int) -> None:
+        self.app = app
+        self.topics = topics
+        self.store = store
+        self.fold = fold
+        self.metrics = metrics
+        self.dead_letters = dead_letters
+        self.signer = signer
+        self.event_source = event_source
+        self.evict_scan_per_sweep = evict_scan_per_sweep
+        self._events_by_outcome = {o: metrics.events.labels(outcome=o) for o in ("success", "error", "empty", "noop")}
+        self._run_ttl_ms = fold.detector.policy.defaults.run_ttl_ms
+        self._watermark_ms: dict[int, int] = {}
+        self._sweep_from: dict[int, bytes] = {}
+        self._state_lock = asyncio.Lock()
+
+    async def process(self, batch: Sequence[EventT]) -> None:
+        async with self._state_lock:
+            await self._process(batch)
+
+    async def _process(self, batch: Sequence[EventT]) -> None:
+        metrics = self.metrics
+        metrics.batch_size.observe(len(batch))
+        records = [_raw(event) for event in batch]
+        store = self.store
+        stored = {(partition, key): store.get(partition, key) for partition, key in BatchFold.keys(records)}
+        result = self.fold.fold(records, stored, wall_clock_ms())
+
+        for dead in result.dead_letters:
+            await self.dead_letters.send(batch[dead.index], dead.error)
+        for rekey in result.rekeys:
+            metrics.rekeyed.inc()
+            event = batch[rekey.index]
+            await self.topics.telemetry.send(key=rekey.key, value=event.value,
+                                             headers=list(event.message.headers or ()))
+        for outcome, count in result.applied.items():
+            self._events_by_outcome[outcome].inc(count)
+        if result.duplicates:
+            metrics.duplicates.inc(result.duplicates)
+        watermarks = self._watermark_ms
+        for partition, ts_ms in result.watermarks.items():
+            if ts_ms > watermarks.get(partition, 0):
+                watermarks[partition] = ts_ms
+
+        if result.decisions:
+            await self._publish(result.decisions)
+        await store.write(result.records)
+        last_of_partition: dict[int, EventT] = {event.message.partition: event for event in batch}
+        for event in last_of_partition.values():
+            self._report_lag(event)
+
+    async def sweep(self) -> None:
+        """Expire silent runs in every assigned partition (on a timer, off the per-batch path)."""
+        async with self._state_lock:
+            await self._sweep()
+
+    async def _sweep(self) -> None:
+        topic = self.topics.telemetry.get_topic_name()
+        assigned = {tp.partition for tp in self.app.consumer.assignment() if tp.topic == topic}  # type: ignore[attr-defined]
+        expired: dict[int, list[Change]] = {}
+        for partition in assigned & self._watermark_ms.keys():
+            horizon = self._watermark_ms[partition] - self._run_ttl_ms
+            found, self._sweep_from[partition] = self.store.scan(
+                partition, self._sweep_from.get(partition, b""), self.evict_scan_per_sweep)
+            stale: list[Change] = [(key, None) for key, value in found if last_ts_ms(value) < horizon]
+            if stale:
+                expired[partition] = stale
+        if expired:
+            await self.store.write(expired)
+            self.metrics.evictions.inc(sum(map(len, expired.values())))
+        self.metrics.runs_tracked.set(self.store.estimated_keys())
+
+    async def _publish(self, decisions: list[Decision]) -> None:
+        """Send decisions and wait until the broker has them all."""
+        pending = []
+        control, alerts = self.topics.control, self.topics.alerts
+        for decision in decisions:
+            key, value, headers = encode_control(decision, self.event_source)
+            if self.signer is not None:
+                headers.extend(self.signer.headers(value))
+            pending.append(await control.send(key=key, value=value, headers=headers))
+            if decision.action == "halt" or decision.verdict in ("operator_halt", "operator_resume"):
+                pending.append(await alerts.send(key=key, value=value, headers=headers))
+        await asyncio.gather(*pending)
+        now = time.time()
+        for decision in decisions:
+            self.metrics.decisions.labels(action=decision.action, verdict=decision.verdict).inc()
+            self.metrics.decision_latency.observe(max(0.0, now - decision.ts_ms / 1000))
+
+    def _report_lag(self, event: EventT) -> None:
+        message = event.message
+        highwater = self.app.consumer.highwater(message.tp)  # type: ignore[attr-defined]
+        if highwater is not None:
+            self.metrics.consumer_lag.labels(partition=str(message.partition)).set(
+                max(0, highwater - message.offset - 1))
+
+
+def _raw(event: EventT) -> RawRecord:
+    message = event.message
+    value = event.value
+    headers = message.headers or ()
+    return RawRecord(message.partition, message.offset, message.key,
+                     bytes(value) if isinstance(value, bytes | bytearray) else None,
+                     list(headers.items()) if isinstance(headers, dict) else headers)
