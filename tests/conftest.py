@@ -1,7 +1,16 @@
-"""Fixtures for tests against a real Kafka broker (integration and end-to-end tiers).
+"""The test tiers, and the fixtures for tests against a real Kafka broker.
+
+A test's tier is its folder, and its folder's marker is put on it here; a tier marker that contradicts
+the folder fails the collection (move the test, or drop the marker):
+
+- ``unit/``: offline and in-process (loopback sockets and ``python -c`` subprocesses at most), no marker;
+- ``integration/``: real parts: the local Kafka broker, the agent frameworks' own libraries;
+- ``e2e/``: the CLI and workers run as processes, the way a user runs them;
+- ``deploy/``: the deploy tools (helm, promtool, prometheus, alertmanager, compose-check);
+- ``chaos/``: fault injection; ``make test`` runs one short trial of each, ``make chaos`` the suite.
 
 ``kafka_bootstrap`` uses ``$KAFKA_BOOTSTRAP_SERVERS`` when it is set (e.g. a broker started once with
-``scripts/kafka_local.py start``); otherwise it starts a broker from ``scripts/kafka_local.py`` for the
+``python -m scripts.kafka_local start``); otherwise it starts a broker (``scripts.kafka_local``) for the
 test session. Tests create their own uniquely named topics with ``topic_factory``, and tests that must
 stop, kill or misconfigure a broker get a private one from ``kafka_broker_factory``. ``secure_kafka`` is
 a second, secured session broker (SASL_SSL, mutual TLS, ACLs), started by the first test that asks.
@@ -21,9 +30,31 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from scripts import kafka_local
+from tests.notify_support import Webhook, serving
 
 if TYPE_CHECKING:
     from stream_app.client import KafkaClientConfig
+
+
+TESTS = Path(__file__).resolve().parent
+#: Folder -> the marker of its tier (None: the unit tier has none).
+TIERS: dict[str, str | None] = {"unit": None, "integration": "integration", "e2e": "e2e", "deploy": "deploy",
+                                "chaos": "chaos"}
+TIER_MARKERS = {marker for marker in TIERS.values() if marker}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        folder = item.path.relative_to(TESTS).parts[0]
+        if folder not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in one of tests/{{{','.join(TIERS)}}}/")
+        marker = TIERS[folder]
+        wrong = {m.name for m in item.iter_markers() if m.name in TIER_MARKERS} - {marker}
+        if wrong:
+            raise pytest.UsageError(f"{item.nodeid}: marked {', '.join(sorted(wrong))} but it lives in "
+                                    f"tests/{folder}/: move it to that tier's folder, or drop the marker")
+        if marker:
+            item.add_marker(marker)
 
 
 @pytest.fixture(scope="session")
@@ -72,6 +103,13 @@ def kafka_broker_factory(tmp_path: Path) -> Iterator[Callable[..., Any]]:
     yield make
     for broker in brokers:
         broker.close()
+
+
+@pytest.fixture
+def webhook() -> Iterator[Webhook]:
+    """A webhook on loopback that records every post and fails on cue (``tests.notify_support``)."""
+    with serving(Webhook()) as hook:
+        yield hook
 
 
 #: Users of the secured broker, one per role; ACLs are the tests' to grant.

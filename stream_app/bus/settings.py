@@ -42,7 +42,7 @@ class SettingsTable(Sequence[Row]):
     def __post_init__(self) -> None:
         names = [row[0] for row in self.rows]
         if len(set(names)) != len(names):
-            raise ValueError(f"settings table repeats a field: {names}")
+            raise SettingsError(f"settings table repeats a field: {names}")
 
     def __iter__(self) -> Iterator[Row]:
         return iter(self.rows)
@@ -58,7 +58,7 @@ class SettingsTable(Sequence[Row]):
         for field_name, var, _, _ in self.rows:
             if field_name == name:
                 return var
-        raise KeyError(name)
+        raise SettingsError(f"{name}: not a setting of this table")
 
     def read(self, target: type, env: Mapping[str, str], overrides: Mapping[str, object] | None = None
              ) -> dict[str, Any]:
@@ -75,7 +75,7 @@ class SettingsTable(Sequence[Row]):
 
     def env(self, **values: object) -> dict[str, str]:
         """The environment that sets these fields (by field name), for harnesses that start a process;
-        an unknown field name is a KeyError, so a typo cannot pass unnoticed."""
+        an unknown field name is a SettingsError, so a typo cannot pass unnoticed."""
         out: dict[str, str] = {}
         for name, value in values.items():
             var = self.var(name)
@@ -101,4 +101,4 @@ class SettingsTable(Sequence[Row]):
                 return raw
         except ValueError as exc:
             raise self.error(f"{var}={raw!r}: expected {kind}") from exc
-        raise TypeError(f"{var}: settings of type {kind} are not supported by the table reader")
+        raise SettingsError(f"{var}: settings of type {kind} are not supported by the table reader")

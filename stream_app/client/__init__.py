@@ -7,17 +7,22 @@
 Needs the core, orjson and, for fleet mode only, aiokafka (``pip install 'loopwarden[kafka]'``); never
 faust or rocksdict.
 
-Errors (``LoopwardenError`` is the core's root)::
+Errors (``LoopwardenError`` is the core's root; the whole tree is drawn in ``stream_app.core.errors``)::
 
     LoopwardenError
-    ├── RunHalted           the run was halted: stop calling tools for it (carries the decision)
-    └── KafkaConfigError    Kafka settings or topics that cannot work (also a ValueError)
+    ├── RunHalted             the run was halted: stop calling tools for it (carries the decision)
+    ├── DuplicateSuppressed   a duplicate side effect refused where the earlier result cannot be handed back
+    ├── InvalidCall           an argument the contract would refuse (also a ValueError)
+    │   └── InvalidArgumentType                                     (also a TypeError)
+    ├── UsageError            not started, outside a task or its event loop (also a RuntimeError)
+    └── KafkaConfigError      Kafka settings or topics that cannot work (also a ValueError)
 """
 
 from __future__ import annotations
 
 from ..bus.kafka import KafkaClientConfig, KafkaConfigError
-from .guard import CallIds, Guard, GuardedRun, PendingCall, RunHalted, ToolOutcome
+from .errors import DuplicateSuppressed, InvalidArgumentType, InvalidCall, RunHalted, UsageError
+from .guard import CallIds, Guard, GuardedRun, PendingCall, ToolOutcome
 from .listener import ControlBoard, DecisionCallback, HaltListener
 from .publisher import DEFAULT_REDACTED_FIELDS, FinishedCall, TelemetryBuilder, TelemetryPublisher
 
@@ -26,10 +31,13 @@ __all__ = [
     "CallIds",
     "ControlBoard",
     "DecisionCallback",
+    "DuplicateSuppressed",
     "FinishedCall",
     "Guard",
     "GuardedRun",
     "HaltListener",
+    "InvalidArgumentType",
+    "InvalidCall",
     "KafkaClientConfig",
     "KafkaConfigError",
     "PendingCall",
@@ -37,4 +45,5 @@ __all__ = [
     "TelemetryBuilder",
     "TelemetryPublisher",
     "ToolOutcome",
+    "UsageError",
 ]

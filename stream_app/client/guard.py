@@ -28,7 +28,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
 from ..bus.clock import wall_clock_ms
@@ -36,13 +35,14 @@ from ..bus.kafka import KafkaClientConfig
 from ..core import (
     OUTCOMES,
     Detector,
-    LoopwardenError,
     Outcome,
     Policy,
     RunTable,
     decode_event,
 )
 from ..core.contract import MAX_ID_LENGTH, MAX_RETRY_BUDGET
+from .errors import InvalidCall, RunHalted, UsageError
+from .lifecycle import StartStop
 from .listener import ControlBoard, DecisionCallback, HaltListener
 from .publisher import (
     DEFAULT_REDACTED_FIELDS,
@@ -63,21 +63,6 @@ _REMEMBERED_PER_RUN: Final = 64
 _EMPTY_TYPES: Final = (str, bytes, list, tuple, dict, set, frozenset)
 
 
-class RunHalted(LoopwardenError):
-    """loopwarden halted this run: stop calling tools for it. Carries the halt decision."""
-
-    def __init__(self, decision: Mapping[str, Any]) -> None:
-        self.decision = dict(decision)
-        self.run_id = str(decision.get("run_id", ""))
-        self.verdict = str(decision.get("verdict", "unknown"))
-        self.reason = str(decision.get("reason", ""))
-        self.decision_id = str(decision.get("decision_id", ""))
-        super().__init__(
-            f"run {self.run_id} was halted by loopwarden ({self.verdict}): {self.reason} "
-            f"[decision {self.decision_id}]"
-        )
-
-
 @dataclass(frozen=True, slots=True)
 class ToolOutcome:
     """Returned by a tool to state its outcome explicitly, e.g. ``ToolOutcome("noop", result)`` for a
@@ -88,7 +73,7 @@ class ToolOutcome:
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:
-            raise ValueError(f"outcome must be one of {', '.join(sorted(OUTCOMES))}; got {self.outcome!r}")
+            raise InvalidCall(f"outcome must be one of {', '.join(sorted(OUTCOMES))}; got {self.outcome!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +184,7 @@ class _FleetLink:
         return False  # the fleet's verdict arrives later, as a decision
 
 
-class Guard:
+class Guard(StartStop):
     """One per runtime process: hands out ``GuardedRun``s and holds what they share. Build it with
     ``Guard.in_process()`` or ``Guard.fleet(config)``."""
 
@@ -262,15 +247,6 @@ class Guard:
     async def stop(self) -> None:
         await self._link.stop()
 
-    async def __aenter__(self) -> Guard:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()
-
     @property
     def counters(self) -> dict[str, int]:
         """Decisions applied/duplicate/malformed/ignored, and (fleet) telemetry published/failed."""
@@ -284,7 +260,7 @@ class Guard:
         """The guarded handle of a run: the same object for the same run id (the 10 000 most recent)."""
         for name, value in (("run_id", run_id), ("agent_id", agent_id), ("tenant", tenant)):
             if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_ID_LENGTH):
-                raise ValueError(f"{name}: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+                raise InvalidCall(f"{name}: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
         guarded = self._runs.get(run_id)
         if guarded is None:
             guarded = self._runs[run_id] = GuardedRun(self, run_id, agent_id, tenant)
@@ -294,7 +270,7 @@ class Guard:
         else:
             self._runs.move_to_end(run_id)
         if (guarded.agent_id, guarded.tenant) != (agent_id, tenant):
-            raise ValueError(
+            raise InvalidCall(
                 f"run {run_id} is already guarded as agent {guarded.agent_id!r}, tenant {guarded.tenant!r}"
             )
         return guarded
@@ -332,7 +308,7 @@ class GuardedRun:
         """Have ``task`` (default: the current one) cancelled when the run is halted."""
         task = task or asyncio.current_task()
         if task is None:
-            raise RuntimeError("bind_task() outside a task: pass the task to cancel on halt")
+            raise UsageError("bind_task() outside a task: pass the task to cancel on halt")
         self._board.bind_task(self.run_id, task)
         return task
 
@@ -389,7 +365,7 @@ class GuardedRun:
         ids = ids or _NO_IDS
         _check_call(tool, retry_budget, plan_step, ids)
         if not self._link.ready():
-            raise RuntimeError(
+            raise UsageError(
                 "the fleet guard is not started: use 'async with guard' or await guard.start()"
             )
         self._raise_if_halted()
@@ -542,16 +518,16 @@ def _classify(value: Any) -> tuple[Outcome, Any, Any]:
 def _check_call(tool: str, retry_budget: int | None, plan_step: int | None, ids: CallIds) -> None:
     """Refuse, before the tool runs, what the telemetry contract would refuse after it."""
     if not isinstance(tool, str) or not 0 < len(tool) <= MAX_ID_LENGTH:
-        raise ValueError(f"tool: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+        raise InvalidCall(f"tool: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
     if retry_budget is not None and (
         type(retry_budget) is not int or not 0 <= retry_budget <= MAX_RETRY_BUDGET
     ):
-        raise ValueError(
+        raise InvalidCall(
             f"retry_budget: must be an integer from 0 to {MAX_RETRY_BUDGET}, got {retry_budget!r}"
         )
     if plan_step is not None and type(plan_step) is not int:
-        raise ValueError(f"plan_step: must be an integer, got {plan_step!r}")
+        raise InvalidCall(f"plan_step: must be an integer, got {plan_step!r}")
     for name in ("tool_call_id", "trace_id", "span_id", "parent_span_id"):
         value = getattr(ids, name)
         if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_ID_LENGTH):
-            raise ValueError(f"ids.{name}: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+            raise InvalidCall(f"ids.{name}: must be a non-empty string of at most {MAX_ID_LENGTH} characters")

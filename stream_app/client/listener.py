@@ -26,13 +26,13 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeGuard
 
 import orjson
 
 from ..bus.clock import wall_clock_ms
 from ..bus.kafka import KafkaClientConfig, KafkaConfigError
+from .lifecycle import StartStop
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaConsumer
@@ -259,7 +259,7 @@ def _cancel(run_id: str, tasks: list[asyncio.Task[Any]]) -> None:
 MAX_DECISION_AGE_MS: Final = 300_000
 
 
-class HaltListener:
+class HaltListener(StartStop):
     """Feeds a ``ControlBoard`` from the control topic: every partition, no consumer group, signed
     messages only. ``trusted_keys`` is required unless ``allow_unsigned`` (development only) is set."""
 
@@ -351,15 +351,6 @@ class HaltListener:
         consumer, self._consumer = self._consumer, None
         if consumer is not None:
             await consumer.stop()
-
-    async def __aenter__(self) -> HaltListener:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()
 
     async def _assign_and_rewind(self, consumer: AIOKafkaConsumer) -> dict[TopicPartition, int]:
         """Assign all partitions at ``now - lookback_ms``; return the end offsets to catch up to."""

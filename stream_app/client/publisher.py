@@ -25,7 +25,6 @@ import logging
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
 import orjson
@@ -33,6 +32,8 @@ import orjson
 from ..bus.kafka import KafkaClientConfig, KafkaConfigError
 from ..bus.wire import encode_telemetry
 from ..core import FieldFilter, NormalisationError, Outcome, Policy, semantic_hash
+from .errors import InvalidArgumentType, UsageError
+from .lifecycle import StartStop
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaProducer
@@ -100,7 +101,7 @@ class TelemetryBuilder:
         redact: Iterable[str] = DEFAULT_REDACTED_FIELDS,
     ) -> None:
         if isinstance(redact, str):
-            raise TypeError("redact: give a list of field-name patterns, not one string")
+            raise InvalidArgumentType("redact: give a list of field-name patterns, not one string")
         self.policy = policy or Policy()
         self.raw_tools = frozenset(raw_tools)
         self.redact = tuple(redact)
@@ -218,7 +219,7 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
 
 
-class TelemetryPublisher:
+class TelemetryPublisher(StartStop):
     """Publishes telemetry events to Kafka, keyed by run id, in order.
 
     Telemetry must never stall the agent it describes, nor be lost to a broker blip: ``publish`` puts
@@ -303,15 +304,6 @@ class TelemetryPublisher:
         except TimeoutError:
             self._closing = closing  # it completes if the broker comes back; the loop's end cancels it
 
-    async def __aenter__(self) -> TelemetryPublisher:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()
-
     @property
     def started(self) -> bool:
         return self._producer is not None
@@ -319,7 +311,7 @@ class TelemetryPublisher:
     async def publish(self, event: Mapping[str, Any]) -> None:
         """Buffer one telemetry event (a dict with at least ``run_id``); returns at once."""
         if self._producer is None:
-            raise RuntimeError("TelemetryPublisher is not started: await start() or use 'async with'")
+            raise UsageError("TelemetryPublisher is not started: await start() or use 'async with'")
         try:
             self._buffer.put_nowait(encode_telemetry(dict(event)))
         except asyncio.QueueFull:

@@ -29,6 +29,7 @@ from ..core import (
     Detector,
     Finding,
     InvalidEvent,
+    LoopwardenError,
     Policy,
     RunTable,
     TelemetryEvent,
@@ -46,7 +47,7 @@ ENGINES: tuple[Engine, ...] = ("auto", "native", "python")
 CHUNK_LINES = 4096
 
 
-class EngineUnavailable(RuntimeError):
+class EngineUnavailable(LoopwardenError, RuntimeError):
     """``--engine native`` without the native extension. Operator action: ``pip install ./native`` (or
     ``make install``), or use ``--engine python``."""
 

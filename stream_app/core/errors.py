@@ -1,13 +1,36 @@
-"""Errors raised by the detector core.
+"""The root of every error loopwarden raises, and the core's own errors.
 
-Tree::
+Every error the package raises on purpose is a ``LoopwardenError``; where callers caught a builtin
+before, the builtin stays a base (``(also ValueError)``). Classification lives in class attributes and
+fields, never in message text (``InvalidEvent.field or InvalidEvent.kind`` is a dead letter's reason).
+The whole tree, by the module that defines each::
 
     LoopwardenError
-    ├── InvalidEvent        a telemetry event breaks the v1 contract (names the field)
-    ├── NormalisationError  arguments or a result cannot be put in canonical form
-    └── PolicyError         a policy file is malformed (names the setting's path)
+    ├── InvalidEvent             core.errors     a telemetry event breaks the v1 contract (names the field)
+    │   └── NotJSON              core.errors       its bytes are not JSON at all (kind "json")
+    ├── NormalisationError       core.errors     a value has no canonical form
+    ├── PolicyError              core.errors     a policy document is malformed (names the setting's path)
+    ├── StoredRecordError        core.stored     a stored run record cannot be decoded (also RuntimeError)
+    │   └── StateVersionError    core.stored       its format version is not one this release knows
+    ├── KafkaConfigError         bus.kafka       Kafka settings that cannot work together (also ValueError)
+    ├── SettingsError            bus.settings    an environment variable's value (also ValueError)
+    │   └── NotifySettingsError  commands.notify
+    ├── KeyFileError             bus.signing     a key file that cannot be used (also ValueError)
+    ├── SignatureRejected        bus.signing     a signature that does not verify (``reason``)
+    ├── RunHalted                client.errors   the run was halted: stop calling tools (carries the decision)
+    │   └── AgentRunHalted       integrations.openai_agents  (also the SDK's AgentsException)
+    ├── DuplicateSuppressed      client.errors   a duplicate side effect refused where no earlier result
+    │   └── DuplicateSuppressed  integrations.openai_agents  (also AgentsException)
+    ├── InvalidCall              client.errors   an argument the contract would refuse (also ValueError)
+    │   └── InvalidArgumentType  client.errors     (also TypeError)
+    ├── UsageError               client.errors   the SDK used where it cannot work (also RuntimeError)
+    ├── TopicMismatch            worker.main     a topic with the wrong partition count (also RuntimeError)
+    ├── EngineUnavailable        commands.replay the native engine asked for, not installed (also RuntimeError)
+    ├── BadAlert                 commands.notify a message on the alerts topic that is no decision (also ValueError)
+    ├── WebhookError             commands.notify a webhook post that did not succeed
+    └── WorkerStartError         devtools.harness a worker process that exited or never got ready (also RuntimeError)
 
-``InvalidEvent`` and ``PolicyError`` are for people to fix; their messages say what is wrong and where.
+Errors a person must fix say what to do ("Operator action: ...").
 """
 
 from __future__ import annotations

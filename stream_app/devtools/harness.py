@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..bus.signing import KeyRing, ensure_pairs
 from ..core import LoopwardenError
-from ..worker.settings import SETTINGS
+from ..worker.settings import SETTINGS, SettingsError
 
 #: The readiness gauge a worker sets once it has recovered its state and consumes.
 READY_METRIC = "loopwarden_worker_ready"
@@ -141,7 +141,7 @@ class Deployment:
     def __post_init__(self) -> None:
         stray = sorted(var for var in self.env if var.startswith("LOOPWARDEN_"))
         if stray:
-            raise ValueError(f"{', '.join(stray)}: pass worker settings by field name in settings=, not env=")
+            raise SettingsError(f"{', '.join(stray)}: pass worker settings by field name in settings=, not env=")
         SETTINGS.env(**self.settings)  # an unknown field name fails here, not in a worker
 
     @property

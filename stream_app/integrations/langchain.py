@@ -44,26 +44,12 @@ from langgraph.errors import GraphBubbleUp
 from langgraph.runtime import Runtime
 from langgraph.types import Command
 
-from ..client import CallIds, Guard, GuardedRun, PendingCall, ToolOutcome
-from ..core import LoopwardenError
+from ..client import CallIds, DuplicateSuppressed, Guard, GuardedRun, PendingCall, ToolOutcome, UsageError
 
 __all__ = ["DuplicateSuppressed", "LoopwardenCallbackHandler", "LoopwardenMiddleware"]
 
 T = TypeVar("T")
 ToolResult = ToolMessage | Command[Any]
-
-
-class DuplicateSuppressed(LoopwardenError):
-    """A suppressed duplicate of a side-effecting call, refused because a callback cannot hand back the
-    earlier result (the middleware can)."""
-
-    def __init__(self, run_id: str, tool: str) -> None:
-        self.run_id = run_id
-        self.tool = tool
-        super().__init__(
-            f"run {run_id}: loopwarden suppressed a duplicate call of {tool}; a callback handler cannot hand "
-            "back the earlier result, so the call is refused (LoopwardenMiddleware would answer it)"
-        )
 
 
 class _Bridge:
@@ -84,7 +70,7 @@ class _Bridge:
                 return asyncio.run(coroutine)
         if _running_loop() is self.loop:
             coroutine.close()
-            raise RuntimeError(
+            raise UsageError(
                 "loopwarden: a sync LangChain call on the guard's own event loop would block it; call the "
                 "agent with ainvoke/astream there, or invoke it from another thread"
             )
@@ -154,7 +140,7 @@ class LoopwardenCallbackHandler(BaseCallbackHandler):
         tool = serialized["name"]
         pending = self._bridge.run(run.begin(tool, _args(inputs, input_str), ids=ids))
         if pending.earlier is not None:
-            raise DuplicateSuppressed(run.run_id, tool)
+            raise DuplicateSuppressed(run.run_id, tool, "a callback handler", "LoopwardenMiddleware")
         self._pending[run_id] = (run, pending, time.perf_counter())
 
     def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:

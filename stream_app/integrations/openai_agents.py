@@ -47,8 +47,8 @@ from agents import (
 from agents.tool_context import ToolContext
 from agents.tracing import get_current_trace
 
-from ..client import CallIds, Guard, GuardedRun, PendingCall, RunHalted
-from ..core import LoopwardenError
+from .. import client
+from ..client import CallIds, Guard, GuardedRun, InvalidCall, PendingCall, RunHalted
 
 __all__ = [
     "AgentRunHalted",
@@ -76,17 +76,9 @@ class AgentRunHalted(RunHalted, AgentsException):
     """``RunHalted`` as an ``AgentsException``, which the SDK lets out of a hook unwrapped."""
 
 
-class DuplicateSuppressed(LoopwardenError, AgentsException):
-    """A suppressed duplicate of a side-effecting call, refused because a hook cannot hand back the
-    earlier result (``LoopwardenToolGuardrails`` can)."""
-
-    def __init__(self, run_id: str, tool: str) -> None:
-        self.run_id = run_id
-        self.tool = tool
-        super().__init__(
-            f"run {run_id}: loopwarden suppressed a duplicate call of {tool}; a run hook cannot hand back "
-            "the earlier result, so the call is refused (LoopwardenToolGuardrails would answer it)"
-        )
+class DuplicateSuppressed(client.DuplicateSuppressed, AgentsException):
+    """The SDK's ``DuplicateSuppressed`` as an ``AgentsException``, which the SDK lets out of a hook
+    unwrapped: a run hook cannot hand back the earlier result (``LoopwardenToolGuardrails`` can)."""
 
 
 class _ToolCalls:
@@ -126,7 +118,7 @@ class _ToolCalls:
         group_id = context.run_config.group_id if context.run_config else None
         run_id = self._run_id or group_id or _sdk_trace_id()
         if not run_id:
-            raise ValueError(
+            raise InvalidCall(
                 "loopwarden cannot tell which run this tool call belongs to: pass run_id=, or run with "
                 "RunConfig(group_id=...), or leave tracing on"
             )
@@ -148,7 +140,7 @@ class LoopwardenRunHooks(_ToolCalls, RunHooks[Any]):
         except RunHalted as halted:
             raise AgentRunHalted(halted.decision) from None
         if pending.earlier is not None:
-            raise DuplicateSuppressed(run.run_id, context.tool_name)
+            raise DuplicateSuppressed(run.run_id, context.tool_name, "a run hook", "LoopwardenToolGuardrails")
 
     async def on_tool_end(self, context: RunContextWrapper[Any], agent: Any, tool: Any, result: Any) -> None:
         if isinstance(context, ToolContext):

@@ -29,7 +29,7 @@ from typing import Any
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.trace import StatusCode
 
-from ..client import FinishedCall, TelemetryBuilder, TelemetryPublisher
+from ..client import FinishedCall, InvalidCall, TelemetryBuilder, TelemetryPublisher, UsageError
 from ..core import InvalidEvent
 from ..sources.otlp import RUN_ID_SOURCES, RunIdFrom, ToolCall, is_tool_span, tool_call
 
@@ -53,12 +53,12 @@ class LoopwardenSpanProcessor(SpanProcessor):
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         if run_id_from not in RUN_ID_SOURCES:
-            raise ValueError(f"run_id_from: expected conversation or trace, got {run_id_from!r}")
+            raise InvalidCall(f"run_id_from: expected conversation or trace, got {run_id_from!r}")
         if loop is None:
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:
-                raise RuntimeError("LoopwardenSpanProcessor: make it inside the event loop that runs the "
+                raise UsageError("LoopwardenSpanProcessor: make it inside the event loop that runs the "
                                    "publisher, or pass loop=") from None
         self.publisher = publisher
         self.builder = builder or TelemetryBuilder()

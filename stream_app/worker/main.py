@@ -15,13 +15,14 @@ from prometheus_client import start_http_server
 
 from ..bus.policy_file import load_policy
 from ..bus.signing import KeyRing, Signer
+from ..core import LoopwardenError
 from .metrics import WorkerMetrics
 from .settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
 
-class TopicMismatch(RuntimeError):
+class TopicMismatch(LoopwardenError, RuntimeError):
     """An existing topic has the wrong partition count. Operator action: recreate it or change
     LOOPWARDEN_PARTITIONS to match (the state table must have as many partitions as its input)."""
 

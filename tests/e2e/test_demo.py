@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.e2e
 
 
 def test_demo_halts_every_runaway_and_nothing_else(kafka_bootstrap: str, tmp_path: Path) -> None:

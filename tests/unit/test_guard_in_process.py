@@ -703,6 +703,8 @@ def test_public_names_are_exactly_all() -> None:
     exported = {name for name in vars(client) if not name.startswith("_")} - {
         "annotations",
         "guard",
+        "errors",
+        "lifecycle",
         "listener",
         "publisher",
     }

@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.tools import tool
+from tests.integration.workers import REPO, Fleet, WorkerProcess, free_port, produce, run
 
-from .workers import REPO, Fleet, WorkerProcess, free_port, produce, run
+from .tools import tool
 
-pytestmark = [pytest.mark.integration, pytest.mark.deploy]
+pytestmark = pytest.mark.deploy
 
 RULES = REPO / "helm/loopwarden/files/loopwarden-rules.yml"
 DASHBOARD = REPO / "helm/loopwarden/files/dashboards/loopwarden.json"

@@ -1,0 +1,53 @@
+"""What the SDK raises into agent code. Each is a ``LoopwardenError`` and keeps the builtin base callers
+caught before (``ValueError``, ``TypeError``, ``RuntimeError``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..core import LoopwardenError
+
+__all__ = ["DuplicateSuppressed", "InvalidArgumentType", "InvalidCall", "RunHalted", "UsageError"]
+
+
+class RunHalted(LoopwardenError):
+    """loopwarden halted this run: stop calling tools for it. Carries the halt decision."""
+
+    def __init__(self, decision: Mapping[str, Any]) -> None:
+        self.decision = dict(decision)
+        self.run_id = str(decision.get("run_id", ""))
+        self.verdict = str(decision.get("verdict", "unknown"))
+        self.reason = str(decision.get("reason", ""))
+        self.decision_id = str(decision.get("decision_id", ""))
+        super().__init__(
+            f"run {self.run_id} was halted by loopwarden ({self.verdict}): {self.reason} "
+            f"[decision {self.decision_id}]"
+        )
+
+
+class DuplicateSuppressed(LoopwardenError):
+    """A suppressed duplicate of a side-effecting call, refused because the integration it went through
+    cannot hand back the earlier result (``where``; ``instead`` names one that can). Frameworks whose
+    hooks let only their own exceptions out subclass it (``integrations.openai_agents``)."""
+
+    def __init__(self, run_id: str, tool: str, where: str = "this integration", instead: str | None = None) -> None:
+        self.run_id = run_id
+        self.tool = tool
+        better = f" ({instead} would answer it)" if instead else ""
+        super().__init__(
+            f"run {run_id}: loopwarden suppressed a duplicate call of {tool}; {where} cannot hand back the "
+            f"earlier result, so the call is refused{better}"
+        )
+
+
+class InvalidCall(LoopwardenError, ValueError):
+    """An argument the telemetry contract would refuse (names it), refused before the tool runs."""
+
+
+class InvalidArgumentType(InvalidCall, TypeError):
+    """An argument of the wrong type."""
+
+
+class UsageError(LoopwardenError, RuntimeError):
+    """The SDK used where it cannot work: not started, outside a task or outside its event loop."""
