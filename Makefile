@@ -38,7 +38,7 @@ kafka-jars: install
 ## make test: install, fetch the Kafka jars and the deploy tools, start a local broker (unless
 ## KAFKA_BOOTSTRAP_SERVERS is set), run every test (the native engine's Rust unit tests first), with one
 ## short trial of each chaos scenario (make chaos runs the full suite).
-test: test-setup
+test: test-setup lint
 	@cargo test --quiet --release --manifest-path native/Cargo.toml
 	@$(BIN)/python -m pytest
 
@@ -72,8 +72,11 @@ chaos: install
 	  $(BIN)/python -m pytest tests/chaos -m chaos -v -s --timeout=4000 || status=$$?; \
 	  $(BIN)/python -m tests.chaos.report $(CHAOS_RESULTS) RELIABILITY.md; exit $$status
 
+## make lint: ruff (the rule set and each ignore's reason are in pyproject.toml) over the code, and mypy
+## --strict over the package and scripts (part of make test, hence of CI).
 lint: install
 	@$(BIN)/ruff check stream_app tests bench scripts
+	@$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis native/target

@@ -14,7 +14,7 @@ def example(heading: str) -> str:
     at = text.find(f"\n{heading}\n")
     if at < 0:
         raise LookupError(f"README.md has no heading {heading!r}")
-    match = re.compile(r"```python\n(.*?)```", re.S).search(text, at)
+    match = re.compile(r"```python\n(.*?)```", re.DOTALL).search(text, at)
     if match is None:
         raise LookupError(f"README.md has no python example after {heading!r}")
     return match.group(1)

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import __doc__ as PACKAGE_DOC
+from . import __doc__ as package_doc
 from .admin import TopicSpec, create_topics
 from .broker import (
     LocalKafka,
@@ -196,7 +196,7 @@ def _cmd_exec(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=PACKAGE_DOC.split("\n\n")[0] if PACKAGE_DOC else None)
+    parser = argparse.ArgumentParser(prog=PROG, description=package_doc.split("\n\n")[0] if package_doc else None)
     commands = parser.add_subparsers(dest="command", required=True)
 
     def with_state_file(sub: argparse.ArgumentParser) -> argparse.ArgumentParser:

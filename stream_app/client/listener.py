@@ -372,7 +372,7 @@ class HaltListener(StartStop):
         found: dict[TopicPartition, Any] = {}
         if self.lookback_ms > 0:
             since = max(wall_clock_ms() - self.lookback_ms, 0)
-            found = await consumer.offsets_for_times({tp: since for tp in partitions})
+            found = await consumer.offsets_for_times(dict.fromkeys(partitions, since))
         ends: dict[TopicPartition, int] = await consumer.end_offsets(partitions)
         for tp in partitions:
             hit = found.get(tp)

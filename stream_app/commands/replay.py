@@ -80,18 +80,20 @@ def replay(
 ) -> ReplaySummary:
     """Run every line through the detector; write decisions to ``out`` and problems to ``err``."""
     writer = _Writer(out, err, flush_each, progress_every_s)
-    replayer = None
+    native: Any = None
     if engine != "python":
         try:
-            from loopwarden_native import Replayer as replayer
+            from loopwarden_native import Replayer
         except ImportError as exc:
             if engine == "native":
                 raise EngineUnavailable("the native engine is not installed: pip install ./native (make install "
                                         "does), or use --engine python") from exc
-    if replayer is None:
+        else:
+            native = Replayer(policy, DEFAULT_MAX_RUNS, MAX_EVENT_BYTES)
+    if native is None:
         _replay_python(lines, policy, writer)
     else:
-        _replay_native(lines, policy, writer, replayer(policy, DEFAULT_MAX_RUNS, MAX_EVENT_BYTES))
+        _replay_native(lines, policy, writer, native)
     writer.finish()
     return writer.summary
 
@@ -154,7 +156,7 @@ def _replay_python(lines: Iterable[bytes], policy: Policy, writer: _Writer) -> N
 
 def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer, engine: Any) -> None:
 
-    def decide(event: TelemetryEvent, finding: tuple) -> None:
+    def decide(event: TelemetryEvent, finding: tuple[Any, ...]) -> None:
         writer.decision(explain(event, policy.resolve(event.agent_id, event.tool).thresholds, Finding(*finding)))
 
     done = 0
@@ -182,12 +184,12 @@ def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer, engi
     summary.events, summary.duplicates, summary.runs = engine.events, engine.duplicates, engine.runs_seen
 
 
-def _observe(engine: Any, event: TelemetryEvent, policy: Policy) -> tuple | None:
+def _observe(engine: Any, event: TelemetryEvent, policy: Policy) -> tuple[Any, ...] | None:
     """Fold an event the reference decoded into the native engine, with the reference's hashes."""
     args_hash, args_verified, result_hash = event_hashes(event, policy.resolve(event.agent_id, event.tool))
-    _, finding = engine.observe(
+    finding: tuple[Any, ...] | None = engine.observe(
         event.run_id, event.event_id, event.tool, event.agent_id, event.ts_ms, event.outcome, args_hash,
-        args_verified, result_hash, event.retry_budget, event.plan_step, event.side_effect)
+        args_verified, result_hash, event.retry_budget, event.plan_step, event.side_effect)[1]
     return finding
 
 

@@ -171,9 +171,12 @@ def decode_event(obj: Any) -> TelemetryEvent:
     if type(obj) is not dict:
         raise InvalidEvent("", f"event must be a JSON object, got {_json_type(obj)}")
     get = obj.get
-    run_id, event_id, tool, ts_ms, outcome = (
-        get("run_id"), get("event_id"), get("tool"), get("ts_ms"), get("outcome")
-    )
+    # Any, not Optional: the combined check below proves their types before they are used.
+    run_id: Any = get("run_id")
+    event_id: Any = get("event_id")
+    tool: Any = get("tool")
+    ts_ms: Any = get("ts_ms")
+    outcome: Any = get("outcome")
     if not (
         type(run_id) is str and 0 < len(run_id) <= MAX_ID_LENGTH
         and type(event_id) is str and 0 < len(event_id) <= MAX_ID_LENGTH

@@ -91,12 +91,12 @@ class RunState:
     streak_key: bytes = b""
     streak_call: bytes = b""
     streak_varied: bool = False
-    streak_ts: array = field(default_factory=lambda: array("q"))
+    streak_ts: array[int] = field(default_factory=lambda: array("q"))
     streak_first_event_id: str = ""
     streak_alerted: bool = False
     #: Step signatures and times of the last few calls (cycle detection), oldest first.
     recent_sigs: bytes = b""
-    recent_ts: array = field(default_factory=lambda: array("q"))
+    recent_ts: array[int] = field(default_factory=lambda: array("q"))
     #: Bit i set = the call i steps back failed.
     recent_failing: int = 0
     #: Side-effecting call digest -> [first_ts_ms, occurrences] within its window.
@@ -339,7 +339,8 @@ class Finding(NamedTuple):
     module, or the native one for replay) and turned into the decision by ``explain``."""
 
     verdict: Verdict
-    count: int
+    #: The count the decision reports (``evidence.count``): calls, occurrences or streak length.
+    tally: int
     budget: int = 0
     period: int = 0
     first_event_id: str = ""
@@ -363,7 +364,7 @@ def explain(event: TelemetryEvent, thresholds: Thresholds, finding: Finding) -> 
     }
     if event.seq is not None:
         evidence["seq"] = event.seq  # lets a runtime tell which of its calls triggered the decision
-    count = finding.count
+    count = finding.tally
     if verdict == "iteration_ceiling":
         evidence.update(count=count, ceiling=thresholds.iteration_ceiling)
         reason = f"run reached its iteration ceiling: call {count} exceeds {thresholds.iteration_ceiling}"

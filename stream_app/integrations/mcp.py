@@ -69,15 +69,17 @@ class LoopGuardMiddleware(ServerMiddleware[Any]):
         except RunHalted as halted:
             return CallToolResult(content=[TextContent(type="text", text=str(halted))], is_error=True)
         if pending.earlier is not None:
-            return pending.earlier.replay()
+            earlier: HandlerResult = pending.earlier.replay()
+            return earlier
         started = time.perf_counter()
         try:
             result = await call_next(ctx)
         except Exception as exc:
             await run.finish(pending, error=exc, latency_ms=(time.perf_counter() - started) * 1000)
             raise
-        return await run.finish(pending, ToolOutcome(outcome(result), result),
-                                latency_ms=(time.perf_counter() - started) * 1000)
+        answered: HandlerResult = await run.finish(pending, ToolOutcome(outcome(result), result),
+                                                   latency_ms=(time.perf_counter() - started) * 1000)
+        return answered
 
 
 def run_id_from_meta(ctx: ServerRequestContext[Any, Any]) -> str | None:

@@ -168,7 +168,7 @@ class LoopwardenToolGuardrails(_ToolCalls):
             return ToolGuardrailFunctionOutput.allow()
         try:
             earlier = str(pending.earlier.replay())
-        except Exception as exc:  # the earlier call failed: the model gets the same answer as then
+        except Exception as exc:  # noqa: BLE001 - the earlier call failed (any tool error): the model gets the same answer as then
             earlier = default_tool_error_function(data.context, exc)
         return ToolGuardrailFunctionOutput.reject_content(earlier, output_info={"suppressed": True})
 

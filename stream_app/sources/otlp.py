@@ -280,9 +280,10 @@ def _decode(raw: bytes, encoding: Encoding) -> TracesData:
     """The record as TracesData (the collector's ``ptrace`` marshalers write exactly that message)."""
     if encoding == "otlp_proto":
         try:
-            return TracesData.FromString(raw)
+            traces: TracesData = TracesData.FromString(raw)
         except DecodeError as exc:
             raise InvalidEvent("", f"not OTLP protobuf (TracesData): {exc}") from exc
+        return traces
     try:
         document = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -294,7 +295,8 @@ def _decode(raw: bytes, encoding: Encoding) -> TracesData:
             for scope_spans in resource_spans.get("scopeSpans") or ():
                 scope_spans["spans"] = [_proto_json_span(span) for span in scope_spans.get("spans") or ()
                                         if _is_tool_json(span)]
-        return json_format.ParseDict(document, TracesData(), ignore_unknown_fields=True)
+        parsed: TracesData = json_format.ParseDict(document, TracesData(), ignore_unknown_fields=True)
+        return parsed
     except (json_format.ParseError, AttributeError, TypeError, ValueError) as exc:
         raise InvalidEvent("", f"not OTLP/JSON traces: {exc}"[:1000]) from exc
 
@@ -310,7 +312,7 @@ def _is_tool_json(span: dict[str, Any]) -> bool:
 def _proto_json_span(span: dict[str, Any]) -> dict[str, Any]:
     """The fields the mapping reads, with OTLP/JSON's hex ids turned into proto JSON's base64 (events
     and links are dropped unread)."""
-    kept = {name: span[name] for name in _SPAN_FIELDS if name in span}
+    kept: dict[str, Any] = {name: span[name] for name in _SPAN_FIELDS if name in span}
     for name in _HEX_IDS:
         if kept.get(name):
             kept[name] = base64.b64encode(bytes.fromhex(kept[name])).decode()

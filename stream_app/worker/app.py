@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, cast
 
 import faust
 from faust.types import EventT, StreamT
@@ -140,7 +141,7 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
     processed = delivery.install(app, inputs, metrics.refetched.labels(reason="skipped").inc)
     sequencer = delivery.Sequencer(app, metrics.refetched.labels(reason="gap").inc)
 
-    @app.on_partitions_revoked.connect
+    @app.on_partitions_revoked.connect  # type: ignore[arg-type]  # faust's signal type wants a signal= keyword
     async def forget_revoked(sender: faust.App, revoked: set[faust.types.TP], **_: object) -> None:
         sequencer.forget(revoked)
 
@@ -151,9 +152,9 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
 
         app.timer(SWEEP_INTERVAL_S)(expire_silent_runs)
 
-    def agent(name: str, topic: faust.TopicT, handle: Callable[[Sequence[EventT]], Awaitable[None]]) -> None:
-        async def consume(stream: StreamT) -> None:
-            async def guarded(events: Sequence[EventT]) -> None:
+    def agent(name: str, topic: faust.TopicT, handle: Callable[[Sequence[EventT[Any]]], Awaitable[None]]) -> None:
+        async def consume(stream: StreamT[Any]) -> None:
+            async def guarded(events: Sequence[EventT[Any]]) -> None:
                 await fatal.guard(handle(events))
 
             await delivery.in_order(stream, sequencer, processed, guarded, settings.batch_max,
@@ -174,4 +175,5 @@ def _otlp_decoder(settings: WorkerSettings) -> Callable[[bytes], Decoded]:
     except ImportError as exc:
         raise SettingsError("LOOPWARDEN_OTLP_TOPIC is set but the OTLP decoder is not installed. Operator "
                             "action: pip install 'loopwarden[worker]' (it includes opentelemetry-proto)") from exc
-    return otlp.decoder(settings.otlp_encoding, settings.otlp_run_id, settings.max_event_bytes)
+    # Both settings are checked against the source's choices when the settings are read.
+    return otlp.decoder(cast(Any, settings.otlp_encoding), cast(Any, settings.otlp_run_id), settings.max_event_bytes)

@@ -30,11 +30,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from weakref import WeakSet
 
 import faust
 from aiokafka.errors import IllegalStateError
+from faust.streams import Stream
 from faust.transport.drivers.aiokafka import Consumer
 from faust.types import TP, EventT, Message, StreamT
 from faust.types.tuples import ack_lock
@@ -57,7 +58,7 @@ class ProcessedMessages:
         self.on_skipped = on_skipped
         self._done: WeakSet[Message] = WeakSet()
 
-    def mark_processed(self, batch: Iterable[EventT]) -> None:
+    def mark_processed(self, batch: Iterable[EventT[Any]]) -> None:
         for event in batch:
             self._done.add(event.message)
 
@@ -97,7 +98,8 @@ def install(app: faust.App, topics: Iterable[str], on_skipped: Callable[[], obje
     the others) and only gaps the Sequencer confirmed; call before the app starts."""
     processed = ProcessedMessages(topics, on_skipped)
     consumer_class: Any = type("ProcessedOnlyConsumer", (_GuardedConsumer,), {"processed": processed})
-    app.transport.Consumer = consumer_class
+    # faust makes the consumer from this attribute of the transport when the app starts.
+    app.transport.Consumer = consumer_class  # type: ignore[misc]
     return processed
 
 
@@ -127,10 +129,10 @@ class Sequencer:
             self._next.pop(tp, None)
             self._repairs.pop(tp, None)
 
-    async def admit(self, batch: Sequence[EventT]) -> list[EventT]:
+    async def admit(self, batch: Sequence[EventT[Any]]) -> list[EventT[Any]]:
         """The events of ``batch`` that are next in their partitions (earlier offsets, redeliveries,
         pass too: the processor's offset guard skips them)."""
-        admitted: list[EventT] = []
+        admitted: list[EventT[Any]] = []
         held: dict[TP, int] = {}
         for event in batch:
             message = event.message
@@ -172,11 +174,12 @@ class Sequencer:
         return True
 
 
-async def in_order(stream: StreamT, sequencer: Sequencer, processed: ProcessedMessages,
-                   handle: Callable[[list[EventT]], Awaitable[None]], batch_max: int, within_s: float) -> None:
+async def in_order(stream: StreamT[Any], sequencer: Sequencer, processed: ProcessedMessages,
+                   handle: Callable[[list[EventT[Any]]], Awaitable[None]], batch_max: int, within_s: float) -> None:
     """Hand ``stream``'s batches to ``handle``, each partition in offset order, and mark what it finished
     as processed (only that gets committed): the body of every agent of the worker."""
-    async for batch in stream.take_events(batch_max, within=within_s):
+    # faust's StreamT interface lacks take_events; the Stream every agent gets has it.
+    async for batch in cast("Stream[Any]", stream).take_events(batch_max, within=within_s):
         events = await sequencer.admit(batch)
         if events:
             await handle(events)

@@ -22,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from faust.types import EventT, TopicT
 
@@ -60,7 +61,7 @@ class DeadLetters:
         self.dlq = dlq
         self.metrics = metrics
 
-    async def send(self, event: EventT, error: InvalidEvent) -> None:
+    async def send(self, event: EventT[Any], error: InvalidEvent) -> None:
         message = event.message
         self.metrics.dlq.labels(reason=error.field or error.kind).inc()
         log.info("dead-lettered %s[%d]@%d: %s", message.topic, message.partition, message.offset, error)
@@ -99,11 +100,11 @@ class Effects:
         self._sweep_from: dict[int, bytes] = {}
         self._state_lock = asyncio.Lock()
 
-    async def process(self, batch: Sequence[EventT]) -> None:
+    async def process(self, batch: Sequence[EventT[Any]]) -> None:
         async with self._state_lock:
             await self._process(batch)
 
-    async def _process(self, batch: Sequence[EventT]) -> None:
+    async def _process(self, batch: Sequence[EventT[Any]]) -> None:
         metrics = self.metrics
         metrics.batch_size.observe(len(batch))
         records = [_raw(event) for event in batch]
@@ -116,8 +117,7 @@ class Effects:
         for rekey in result.rekeys:
             metrics.rekeyed.inc()
             event = batch[rekey.index]
-            await self.topics.telemetry.send(key=rekey.key, value=event.value,
-                                             headers=list(event.message.headers or ()))
+            await self.topics.telemetry.send(key=rekey.key, value=event.value, headers=_headers(event))
         for outcome, count in result.applied.items():
             self._events_by_outcome[outcome].inc(count)
         if result.duplicates:
@@ -130,7 +130,7 @@ class Effects:
         if result.decisions:
             await self._publish(result.decisions)
         await store.write(result.records)
-        last_of_partition: dict[int, EventT] = {event.message.partition: event for event in batch}
+        last_of_partition: dict[int, EventT[Any]] = {event.message.partition: event for event in batch}
         for event in last_of_partition.values():
             self._report_lag(event)
 
@@ -172,7 +172,7 @@ class Effects:
             self.metrics.decisions.labels(action=decision.action, verdict=decision.verdict).inc()
             self.metrics.decision_latency.observe(max(0.0, now - decision.ts_ms / 1000))
 
-    def _report_lag(self, event: EventT) -> None:
+    def _report_lag(self, event: EventT[Any]) -> None:
         message = event.message
         highwater = self.app.consumer.highwater(message.tp)  # type: ignore[attr-defined]
         if highwater is not None:
@@ -180,10 +180,16 @@ class Effects:
                 max(0, highwater - message.offset - 1))
 
 
-def _raw(event: EventT) -> RawRecord:
+def _raw(event: EventT[Any]) -> RawRecord:
     message = event.message
     value = event.value
-    headers = message.headers or ()
     return RawRecord(message.partition, message.offset, message.key,
-                     bytes(value) if isinstance(value, bytes | bytearray) else None,
-                     list(headers.items()) if isinstance(headers, dict) else headers)
+                     bytes(value) if isinstance(value, bytes | bytearray) else None, _headers(event))
+
+
+def _headers(event: EventT[Any]) -> list[tuple[str, bytes]]:
+    """A message's headers as (name, value) pairs (faust passes on what the client gave it)."""
+    headers = event.message.headers
+    if not headers:
+        return []
+    return list(headers.items()) if isinstance(headers, Mapping) else list(headers)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from faust.types import EventT, TopicT
 
@@ -32,7 +33,7 @@ class SourceRelay:
         self.decode = decode
         self.dead_letters = dead_letters
 
-    async def relay(self, batch: Sequence[EventT]) -> None:
+    async def relay(self, batch: Sequence[EventT[Any]]) -> None:
         """Publish every event the batch decodes to and wait for the broker's acknowledgements (the
         agent marks the batch processed, so its offsets get committed, only after this returns)."""
         pending = []

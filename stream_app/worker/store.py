@@ -17,12 +17,12 @@ committed input offset never runs ahead of the changelog.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Any, cast
 
 import faust
 import rocksdict
-from faust.types import TP
+from faust.types import TP, TableT
 
 #: faust keeps its own bookkeeping (the persisted changelog offset) under this prefix in the same DB.
 FAUST_RESERVED_PREFIX = b"__faust"
@@ -33,7 +33,7 @@ Change = tuple[bytes, bytes | None]  # (key, new value or None to delete)
 class RunStore:
     """Per-partition reads and batched writes of the runs table (keys and values are raw bytes)."""
 
-    def __init__(self, app: faust.App, table: faust.Table, changelog_topic: str) -> None:
+    def __init__(self, app: faust.App, table: TableT[bytes, bytes | None], changelog_topic: str) -> None:
         self.app = app
         self.table = table
         self.changelog_topic = changelog_topic
@@ -44,7 +44,8 @@ class RunStore:
         return self.table.data
 
     def get(self, partition: int, key: bytes) -> bytes | None:
-        return self._store._db_for_partition(partition).get(key)
+        value: bytes | None = self._store._db_for_partition(partition).get(key)
+        return value
 
     async def write(self, changes: Mapping[int, Sequence[Change]]) -> None:
         """Apply ``changes`` (by partition) locally and queue their changelog messages; returns once
@@ -61,11 +62,11 @@ class RunStore:
                 else:
                     batch.put(key, value)
             store._db_for_partition(partition).write(batch)
-            last: asyncio.Future[Any] | None = None
+            last: Awaitable[Any] | None = None
             for key, value in items:
                 last = await producer.send(self.changelog_topic, key, value, partition, None, None)
-            assert last is not None
-            last.add_done_callback(self._persist_offset)
+            # The producer hands back futures (FutureMessage), typed as plain awaitables.
+            cast("asyncio.Future[Any]", last).add_done_callback(self._persist_offset)
 
     def _persist_offset(self, sent: asyncio.Future[Any]) -> None:
         if sent.cancelled() or sent.exception() is not None:

@@ -49,7 +49,7 @@ async def _agent(fleet: Fleet) -> dict[str, Any]:
         guard.on_decision(decisions.append)
         async with asyncio.timeout(TIMEOUT_S):
             runaway = guard.run("run-login", agent_id="crm-agent")
-            with pytest.raises(RunHalted) as halted:
+            with pytest.raises(RunHalted) as halted:  # noqa: PT012 - a runaway calls until it is refused
                 while True:
                     try:
                         await runaway.call("crm_login", login, {"username": CUSTOMER, "password": PASSWORD})

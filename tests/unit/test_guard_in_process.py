@@ -58,7 +58,7 @@ async def attempt(
         return await run.call(tool, fn, args, **options)
     except RunHalted:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any tool error is an answer to retry on
         return exc
 
 

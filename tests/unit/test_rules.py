@@ -194,11 +194,8 @@ def test_runs_are_independent() -> None:
     from stream_app.core import Detector, RunTable
 
     table = RunTable(Detector())
-    verdicts = []
-    for i in range(4):
-        for run_id in ("a", "b"):
-            for d in table.observe(event(run_id=run_id, ts_ms=i)).decisions:
-                verdicts.append((run_id, i + 1, d.verdict))
+    verdicts = [(run_id, i + 1, d.verdict) for i in range(4) for run_id in ("a", "b")
+                for d in table.observe(event(run_id=run_id, ts_ms=i)).decisions]
     assert verdicts == [("a", 4, "recursion"), ("b", 4, "recursion")]
 
 
