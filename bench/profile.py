@@ -19,7 +19,7 @@ from typing import Any
 #: (label, path fragment of the innermost frame), first match wins.
 LAYERS: tuple[tuple[str, str], ...] = (
     ("loopwarden detector core", "stream_app/core/"),
-    ("loopwarden worker (batch logic, codecs)", "stream_app/"),
+    ("loopwarden worker (batch function, effects, store)", "stream_app/"),
     ("faust RocksDB store", "faust/stores/"),
     ("faust tables (changelog)", "faust/tables/"),
     ("faust streams, agents, conductor", "faust/"),
@@ -32,13 +32,13 @@ LAYERS: tuple[tuple[str, str], ...] = (
 
 #: (label, function names whose presence anywhere in a stack puts the sample in the stage).
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("BatchProcessor.process (whole batch path)", ("BatchProcessor.process",)),
-    ("  decode (orjson + contract)", ("BatchProcessor._decode",)),
+    ("Effects.process (whole batch path)", ("Effects.process",)),
+    ("  decode (orjson + contract)", ("BatchFold._decode",)),
     ("  detector fold (Detector.evaluate)", ("Detector.evaluate",)),
     ("  state read (RocksDB get + decode_run)", ("decode_run", "RunStore.get")),
     ("  state write (RocksDB batch + changelog sends)", ("encode_run", "RunStore.write")),
-    ("  publish decisions, wait for acks", ("BatchProcessor._publish",)),
-    ("  expiry sweep + runs_tracked gauge", ("BatchProcessor._sweep",)),
+    ("  publish decisions, wait for acks", ("Effects._publish",)),
+    ("  expiry sweep + runs_tracked gauge", ("Effects._sweep",)),
     ("faust producer buffer (decisions, DLQ)", ("ProducerBuffer._handle_pending", "ProducerBuffer.flush_atmost",
                                          "ProducerBuffer.wait_until_ebb")),
     ("faust delivery to the stream (take_events)", ("Stream._c_aiter", "Stream._passive_drainer",

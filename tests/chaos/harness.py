@@ -29,6 +29,7 @@ from stream_app.client.listener import HaltListener
 from stream_app.client.publisher import TelemetryPublisher
 from stream_app.core import Detector, Policy, RunTable, decode_event
 from stream_app.devtools.fleet_sim import simulate_fleet
+from stream_app.devtools.harness import metric_total
 
 from ..integration.workers import Fleet, WorkerProcess, consume
 
@@ -185,7 +186,7 @@ def slow_worker(worker: WorkerProcess, cycles: int = 6) -> Fault:
 
 def _lag(worker: WorkerProcess) -> float:
     try:
-        return sum(v for k, v in worker.metrics().items() if k.startswith("loopwarden_consumer_lag{"))
+        return metric_total(worker.metrics(), "loopwarden_consumer_lag")
     except OSError:
         return -1.0
 
@@ -277,7 +278,7 @@ def _sample(worker: WorkerProcess, fleet: Fleet, t_s: float, runs: int) -> dict[
     metrics = worker.metrics()
     state = sum(f.stat().st_size for f in fleet.root.rglob("*") if f.is_file() and "state" in str(f))
     return {
-        "t_s": round(t_s, 1), "runs": runs, "rss_mb": _rss_mb(worker),
+        "t_s": round(t_s, 1), "runs": runs, "rss_mb": worker.rss_mb(),
         "runs_tracked": metrics.get("loopwarden_runs_tracked", 0.0),
         "evicted": metrics.get("loopwarden_evicted_runs_total", 0.0),
         "lag": sum(v for k, v in metrics.items() if k.startswith("loopwarden_consumer_lag{")),
@@ -347,7 +348,7 @@ async def bad_input_flood(fleet: Fleet, worker: WorkerProcess, seed: int, runs: 
 
     try:
         clean_s = await timed([encode_telemetry(e) for e in clean], len(clean))
-        rss_before = await asyncio.to_thread(_rss_mb, worker)
+        rss_before = await asyncio.to_thread(worker.rss_mb)
         interleaved: list[tuple[bytes | None, bytes]] = []
         good = [encode_telemetry(e) for e in mixed]
         for i, message in enumerate(good):
@@ -356,7 +357,7 @@ async def bad_input_flood(fleet: Fleet, worker: WorkerProcess, seed: int, runs: 
                 interleaved.append((f"bad-{i}".encode(), bad[i][1]))
         interleaved.extend((b"bad", value) for _, value in bad[len(good):])
         mixed_s = await timed(interleaved, len(clean) + len(interleaved))
-        rss_after = await asyncio.to_thread(_rss_mb, worker)
+        rss_after = await asyncio.to_thread(worker.rss_mb)
     finally:
         await producer.stop()
 
@@ -388,7 +389,3 @@ def _taken(worker: WorkerProcess) -> float:
     return sum(v for k, v in metrics.items() if k.startswith(("loopwarden_events_total{", "loopwarden_dlq_total{"))) \
         + metrics.get("loopwarden_duplicate_events_total", 0.0)
 
-
-def _rss_mb(worker: WorkerProcess) -> float:
-    status = Path(f"/proc/{worker.process.pid}/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
