@@ -118,15 +118,21 @@ async def kafka_benches(bootstrap: str, plan: Plan, sections: set[str], results:
         try:
             await deployment.start_worker_async()
             await fleet.warm_up(deployment, template, "hw")
-            guard = await halt.guard_for(deployment)
+            # Halt latency is the fleet path's (what decisions only the fleet makes cost: local rules off,
+            # telemetry sent at once); overshoot is what a runtime gets as shipped (local rules on).
+            fleet_path = await halt.guard_for(deployment, local_rules=False, linger_ms=0)
+            shipped = await halt.guard_for(deployment)
             try:
                 if "halt" in sections:
-                    save("halt", await halt_section(deployment, guard, template, plan, base)
-                         | {"commit_overruns": commit_overruns(deployment.workers[0])})
+                    save("halt", await halt_section(deployment, fleet_path, template, plan, base)
+                         | {"commit_overruns": commit_overruns(deployment.workers[0]), "path": "fleet",
+                            "guard": {"local_rules": False, "linger_ms": 0}})
                 if "overshoot" in sections:
-                    save("overshoot", await overshoot_section(deployment, guard, template, plan, base))
+                    save("overshoot", await overshoot_section(deployment, shipped, template, plan, base)
+                         | {"guard": {"local_rules": True}})
             finally:
-                await guard.stop()
+                await shipped.stop()
+                await fleet_path.stop()
         finally:
             deployment.stop()
 

@@ -4,12 +4,14 @@ Both use the runtime SDK as an agent runtime does (``Guard.fleet``, its publishe
 this process, against real workers, while ``bench.loadgen`` adds background telemetry from its own
 process.
 
-- Halt latency: runaway runs (4 identical failing calls; the 4th triggers ``recursion``) are injected
-  at a steady pace. Latency is from the moment the SDK has produced the triggering event (the 4th
-  ``call`` returned, its telemetry queued to the producer) to the moment ``Guard.on_decision`` receives
-  the halt.
-- Overshoot: one agent at a time calls a failing tool at a fixed pace through the guard until
-  ``RunHalted``; overshoot is the calls it made after the triggering one (``evidence.seq``).
+- Halt latency, on the fleet path (a guard with local rules off and the producer's linger at 0: what a
+  decision only the fleet can make costs): runaway runs (4 identical failing calls; the 4th triggers
+  ``recursion``) are injected at a steady pace. Latency is from the moment the SDK has produced the
+  triggering event (the 4th ``call`` returned, its telemetry queued to the producer) to the moment
+  ``Guard.on_decision`` receives the halt.
+- Overshoot, as shipped (local rules on): one agent at a time calls a failing tool at a fixed pace
+  through the guard until ``RunHalted``; overshoot is the calls it made after the triggering one
+  (``evidence.seq``).
 """
 
 from __future__ import annotations
@@ -194,9 +196,10 @@ async def overshoot(deployment: BenchDeployment, guard: Guard, template: Path, r
             await gen.kill()
 
 
-async def guard_for(deployment: BenchDeployment) -> Guard:
-    """A started fleet guard on the deployment's topics."""
+async def guard_for(deployment: BenchDeployment, local_rules: bool = True, linger_ms: int = 5) -> Guard:
+    """A started fleet guard on the deployment's topics (``local_rules=False``: the fleet path alone)."""
     guard = Guard.fleet(KafkaClientConfig(deployment.bootstrap), deployment.telemetry_topic,
-                        deployment.control_topic, trusted_keys=deployment.trusted_keys(), lookback_ms=0)
+                        deployment.control_topic, trusted_keys=deployment.trusted_keys(), lookback_ms=0,
+                        local_rules=local_rules, linger_ms=linger_ms)
     await guard.start()
     return guard

@@ -7,6 +7,7 @@ use serde_json::{Map, Value};
 
 const MAX_ID_LENGTH: usize = 512;
 const MAX_RETRY_BUDGET: i64 = 10_000;
+const MAX_ERROR_HEAD_BYTES: usize = 256;
 
 pub const OUTCOMES: [&str; 4] = ["success", "error", "empty", "noop"];
 
@@ -75,9 +76,11 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
             "run_id" | "event_id" | "tool" | "ts_ms" | "outcome" | "args" | "args_hash"
             | "result" | "result_hash" => {}
             "agent_id" => call.agent_id = Some(identifier(Some(value), false)?),
-            "tenant" | "trace_id" | "span_id" | "parent_span_id" | "error_class" => {
+            "tenant" | "trace_id" | "span_id" | "parent_span_id" | "error_class" | "policy_digest" => {
                 identifier(Some(value), false)?;
             }
+            "error_head" if value.as_str()?.len() > MAX_ERROR_HEAD_BYTES => return None,
+            "error_head" => {}
             "seq" => {
                 integer(value)?;
             }

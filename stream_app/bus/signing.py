@@ -25,6 +25,9 @@ from typing import Any, Final
 from ..core import LoopwardenError
 from .wire import Headers, header
 
+#: The one setting that names the workers' public keys (PEM files or directories, comma-separated), read
+#: by everything that acts on control or alerts messages: the SDK, ``loopwarden notify``, ``halt --wait``.
+WORKER_KEYS_VAR: Final = "LOOPWARDEN_WORKER_KEYS"
 KEY_ID_HEADER: Final = "lw_key_id"
 SIGNATURE_HEADER: Final = "lw_signature"
 #: Why a message was refused; each is counted separately by listeners and workers.

@@ -4,19 +4,27 @@
 result for a suppressed duplicate of a side-effecting call instead of acting again, and otherwise runs
 the tool, classifies its outcome and reports it as telemetry.
 
-Two modes share that path and differ only in where telemetry goes and decisions come from:
+Local first, fleet-wide authority. The per-run rules (recursion, semantic loops, cycles, the ceiling,
+duplicate side effects) are folded *here*, through the same core the workers run, on exactly the
+telemetry this process publishes (``_LocalRules``): a halt decided on one call is in force before the
+next, and a duplicate side effect is answered before it runs, at any call rate. The fleet
+(``Guard.fleet``) gets the same telemetry, folds the same sequence into the same decisions with the same
+ids (each applied once here: ``confirmed``), and decides what only it can see: operators' halts and
+resumes, runs this process saw only part of (``fleet_only``). A fleet halt halts the local state too; a
+fleet resume lifts the local halt and resets the local streaks, as the worker does.
 
-- ``Guard.in_process()`` folds each call through the core detector in this process, so a halt decided
-  on one call is in force before the next. For one process, tests and notebooks.
-- ``Guard.fleet(config)`` publishes telemetry to Kafka and applies the decisions the workers publish on
-  the control topic. A decision arrives some milliseconds after the call that triggered it; a bound
-  task (``bind_task``) is cancelled on arrival.
+- ``Guard.in_process()``: local rules only, no Kafka. For one process, tests and notebooks.
+- ``Guard.fleet(config)``: local rules (``local_rules=True``, the default, or per run with
+  ``guard.run(..., local_rules=False)`` for a run whose calls are published by several processes, which
+  each see only part of it) plus telemetry to Kafka and the workers' decisions from the control topic.
 
-A duplicate side effect is the one repetition that must be stopped *before* it happens. In-process,
-the guard therefore asks the detector first, on a scratch copy of the run's state, whether repeating a
-remembered side-effecting call would be suppressed or halted; only then is the repetition recorded and
-the earlier result handed back. In fleet mode the same happens once the fleet's ``suppress`` decision
-has arrived: the repetition that triggered it has already run.
+A duplicate side effect is the one repetition that must be stopped *before* it happens: the guard asks
+the local fold first, on a scratch copy of the run's state, whether repeating a remembered
+side-effecting call would be suppressed or halted; only then is the repetition recorded and the earlier
+result handed back. Without local rules the fleet's ``suppress`` arrives after the repetition ran.
+
+A halt that arrives while a bound task (``bind_task``, ``bound()``) awaits a tool cancels the tool's
+await, and the call raises ``RunHalted`` in its place, so ``except RunHalted`` sees every halt.
 """
 
 from __future__ import annotations
@@ -24,14 +32,17 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from ..bus.clock import wall_clock_ms
 from ..bus.kafka import KafkaClientConfig
+from ..bus.signing import WORKER_KEYS_VAR, KeyRing
 from ..core import (
     OUTCOMES,
     Detector,
@@ -50,9 +61,6 @@ from .publisher import (
     TelemetryBuilder,
     TelemetryPublisher,
 )
-
-if TYPE_CHECKING:
-    from ..bus.signing import KeyRing
 
 logger = logging.getLogger(__name__)
 
@@ -108,39 +116,36 @@ class _Earlier:
         return self.value
 
 
-class _LocalDetector:
-    """In-process mode: telemetry is folded through the core detector right here."""
+class _LocalRules:
+    """The per-run rules, folded in this process over the telemetry it publishes."""
 
     def __init__(self, policy: Policy, board: ControlBoard) -> None:
         self.table = RunTable(Detector(policy))
         self.board = board
-        self.counters: dict[str, int] = {}
+        board.follow_fleet(self.follow)
 
-    def ready(self) -> bool:
-        return True
-
-    async def start(self) -> None:
-        return None
-
-    async def stop(self) -> None:
-        return None
-
-    async def record(self, event: dict[str, Any]) -> None:
+    def fold(self, event: dict[str, Any]) -> None:
         for decision in self.table.observe(decode_event(event)).decisions:
-            self.board.apply(decision.to_control())
+            self.board.apply(decision.to_control(), source="local")
 
     def would_stop(self, event: dict[str, Any]) -> bool:
         """Whether recording ``event`` would suppress or halt, judged on a scratch copy of the run."""
         state = self.table.get(event["run_id"])
         if state is None:
             return False
-        scratch = state.copy()
-        decisions = self.table.detector.evaluate(scratch, decode_event(event)).decisions
+        decisions = self.table.detector.evaluate(state.copy(), decode_event(event)).decisions
         return any(d.action in ("suppress", "halt") for d in decisions)
+
+    def follow(self, message: dict[str, Any]) -> None:
+        """A fleet decision this fold did not make: the run's state follows it as the worker's does."""
+        if message["action"] == "halt":
+            self.table.halt(message["run_id"], message["decision_id"])
+        elif message["action"] == "resume":
+            self.table.resume(message["run_id"])
 
 
 class _FleetLink:
-    """Fleet mode: telemetry to Kafka, decisions from the control topic."""
+    """Fleet mode: telemetry to Kafka, the workers' decisions from the control topic."""
 
     def __init__(self, publisher: TelemetryPublisher, listener: HaltListener) -> None:
         self.publisher = publisher
@@ -180,8 +185,6 @@ class _FleetLink:
                 extra={"run_id": event["run_id"]},
             )
 
-    def would_stop(self, event: dict[str, Any]) -> bool:
-        return False  # the fleet's verdict arrives later, as a decision
 
 
 class Guard(StartStop):
@@ -192,13 +195,17 @@ class Guard(StartStop):
         self,
         builder: TelemetryBuilder,
         board: ControlBoard,
-        link: _LocalDetector | _FleetLink,
+        local: _LocalRules | None,
+        fleet: _FleetLink | None,
         clock: Callable[[], int] = wall_clock_ms,
     ) -> None:
+        if local is None and fleet is None:
+            raise InvalidCall("a guard needs local rules, the fleet, or both")
         self.builder = builder
         self.board = board
         self.clock = clock
-        self._link = link
+        self._local = local
+        self._fleet = fleet
         self._runs: OrderedDict[str, GuardedRun] = OrderedDict()
 
     @classmethod
@@ -210,10 +217,11 @@ class Guard(StartStop):
         redact: Iterable[str] = DEFAULT_REDACTED_FIELDS,
         clock: Callable[[], int] = wall_clock_ms,
     ) -> Guard:
-        """A guard with the detector in this process; no Kafka, nothing to start."""
+        """A guard with the detector in this process; no Kafka, nothing to start. ``policy=None`` means
+        the built-in defaults."""
         policy = policy or Policy()
         board = ControlBoard(watch_all=True)
-        return cls(TelemetryBuilder(policy, raw_tools, redact=redact), board, _LocalDetector(policy, board), clock)
+        return cls(TelemetryBuilder(policy, raw_tools, redact=redact), board, _LocalRules(policy, board), None, clock)
 
     @classmethod
     def fleet(
@@ -228,42 +236,70 @@ class Guard(StartStop):
         raw_tools: Iterable[str] = (),
         redact: Iterable[str] = DEFAULT_REDACTED_FIELDS,
         lookback_ms: int = 60_000,
+        local_rules: bool = True,
+        linger_ms: int = 5,
         clock: Callable[[], int] = wall_clock_ms,
     ) -> Guard:
-        """A guard that publishes telemetry and obeys the fleet's decisions signed by ``trusted_keys``
-        (the workers' public keys; ``allow_unsigned`` only for development). Give it the workers'
-        policy, so field filters and side-effect windows agree. Start it before use (``async with``)."""
+        """A guard that folds its runs' per-run rules here (``local_rules``), publishes their telemetry
+        and obeys the fleet's decisions signed by ``trusted_keys``: the workers' public keys, by default
+        the ``LOOPWARDEN_WORKER_KEYS`` files or directories (``allow_unsigned`` only for development).
+
+        ``policy`` is what the local rules enforce (``None``: the built-in defaults); give it the
+        workers' policy, so both sides decide alike (telemetry carries its digest; workers count
+        mismatches). The stricter applies either way: this process enforces its policy and obeys every
+        fleet decision. ``linger_ms`` is the telemetry producer's batching delay. Start the guard before
+        use (``async with``)."""
+        if trusted_keys is None and not allow_unsigned:
+            setting = os.environ.get(WORKER_KEYS_VAR, "").strip()
+            if setting:
+                trusted_keys = KeyRing.from_setting(setting)
+        policy = policy or Policy()
         board = ControlBoard()
-        link = _FleetLink(
-            TelemetryPublisher(config, telemetry_topic),
+        fleet = _FleetLink(
+            TelemetryPublisher(config, telemetry_topic, linger_ms=linger_ms),
             HaltListener(config, control_topic, trusted_keys=trusted_keys, allow_unsigned=allow_unsigned,
                          board=board, lookback_ms=lookback_ms),
         )
-        return cls(TelemetryBuilder(policy, raw_tools, redact=redact), board, link, clock)
+        local = _LocalRules(policy, board) if local_rules else None
+        return cls(TelemetryBuilder(policy, raw_tools, redact=redact), board, local, fleet, clock)
 
     async def start(self) -> None:
-        await self._link.start()
+        if self._fleet is not None:
+            await self._fleet.start()
 
     async def stop(self) -> None:
-        await self._link.stop()
+        if self._fleet is not None:
+            await self._fleet.stop()
+
+    def ready(self) -> bool:
+        return self._fleet is None or self._fleet.ready()
 
     @property
     def counters(self) -> dict[str, int]:
-        """Decisions applied/duplicate/malformed/ignored, and (fleet) telemetry published/failed."""
-        return {**self.board.counters, **self._link.counters}
+        """Decisions applied/duplicate/malformed/ignored, refused by reason, made ``local``ly,
+        ``confirmed`` by the fleet and ``fleet_only``; (fleet) telemetry published/failed."""
+        return {**self.board.counters, **(self._fleet.counters if self._fleet is not None else {})}
 
     def on_decision(self, callback: DecisionCallback) -> None:
         """Call ``callback(control_v1_dict)`` for every decision applied to this process's runs."""
         self.board.add_callback(callback)
 
-    def run(self, run_id: str, agent_id: str | None = None, tenant: str | None = None) -> GuardedRun:
-        """The guarded handle of a run: the same object for the same run id (the 10 000 most recent)."""
+    def run(self, run_id: str, agent_id: str | None = None, tenant: str | None = None, *,
+            local_rules: bool = True) -> GuardedRun:
+        """The guarded handle of a run: the same object for the same run id (the 10 000 most recent).
+
+        ``local_rules=False``: this run's rules are left to the fleet, for a run whose calls several
+        processes publish (each would see only part of it locally); its halts then arrive from the
+        control topic, some milliseconds after the call that triggered them."""
         for name, value in (("run_id", run_id), ("agent_id", agent_id), ("tenant", tenant)):
             if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_ID_LENGTH):
                 raise InvalidCall(f"{name}: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+        if not local_rules and self._fleet is None:
+            raise InvalidCall("local_rules=False needs the fleet: an in-process guard has only local rules")
         guarded = self._runs.get(run_id)
         if guarded is None:
-            guarded = self._runs[run_id] = GuardedRun(self, run_id, agent_id, tenant)
+            guarded = self._runs[run_id] = GuardedRun(self, run_id, agent_id, tenant,
+                                                      local_rules and self._local is not None)
             if len(self._runs) > _MAX_RUNS:
                 self._runs.popitem(last=False)
             self.board.watch(run_id)
@@ -273,20 +309,27 @@ class Guard(StartStop):
             raise InvalidCall(
                 f"run {run_id} is already guarded as agent {guarded.agent_id!r}, tenant {guarded.tenant!r}"
             )
+        if guarded.local_rules != (local_rules and self._local is not None):
+            raise InvalidCall(f"run {run_id} is already guarded with local_rules={guarded.local_rules}")
         return guarded
 
 
 class GuardedRun:
     """One agent run's tool calls, through the guard. Not thread-safe; use it from one event loop."""
 
-    def __init__(self, guard: Guard, run_id: str, agent_id: str | None, tenant: str | None) -> None:
+    def __init__(self, guard: Guard, run_id: str, agent_id: str | None, tenant: str | None,
+                 local_rules: bool) -> None:
         self.run_id = run_id
         self.agent_id = agent_id
         self.tenant = tenant
+        #: Whether this process folds the run's per-run rules (see ``Guard.run``).
+        self.local_rules = local_rules
+        self._guard = guard
         self._builder = guard.builder
         self._board = guard.board
         self._clock = guard.clock
-        self._link = guard._link
+        self._local = guard._local if local_rules else None
+        self._fleet = guard._fleet
         self._seq = 0
         self._earlier: OrderedDict[tuple[str, str], _Earlier] = OrderedDict()
 
@@ -305,12 +348,36 @@ class GuardedRun:
         return self._seq
 
     def bind_task(self, task: asyncio.Task[Any] | None = None) -> asyncio.Task[Any]:
-        """Have ``task`` (default: the current one) cancelled when the run is halted."""
+        """Have ``task`` (default: the current one) cancelled when the run is halted. A halt landing
+        while the task awaits a tool raises ``RunHalted`` from that ``call``; elsewhere (a model turn)
+        the task sees a ``CancelledError``, which ``bound()`` turns into ``RunHalted``."""
         task = task or asyncio.current_task()
         if task is None:
             raise UsageError("bind_task() outside a task: pass the task to cancel on halt")
         self._board.bind_task(self.run_id, task)
         return task
+
+    @asynccontextmanager
+    async def bound(self) -> AsyncIterator[GuardedRun]:
+        """``async with run.bound():`` binds the current task for the block; a halt that cancels it
+        anywhere inside leaves the block as ``RunHalted``, not as a cancellation."""
+        task = self.bind_task()
+        try:
+            yield self
+        except asyncio.CancelledError:
+            if self._halt_cancelled(task):
+                raise RunHalted(self.decision or {}) from None
+            raise
+        finally:
+            self._board.unbind_task(self.run_id, task)
+
+    def _halt_cancelled(self, task: asyncio.Task[Any] | None) -> bool:
+        """Whether the cancellation ``task`` is in was the board's, for this run's halt; if so, it is
+        taken back (a cancellation of anyone else's still stands)."""
+        if task is None or not self.halted or not task.cancelling():
+            return False
+        task.uncancel()
+        return task.cancelling() == 0
 
     async def call(
         self,
@@ -343,6 +410,10 @@ class GuardedRun:
             value = fn(**pending.args)
             if inspect.isawaitable(value):
                 value = await value
+        except asyncio.CancelledError:
+            if self._halt_cancelled(asyncio.current_task()):
+                raise RunHalted(self.decision or {}) from None  # the tool was cut off: nothing to report
+            raise
         except Exception as exc:
             await self.finish(pending, error=exc, latency_ms=(time.perf_counter() - started) * 1000)
             raise
@@ -364,7 +435,7 @@ class GuardedRun:
         instead of running the tool; it is already reported). Otherwise run the tool and ``finish``."""
         ids = ids or _NO_IDS
         _check_call(tool, retry_budget, plan_step, ids)
-        if not self._link.ready():
+        if not self._guard.ready():
             raise UsageError(
                 "the fleet guard is not started: use 'async with guard' or await guard.start()"
             )
@@ -386,7 +457,7 @@ class GuardedRun:
         if earlier is not None:
             repeat = self._event(spec, earlier, now_ms, 0.0, repeat=True)
             suppressed = self._board.is_suppressed(self.run_id, tool, spec.args_hash, now_ms)
-            if suppressed or self._link.would_stop(repeat):
+            if suppressed or (self._local is not None and self._local.would_stop(repeat)):
                 await self._record(repeat)
                 self._raise_if_halted()
                 # No tool ran, so nothing awaited: yield, or an agent retrying in a tight loop would
@@ -443,6 +514,7 @@ class GuardedRun:
                 retry_budget=spec.retry_budget,
                 plan_step=spec.plan_step,
                 error_class=done.error_class,
+                error_message=str(done.error) if done.error is not None else None,
                 trace_id=spec.ids.trace_id,
                 span_id=spec.ids.span_id,
                 parent_span_id=spec.ids.parent_span_id,
@@ -453,7 +525,10 @@ class GuardedRun:
 
     async def _record(self, event: dict[str, Any]) -> None:
         self._seq += 1
-        await self._link.record(event)
+        if self._local is not None:
+            self._local.fold(event)
+        if self._fleet is not None:
+            await self._fleet.record(event)
 
     def _recall(self, key: tuple[str, str], now_ms: int) -> _Earlier | None:
         earlier = self._earlier.get(key)

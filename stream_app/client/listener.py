@@ -32,6 +32,7 @@ import orjson
 
 from ..bus.clock import wall_clock_ms
 from ..bus.kafka import KafkaClientConfig, KafkaConfigError
+from ..bus.signing import WORKER_KEYS_VAR
 from .lifecycle import StartStop
 
 if TYPE_CHECKING:
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Applied = Literal["applied", "duplicate", "malformed", "ignored"]
+#: Who made a decision: this process's own fold of its runs, or the fleet's workers.
+Source = Literal["local", "fleet"]
 #: Called with the control v1 object of every decision applied to a watched run; may be async.
 DecisionCallback = Callable[[dict[str, Any]], object]
 
@@ -80,16 +83,33 @@ class ControlBoard:
         self.max_parked_runs = max_parked_runs
         #: Suppression window when a suppress decision carries none in its evidence.
         self.default_window_ms = default_window_ms
+        #: applied/duplicate/malformed/ignored, the listener's refusals by reason, and where decisions came
+        #: from: ``local`` (this process's own fold), ``confirmed`` (the fleet's copy of a local one
+        #: arrived), ``fleet_only`` (made by the fleet alone: an operator, runs seen only there).
         self.counters: dict[str, int] = {"applied": 0, "duplicate": 0, "malformed": 0, "ignored": 0,
-                                         "unsigned": 0, "unknown_key": 0, "bad_signature": 0, "expired": 0}
+                                         "unsigned": 0, "unknown_key": 0, "bad_signature": 0, "expired": 0,
+                                         "local": 0, "confirmed": 0, "fleet_only": 0}
         self._runs: OrderedDict[str, _RunView] = OrderedDict()
         self._seen: OrderedDict[str, None] = OrderedDict()
+        self._local_ids: OrderedDict[str, None] = OrderedDict()
         self._parked: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
         self._callbacks: list[DecisionCallback] = []
+        self._confirmations: list[DecisionCallback] = []
+        self._follow: Callable[[dict[str, Any]], None] | None = None
         self._callback_tasks: set[asyncio.Future[Any]] = set()
 
     def add_callback(self, callback: DecisionCallback) -> None:
+        """``callback(message)`` for every decision acted upon, whichever side made it."""
         self._callbacks.append(callback)
+
+    def add_confirmation_callback(self, callback: DecisionCallback) -> None:
+        """``callback(message)`` when the fleet's copy of a decision this process made arrives."""
+        self._confirmations.append(callback)
+
+    def follow_fleet(self, follow: Callable[[dict[str, Any]], None]) -> None:
+        """``follow(message)`` for every fleet decision acted upon that this process did not make (the
+        local fold mirrors an operator's halt or resume on the run's state)."""
+        self._follow = follow
 
     def watch(self, run_id: str) -> None:
         """Apply decisions for ``run_id`` from now on, starting with any parked for it."""
@@ -122,12 +142,18 @@ class ControlBoard:
         if view.halt is not None:
             _cancel(run_id, [task])
 
+    def unbind_task(self, run_id: str, task: asyncio.Task[Any]) -> None:
+        view = self._runs.get(run_id)
+        if view is not None:
+            view.tasks.discard(task)
+
     def apply_json(self, raw: bytes | None) -> Applied:
         """Apply one control message as it came off the wire."""
         return self.apply(_decoded(raw))
 
-    def apply(self, message: object) -> Applied:
-        """Apply one control v1 object; never raises."""
+    def apply(self, message: object, *, source: Source = "fleet") -> Applied:
+        """Apply one control v1 object made by ``source`` (this process's fold, or the fleet); never
+        raises."""
         if not _well_formed(message):
             self.counters["malformed"] += 1
             logger.debug("malformed control message ignored: %.200r", message)
@@ -135,10 +161,19 @@ class ControlBoard:
         decision_id = message["decision_id"]
         if decision_id in self._seen:
             self.counters["duplicate"] += 1
+            if source == "fleet" and decision_id in self._local_ids:
+                del self._local_ids[decision_id]  # counted once, however often the fleet re-sends it
+                self.counters["confirmed"] += 1
+                for callback in self._confirmations:
+                    self._notify(callback, message)
             return "duplicate"
         self._seen[decision_id] = None
         if len(self._seen) > self.max_decision_ids:
             self._seen.popitem(last=False)
+        if source == "local":
+            self._local_ids[decision_id] = None
+            if len(self._local_ids) > self.max_decision_ids:
+                self._local_ids.popitem(last=False)
         run_id = message["run_id"]
         if message["action"] not in _ACTIONS:  # a newer writer's action: forward compatible
             self.counters["ignored"] += 1
@@ -148,10 +183,10 @@ class ControlBoard:
             self._park(run_id, message)
             self.counters["ignored"] += 1
             return "ignored"
-        self._act(run_id, view if view is not None else self._view(run_id), message)
+        self._act(run_id, view if view is not None else self._view(run_id), message, source)
         return "applied"
 
-    def _act(self, run_id: str, view: _RunView, message: dict[str, Any]) -> None:
+    def _act(self, run_id: str, view: _RunView, message: dict[str, Any], source: Source = "fleet") -> None:
         self._runs.move_to_end(run_id)
         action = message["action"]
         log_extra = {
@@ -179,6 +214,12 @@ class ControlBoard:
                 del view.suppressed[next(iter(view.suppressed))]
             logger.debug("call suppressed", extra=log_extra)
         self.counters["applied"] += 1
+        if source == "local":
+            self.counters["local"] += 1
+        else:
+            self.counters["fleet_only"] += 1
+            if self._follow is not None:
+                self._follow(message)
         for callback in self._callbacks:
             self._notify(callback, message)
 
@@ -281,9 +322,10 @@ class HaltListener(StartStop):
     ) -> None:
         if trusted_keys is None and not allow_unsigned:
             raise KafkaConfigError(
-                "trusted_keys: required, the public key(s) of the workers that sign control messages "
-                "(signing.KeyRing.from_setting, e.g. from LOOPWARDEN_CONTROL_KEYS); allow_unsigned=True "
-                "accepts unsigned halts from anyone who can write the topic (development only)"
+                f"trusted_keys: required, the public key(s) of the workers that sign control messages: set "
+                f"{WORKER_KEYS_VAR} to their PEM files or directories (comma-separated), or pass "
+                "trusted_keys=KeyRing.from_setting(...); allow_unsigned=True accepts unsigned halts from anyone "
+                "who can write the topic (development only)"
             )
         self.config = config
         self.topic = topic

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import re
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ import orjson
 from ..bus.kafka import KafkaClientConfig, KafkaConfigError
 from ..bus.wire import encode_telemetry
 from ..core import FieldFilter, NormalisationError, Outcome, Policy, semantic_hash
+from ..core.contract import MAX_ERROR_HEAD_BYTES
 from .errors import InvalidArgumentType, UsageError
 from .lifecycle import StartStop
 
@@ -82,6 +84,9 @@ class FinishedCall:
     retry_budget: int | None = None
     plan_step: int | None = None
     error_class: str | None = None
+    #: The error's message, raw: sent (as ``error_head``: cut, secrets masked) only where the policy's
+    #: ``send_error_head`` opts the tool in.
+    error_message: str | None = None
     trace_id: str | None = None
     span_id: str | None = None
     parent_span_id: str | None = None
@@ -135,6 +140,9 @@ class TelemetryBuilder:
             event["args_hash"] = args_hash or self.args_hash(call.agent_id, call.tool, call.args)
             event["result_hash"] = self._hashed(call.agent_id, call.tool, call.result, "result")[0]
         event["latency_ms"] = round(max(call.latency_ms, 0.0), 3)
+        event["policy_digest"] = self.policy.digest
+        if call.error_message and self.policy.resolve(call.agent_id, call.tool).thresholds.send_error_head:
+            event["error_head"] = error_head(call.error_message)
         for name in ("seq", "agent_id", "tenant", "side_effect", "retry_budget", "plan_step", "error_class",
                      "trace_id", "span_id", "parent_span_id"):
             value = getattr(call, name)
@@ -175,6 +183,25 @@ class TelemetryBuilder:
             tool,
             extra={"tool": tool},
         )
+
+
+#: Secrets inside free text: a value after a secret's name (``token=...``, ``password: ...``), a bearer
+#: token, credentials in a URL. An error message is text, not fields, so names cannot be matched.
+_SECRET_IN_TEXT: Final = (
+    re.compile(r"(?i)\b((?:[a-z]+[_-])?(?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|"
+               r"authorization|cookie|session))(\s*[:=]\s*)(\"[^\"]*\"|'[^']*'|[^\s,;&]+)"),
+    re.compile(r"(?i)\b(bearer|basic)(\s+)([a-z0-9._~+/=-]{8,})"),
+    re.compile(r"(?i)(://)([^/\s:@]+:[^/\s@]+)(@)"),
+)
+
+
+def error_head(message: str) -> str:
+    """The start of an error message as ``error_head``: secrets masked, then cut to at most
+    ``MAX_ERROR_HEAD_BYTES`` of UTF-8 (on a character boundary)."""
+    masked = _SECRET_IN_TEXT[2].sub(r"\1***\3", message)
+    masked = _SECRET_IN_TEXT[1].sub(r"\1\2***", masked)
+    masked = _SECRET_IN_TEXT[0].sub(r"\1\2***", masked)
+    return masked.encode()[:MAX_ERROR_HEAD_BYTES].decode("utf-8", "ignore")
 
 
 def _without(value: Any, secrets: FieldFilter, removed: list[str]) -> Any:

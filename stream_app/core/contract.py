@@ -66,10 +66,18 @@ class TelemetryEvent:
     plan_step: int | None = None
     side_effect: bool | None = None
     error_class: str | None = None
+    #: The start of the error's message (at most ``MAX_ERROR_HEAD_BYTES``, redacted by the SDK), for tools
+    #: whose policy opts in (``send_error_head``); halts quote it.
+    error_head: str | None = None
+    #: SHA-256 of the runtime's policy (``Policy.digest``): workers count events of a policy not theirs.
+    policy_digest: str | None = None
 
+
+#: Longest accepted ``error_head``, in UTF-8 bytes.
+MAX_ERROR_HEAD_BYTES: Final = 256
 
 _OPTIONAL_STRINGS: Final = frozenset(
-    ("agent_id", "tenant", "trace_id", "span_id", "parent_span_id", "error_class")
+    ("agent_id", "tenant", "trace_id", "span_id", "parent_span_id", "error_class", "policy_digest")
 )
 _OPTIONAL_NUMBERS: Final = frozenset(("latency_ms", "tokens", "cost_usd"))
 _CHECKED_ELSEWHERE: Final = frozenset(
@@ -135,6 +143,11 @@ def _check_optional(obj: dict[str, Any], name: str) -> None:
     elif name == "retry_budget":
         if _integer(obj, name, 0) > MAX_RETRY_BUDGET:  # type: ignore[operator]
             raise InvalidEvent(name, f"must be <= {MAX_RETRY_BUDGET}, got {value}")
+    elif name == "error_head":
+        if type(value) is not str:
+            raise InvalidEvent(name, f"must be a string, got {_json_type(value)}")
+        if len(value.encode()) > MAX_ERROR_HEAD_BYTES:
+            raise InvalidEvent(name, f"longer than {MAX_ERROR_HEAD_BYTES} bytes")
     elif name == "side_effect":
         if type(value) is not bool:
             raise InvalidEvent(name, f"must be a boolean, got {_json_type(value)}")
@@ -206,7 +219,8 @@ def decode_event(obj: Any) -> TelemetryEvent:
     return TelemetryEvent(
         run_id, event_id, tool, ts_ms, outcome, args, args_hash, get("result"), has_result, result_hash,
         get("agent_id"), get("tenant"), get("seq"), get("trace_id"), get("span_id"), get("parent_span_id"),
-        get("retry_budget"), get("plan_step"), get("side_effect"), get("error_class"),
+        get("retry_budget"), get("plan_step"), get("side_effect"), get("error_class"), get("error_head"),
+        get("policy_digest"),
     )
 
 

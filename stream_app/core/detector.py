@@ -379,6 +379,9 @@ def explain(event: TelemetryEvent, thresholds: Thresholds, finding: Finding) -> 
         reason = (f"{event.tool} {same} returned the identical {event.outcome} result "
                   f"{finding.result_hash[:12]} {count} times in a row within {thresholds.window_ms // 1000} s; "
                   f"retry budget is {finding.budget}")
+        failure = _failure(event, evidence)
+        if failure:
+            reason = f"{reason}; it failed with {failure}"
     elif verdict == "cycle":
         evidence.update(count=thresholds.cycle_occurrences, period=finding.period, window_ms=thresholds.window_ms)
         reason = (f"a {finding.period}-call cycle ending in {event.tool} repeated "
@@ -411,6 +414,16 @@ def explain(event: TelemetryEvent, thresholds: Thresholds, finding: Finding) -> 
         trace_id=event.trace_id,
         span_id=event.span_id,
     )
+
+
+def _failure(event: TelemetryEvent, evidence: dict[str, Any]) -> str:
+    """The failure as the telemetry named it (error class, start of the message), added to the
+    evidence; '' when the event names none."""
+    if event.error_class is not None:
+        evidence["error_class"] = event.error_class
+    if event.error_head is not None:
+        evidence["error_head"] = event.error_head
+    return ": ".join(part for part in (event.error_class, event.error_head) if part)
 
 
 def event_hashes(event: TelemetryEvent, call_policy: CallPolicy) -> tuple[str, bool, str]:

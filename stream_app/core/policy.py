@@ -13,13 +13,14 @@ because a silently ignored typo in a kill switch's policy is a production incide
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from dataclasses import dataclass, fields, replace
 from fnmatch import fnmatchcase
 from typing import Any
 
 from .errors import PolicyError
-from .normalize import DEFAULT_IGNORED_FIELDS, FieldFilter
+from .normalize import DEFAULT_IGNORED_FIELDS, FieldFilter, canonical_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,9 @@ class Thresholds:
     #: Shadow mode (rolling the detector out): decide as usual, but publish what would be a halt or a
     #: suppress as an ``alert`` (evidence ``shadow: true``, ``would``: the action); the run goes on.
     shadow: bool = False
+    #: The SDK sends the start of a failing call's error message (``error_head``, secrets masked) so
+    #: halts can quote it; off by default, since results are hashed for privacy.
+    send_error_head: bool = False
 
     def __post_init__(self) -> None:
         for name in ("retry_budget", "window_calls", "iteration_ceiling", "poll_alert_after"):
@@ -104,6 +108,18 @@ class Policy:
         self._agents = list((agents or {}).items())
         self._tools = list((tools or {}).items())
         self._cache: dict[tuple[str | None, str], CallPolicy] = {}
+        self.digest = self._digest()
+
+    def _digest(self) -> str:
+        """SHA-256 (hex) of the policy's canonical JSON: every default, then the agent and tool entries in
+        their matching order. Two processes with the same digest decide alike."""
+        document = {
+            "version": 1,
+            "defaults": {f.name: getattr(self.defaults, f.name) for f in fields(Thresholds)},
+            "agents": [[pattern, overrides] for pattern, overrides in self._agents],
+            "tools": [[pattern, overrides] for pattern, overrides in self._tools],
+        }
+        return hashlib.sha256(canonical_json(document)).hexdigest()
 
     @classmethod
     def from_mapping(cls, document: Any) -> Policy:

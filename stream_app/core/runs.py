@@ -44,6 +44,15 @@ class RunTable:
         self._evict()
         return evaluation
 
+    def halt(self, run_id: str, decision_id: str) -> bool:
+        """A halt made elsewhere (an operator's): the run folds nothing more until resumed; False if the
+        run is not tracked."""
+        state = self._runs.get(run_id)
+        if state is None:
+            return False
+        state.halted_by = decision_id
+        return True
+
     def resume(self, run_id: str) -> bool:
         """Operator resume; False if the run is not tracked."""
         state = self._runs.get(run_id)

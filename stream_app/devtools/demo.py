@@ -4,9 +4,11 @@ This is what ``make run`` shows. It starts a worker process on the Kafka at KAFK
 (topics and state of its own, so demos never mix), then runs agent runs concurrently through
 ``Guard.fleet``: healthy runs, legitimate retries against a flaky tool, runaway loops, argument-mutating
 loops, edit/patch cycles, polling and duplicate e-mails. Runaways keep calling until the guard refuses.
-It ends with a table: calls, halts by verdict, false halts, and how many calls each runaway made after
-the call that triggered its halt (the overshoot). Exit status 1 if anything was halted that should not
-have been, or a runaway was never stopped.
+It ends with a table: calls, halts by verdict, false halts, how many calls each runaway made after the
+call that triggered its halt (the overshoot: 0, since the guard folds its runs' per-run rules itself)
+and the side effects performed (a duplicate e-mail is one too many), then where the decisions were made
+and how long the fleet's confirmations took. Exit status 1 if anything was halted that should not have
+been, a runaway was never stopped, or a side effect was repeated.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class RunRecord:
     run: GuardedRun | None = None
     verdict: str | None = None
     overshoot: int | None = None
+    #: Side effects the run's tools performed (e-mails sent).
+    side_effects: int = 0
 
     @property
     def calls(self) -> int:
@@ -48,13 +52,17 @@ class RunRecord:
 class ThinkingRun:
     """A guarded run whose agent takes a model turn (50-150 ms, a fast model) before every tool call."""
 
-    def __init__(self, run: GuardedRun, rng: random.Random) -> None:
+    def __init__(self, run: GuardedRun, rng: random.Random, record: RunRecord) -> None:
         self.run = run
         self.rng = rng
+        self.record = record
 
     async def call(self, tool: str, fn: Callable[..., Any], /, args: dict[str, Any], **options: Any) -> Any:
         await asyncio.sleep(self.rng.uniform(0.05, 0.15))
         return await self.run.call(tool, fn, args, **options)
+
+    def effect(self) -> None:
+        self.record.side_effects += 1
 
 
 async def _agent(guard: Guard, scenario: Scenario, run_id: str, seed: int, record: RunRecord) -> None:
@@ -62,7 +70,7 @@ async def _agent(guard: Guard, scenario: Scenario, run_id: str, seed: int, recor
     run = record.run = guard.run(run_id, agent_id=scenario.agent_id)
     await asyncio.sleep(rng.uniform(0, 1.0))  # agents start staggered, like a real fleet
     try:
-        await scenario.agent(ThinkingRun(run, rng), rng)
+        await scenario.agent(ThinkingRun(run, rng, record), rng)
     except RunHalted as halted:
         record.verdict = halted.verdict
         trigger_seq = halted.decision.get("evidence", {}).get("seq")
@@ -79,7 +87,8 @@ def _progress(records: list[RunRecord], started: float, done: int) -> str:
 
 def summary_table(records: list[RunRecord]) -> tuple[str, int, int]:
     """The closing table, the number of false halts and the number of missed runaways."""
-    header = ("scenario", "runs", "calls", "halted", "verdicts", "false halts", "missed", "overshoot p50/max")
+    header = ("scenario", "runs", "calls", "halted", "verdicts", "false halts", "missed", "overshoot p50/max",
+              "side effects (extra)")
     rows = []
     false_total = missed_total = 0
     for scenario, _ in DEMO_MIX:
@@ -92,9 +101,12 @@ def summary_table(records: list[RunRecord]) -> tuple[str, int, int]:
         over = [o.overshoot for o in mine if o.overshoot is not None]
         false_total += false_halts
         missed_total += missed
+        effects = sum(o.side_effects for o in mine)
+        extra = sum(o.side_effects - 1 for o in mine if o.side_effects > 1)  # each run means to act once
         rows.append((scenario, str(len(mine)), str(sum(o.calls for o in mine)), str(sum(verdicts.values())),
                      ", ".join(f"{v} {n}" for v, n in sorted(verdicts.items())) or "-", str(false_halts),
-                     str(missed), f"{statistics.median(over):g} / {max(over)}" if over else "-"))
+                     str(missed), f"{statistics.median(over):g} / {max(over)}" if over else "-",
+                     f"{effects} ({extra})" if effects else "-"))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) for row in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -116,11 +128,11 @@ async def run_demo(bootstrap: str, runs: int, partitions: int, seed: int, workdi
         plan += rng.choices(population, weights, k=max(0, runs - len(plan)))
         records = [RunRecord(scenario.name, scenario.expected_halt) for scenario in plan]
         config = KafkaClientConfig.from_env({**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap})
-        halt_latency_ms: list[float] = []
+        confirmed_ms: list[float] = []
         async with Guard.fleet(config, deployment.telemetry_topic, deployment.control_topic,
                                trusted_keys=deployment.trusted_keys()) as guard:
-            guard.on_decision(lambda d: halt_latency_ms.append(time.time() * 1000 - d["ts_ms"])
-                              if d["action"] == "halt" else None)
+            guard.board.add_confirmation_callback(
+                lambda d: confirmed_ms.append(time.time() * 1000 - d["ts_ms"]) if d["action"] == "halt" else None)
             print(f"loopwarden demo: {len(plan)} agent runs calling tools ...", file=sys.stderr, flush=True)
             started = time.monotonic()
             tasks = [
@@ -145,14 +157,19 @@ async def run_demo(bootstrap: str, runs: int, partitions: int, seed: int, workdi
         print()
         print(table)
         print()
+        extra = sum(o.side_effects - 1 for o in records if o.side_effects > 1)
         print(f"{sum(o.calls for o in records)} calls in {len(records)} runs; false halts: {false_halts}; "
-              f"runaways not stopped: {missed}. Overshoot = calls a runaway made after the call that "
-              "triggered its halt, before the guard refused.")
-        if halt_latency_ms:
-            cuts = statistics.quantiles(halt_latency_ms, n=100) if len(halt_latency_ms) > 1 else halt_latency_ms * 99
-            print(f"halt latency, end of the triggering call to the runtime holding the halt: "
-                  f"p50 {cuts[49]:.0f} ms, p95 {cuts[94]:.0f} ms, max {max(halt_latency_ms):.0f} ms")
-        return 1 if false_halts or missed else 0
+              f"runaways not stopped: {missed}; duplicate side effects: {extra}. Overshoot = calls a runaway made "
+              "after the call that triggered its halt, before the guard refused.")
+        counters = guard.counters
+        print(f"decisions made in the runtime by its local rules (in force before the next call): "
+              f"{counters['local']}; the fleet's copies confirmed {counters['confirmed']} of them (same decision "
+              f"ids, applied once); decisions only the fleet made: {counters['fleet_only']}.")
+        if confirmed_ms:
+            cuts = statistics.quantiles(confirmed_ms, n=100) if len(confirmed_ms) > 1 else confirmed_ms * 99
+            print(f"fleet path latency, end of the triggering call to the fleet's copy of the halt at the runtime: "
+                  f"p50 {cuts[49]:.0f} ms, p95 {cuts[94]:.0f} ms, max {max(confirmed_ms):.0f} ms")
+        return 1 if false_halts or missed or extra else 0
     finally:
         deployment.stop()
         shutil.rmtree(deployment.root, ignore_errors=True)

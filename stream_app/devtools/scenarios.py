@@ -38,6 +38,9 @@ class AgentRun(Protocol):
 
     async def call(self, tool: str, fn: Callable[..., Any], /, args: dict[str, Any], **options: Any) -> Any: ...
 
+    def effect(self) -> None:
+        """A tool acted on the outside world (an e-mail went out): counted, to show duplicates."""
+
 
 @dataclass(frozen=True)
 class Scenario:
@@ -209,11 +212,9 @@ def _duplicate_email(rng: random.Random, n: int) -> Iterator[Step]:
 
 
 async def _duplicate_email_agent(run: AgentRun, rng: random.Random) -> None:
-    sent: list[str] = []
-
     async def send_email(to: str, subject: str, body: str, request_id: str) -> None:
         await _latency(rng)
-        sent.append(to)  # the mail goes out, but the relay times out before it says so
+        run.effect()  # the mail goes out, but the relay times out before it says so
         raise ToolFailed("ETIMEDOUT talking to the mail relay")
 
     args = {"to": f"customer{rng.randrange(1000)}@example.com", "subject": "Your refund", "body": "Approved."}

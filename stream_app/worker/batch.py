@@ -18,7 +18,8 @@ For each record, in batch order:
 
 The result holds each changed run's new stored record (one per run per batch, in the format version
 the worker writes), the decisions in the order they were made, the dead letters and re-keys by record
-index, counts for the metrics, and ``facts``: room for what later folds keyed by something other than
+index, counts for the metrics (events whose ``policy_digest`` is not the worker's policy's among
+them), and ``facts``: room for what later folds keyed by something other than
 the run will need (none yet).
 """
 
@@ -98,6 +99,8 @@ class BatchResult:
     duplicates: int = 0
     #: The newest event time seen per partition (what run expiry goes by).
     watermarks: dict[int, int] = field(default_factory=dict)
+    #: Folded events whose runtime's policy is not the worker's: (agent id or "", their digest) -> count.
+    policy_mismatches: Counter[tuple[str, str]] = field(default_factory=Counter)
     #: Facts for folds keyed by something other than the run (none yet).
     facts: list[object] = field(default_factory=list)
 
@@ -116,6 +119,7 @@ class BatchFold:
         self.operator_max_age_ms = operator_max_age_ms
         self.max_event_bytes = max_event_bytes
         self.write_version = write_version
+        self.policy_digest = detector.policy.digest
 
     @staticmethod
     def keys(records: Sequence[RawRecord]) -> set[tuple[int, bytes]]:
@@ -158,6 +162,8 @@ class BatchFold:
                     evaluation = detector.evaluate(run.state, item)
                     if not evaluation.duplicate:
                         result.applied[item.outcome] += 1
+                    if item.policy_digest is not None and item.policy_digest != self.policy_digest:
+                        result.policy_mismatches[(item.agent_id or "", item.policy_digest)] += 1
                 run.offset = offset
                 applied = True
                 if evaluation.duplicate:

@@ -99,6 +99,7 @@ class Effects:
         self._watermark_ms: dict[int, int] = {}
         self._sweep_from: dict[int, bytes] = {}
         self._state_lock = asyncio.Lock()
+        self._mismatches_warned: set[str] = set()
 
     async def process(self, batch: Sequence[EventT[Any]]) -> None:
         async with self._state_lock:
@@ -120,6 +121,13 @@ class Effects:
             await self.topics.telemetry.send(key=rekey.key, value=event.value, headers=_headers(event))
         for outcome, count in result.applied.items():
             self._events_by_outcome[outcome].inc(count)
+        for (agent_id, digest), count in result.policy_mismatches.items():
+            metrics.policy_mismatch.labels(agent_id=agent_id).inc(count)
+            if digest not in self._mismatches_warned and len(self._mismatches_warned) < 1000:
+                self._mismatches_warned.add(digest)
+                log.warning("telemetry of agent %r was folded by a runtime with policy %s, not this worker's %s: "
+                            "runtime and worker may decide differently; give both the same policy file",
+                            agent_id, digest[:16], self.fold.policy_digest[:16])
         if result.duplicates:
             metrics.duplicates.inc(result.duplicates)
         watermarks = self._watermark_ms

@@ -20,6 +20,9 @@ class WorkerMetrics:
                                  ["action", "verdict"], registry=r)
         self.dlq = Counter("loopwarden_dlq_total", "Messages sent to the dead-letter topic, by reason.",
                            ["reason"], registry=r)
+        self.policy_mismatch = Counter("loopwarden_policy_mismatch_total",
+                                       "Events whose runtime's policy (policy_digest) is not this worker's, by agent.",
+                                       ["agent_id"], registry=r)
         self.rekeyed = Counter("loopwarden_rekeyed_total",
                                "Messages that arrived keyed by something else, re-published keyed by run id.",
                                registry=r)

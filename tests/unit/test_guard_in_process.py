@@ -568,7 +568,8 @@ def test_board_applies_a_decision_once() -> None:
     assert board.apply(halt) == "duplicate"  # a late redelivery of the lifted halt does not re-halt
     assert board.halt_decision("run-1") is None
     assert board.counters == {"applied": 2, "duplicate": 2, "malformed": 0, "ignored": 0,
-                              "unsigned": 0, "unknown_key": 0, "bad_signature": 0, "expired": 0}
+                              "unsigned": 0, "unknown_key": 0, "bad_signature": 0, "expired": 0,
+                              "local": 0, "confirmed": 0, "fleet_only": 2}
 
 
 @pytest.mark.parametrize(
