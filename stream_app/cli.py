@@ -1,5 +1,5 @@
 """The ``loopwarden`` command: ``replay``, ``simulate``, ``worker``, ``notify``, ``demo``, ``halt``,
-``resume`` and ``keys``."""
+``resume``, ``policy check`` and ``keys``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from .bus.policy_file import load_policy
-from .core import PolicyError
+from .core import LoopwardenError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,6 +51,14 @@ def _parser() -> argparse.ArgumentParser:
         override.add_argument("--reason", required=True, help="why (recorded with the decision)")
         override.add_argument("--operator", help="who (default: $LOOPWARDEN_OPERATOR, else the login name)")
         override.add_argument("--key", help="operator's Ed25519 private key, PEM (default: $LOOPWARDEN_OPERATOR_KEY)")
+        override.add_argument("--wait", action=argparse.BooleanOptionalAction, default=None,
+                              help="watch the control topic for the workers' decision and the DLQ for a refusal "
+                                   "(default: on when stdout is a terminal); exit 0 applied, 3 refused, 4 not "
+                                   "confirmed in time")
+        override.add_argument("--timeout", type=float, default=10.0, help="seconds --wait waits (default 10)")
+    policy = commands.add_parser("policy", help="check a policy file: exit 0 if workers and runtimes can load it")
+    policy.add_argument("action", choices=("check",))
+    policy.add_argument("file", help="policy YAML")
     keys = commands.add_parser("keys", help="generate an Ed25519 key pair (worker signing key or operator key)")
     keys.add_argument("action", choices=("generate",))
     keys.add_argument("--out", default=".", help="directory for NAME.key (private, mode 0600) and NAME.pub")
@@ -64,7 +72,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; an error a person must fix (a setting, a policy file, an unreachable broker, a
+    refused login) is one line on stderr naming what to check, exit status 2, never a traceback."""
     args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except LoopwardenError as exc:
+        print(f"loopwarden {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"loopwarden {args.command}: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "simulate":
         import orjson
 
@@ -80,54 +101,32 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(os.environ.get("KAFKA_BOOTSTRAP_SERVERS"), args.runs, args.partitions, args.seed)
     if args.command == "worker":
-        from .bus.signing import KeyFileError
         from .worker.main import run_worker
-        from .worker.settings import SettingsError, WorkerSettings
+        from .worker.settings import WorkerSettings
 
-        try:
-            settings = WorkerSettings.from_env()
-            return run_worker(settings)
-        except (SettingsError, KeyFileError) as exc:
-            print(f"loopwarden worker: {exc}", file=sys.stderr)
-            return 2
+        return run_worker(WorkerSettings.from_env())
     if args.command in ("halt", "resume"):
         from .commands.operator import run_operator_command
 
-        return run_operator_command(args.command, args.run_id, args.reason, args.operator, args.key)
+        wait = sys.stdout.isatty() if args.wait is None else args.wait
+        return run_operator_command(args.command, args.run_id, args.reason, args.operator, args.key,
+                                    wait=wait, timeout_s=args.timeout)
     if args.command == "keys":
-        from .bus.signing import KeyFileError, generate
+        from .bus.signing import generate
 
-        try:
-            private, public, kid = generate(args.out, args.name)
-        except KeyFileError as exc:
-            print(f"loopwarden keys: {exc}", file=sys.stderr)
-            return 2
+        private, public, kid = generate(args.out, args.name)
         print(f"{kid}\n  private: {private}\n  public:  {public}")
         return 0
     if args.command == "notify":
-        from .bus.kafka import KafkaConfigError
-        from .commands.notify import NotifySettings, NotifySettingsError, run_notify
+        from .commands.notify import NotifySettings, run_notify
 
-        try:
-            notify_settings = NotifySettings.from_env(url=args.url, format=args.format)
-        except (NotifySettingsError, KafkaConfigError) as exc:
-            print(f"loopwarden notify: {exc}", file=sys.stderr)
-            return 2
-        return run_notify(notify_settings)
-    try:
-        policy = load_policy(getattr(args, "policy", None))
-    except PolicyError as exc:
-        print(f"loopwarden: {exc}", file=sys.stderr)
-        return 2
+        return run_notify(NotifySettings.from_env(url=args.url, format=args.format))
+    if args.command == "policy":
+        policy = load_policy(args.file)
+        print(f"{args.file}: a valid policy (digest {policy.digest})")
+        return 0
     if args.command == "replay":
-        from .commands.replay import EngineUnavailable, run_replay
+        from .commands.replay import run_replay
 
-        try:
-            return run_replay(args.file, policy, args.engine)
-        except FileNotFoundError as exc:
-            print(f"loopwarden: {args.file}: {exc.strerror}", file=sys.stderr)
-            return 2
-        except EngineUnavailable as exc:
-            print(f"loopwarden: {exc}", file=sys.stderr)
-            return 2
+        return run_replay(args.file, load_policy(args.policy), args.engine)
     raise AssertionError(f"unhandled command {args.command}")

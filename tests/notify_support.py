@@ -4,6 +4,7 @@ publishes them (real control decisions: the detector over a simulated fleet, Clo
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import threading
 import time
 import uuid
@@ -11,11 +12,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import orjson
 from aiokafka import AIOKafkaProducer
 
+from stream_app.bus.signing import Signer, ensure_pairs
 from stream_app.bus.wire import encode_control
 from stream_app.commands.notify import NotifySettings
 from stream_app.core import Decision, Detector, RunTable, decode_event
@@ -76,15 +79,26 @@ def halts(runs: int = 40, seed: int = 3) -> list[Decision]:
 Record = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]
 
 
+#: The workers' key pair of these tests (the notifier trusts worker.pub), and a stranger's.
+KEYS = ensure_pairs(Path(tempfile.mkdtemp(prefix="notify-keys-")), "worker", "stranger")
+WORKER_KEYS = str(KEYS / "worker.pub")
+
+
+def signed(record: Record, name: str = "worker") -> Record:
+    """``record`` with the signature headers of key pair ``name``, as a worker signs what it publishes."""
+    key, value, headers = record
+    return key, value, [*headers, *Signer.from_file(KEYS / f"{name}.key").headers(value or b"")]
+
+
 def as_records(decisions: list[Decision]) -> list[Record]:
-    return [encode_control(d, SOURCE) for d in decisions]
+    return [signed(encode_control(d, SOURCE)) for d in decisions]
 
 
 BAD_RECORDS: list[tuple[Record, str]] = [
-    ((b"run-x", b"{not json", []), "json"),                                   # not JSON
-    ((b"run-x", b"[1, 2]", []), "payload"),                                   # JSON, not an object
-    ((b"run-x", orjson.dumps({"decision_id": "d" * 32, "action": "halt"}), []), "run_id"),  # fields missing
-    ((b"run-x", None, []), "no_value"),                                       # a tombstone
+    (signed((b"run-x", b"{not json", [])), "json"),                                   # not JSON
+    (signed((b"run-x", b"[1, 2]", [])), "payload"),                                   # JSON, not an object
+    (signed((b"run-x", orjson.dumps({"decision_id": "d" * 32, "action": "halt"}), [])), "run_id"),  # fields missing
+    (signed((b"run-x", None, [])), "no_value"),                                       # a tombstone
 ]
 
 
@@ -107,6 +121,7 @@ def settings_for(bootstrap: str, topic: str, url: str, **extra: str) -> NotifySe
         "LOOPWARDEN_NOTIFY_START": "earliest",
         "LOOPWARDEN_NOTIFY_BACKOFF_S": "0.05",
         "LOOPWARDEN_NOTIFY_BACKOFF_MAX_S": "0.5",
+        "LOOPWARDEN_WORKER_KEYS": WORKER_KEYS,
         **extra,
     })
 

@@ -12,14 +12,12 @@ in-process SDK works with the base install (orjson and PyYAML only).
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from ..core import LoopwardenError
-
-if TYPE_CHECKING:
-    import ssl
 
 SECURITY_PROTOCOLS: Final = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 SASL_MECHANISMS: Final = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
@@ -27,6 +25,11 @@ SASL_MECHANISMS: Final = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 
 class KafkaConfigError(LoopwardenError, ValueError):
     """Kafka settings that cannot work together. Operator action: fix the setting named first."""
+
+
+class KafkaUnreachable(LoopwardenError, ConnectionError):
+    """No broker could be reached, or it refused the certificate or the login; the message is one line
+    saying what to check."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +133,51 @@ class KafkaClientConfig:
                 sasl_plain_password=self.sasl_password,
             )
         return kwargs
+
+    async def check_connection(self, timeout_s: float = 10.0) -> None:
+        """Open one connection to a bootstrap server the way every client does (TCP, TLS, ApiVersions,
+        SASL) and close it; raise ``KafkaUnreachable`` saying what to check. aiokafka's clients only log
+        why they could not connect and raise "Unable to bootstrap", which names no cause."""
+        from aiokafka.conn import create_conn
+        from aiokafka.errors import (
+            AuthenticationFailedError,
+            AuthenticationMethodNotSupported,
+            IllegalSaslStateError,
+            KafkaError,
+            SaslAuthenticationFailed,
+            UnsupportedSaslMechanismError,
+        )
+
+        options = {k: v for k, v in self.aiokafka_kwargs().items() if k != "bootstrap_servers"}
+        problems = []
+        for server in self.bootstrap_servers.split(","):
+            host, _, port = server.strip().rpartition(":")
+            try:
+                conn = await create_conn(host or "127.0.0.1", int(port), request_timeout_ms=int(timeout_s * 1000),
+                                         **options)
+            except ValueError as exc:
+                raise KafkaUnreachable(f"KAFKA_BOOTSTRAP_SERVERS={self.bootstrap_servers!r}: expected "
+                                       f"host:port[,host:port] ({exc})") from exc
+            except ssl.SSLCertVerificationError as exc:
+                raise KafkaUnreachable(
+                    f"Kafka at {server}: TLS refused the broker's certificate ({exc.verify_message}); check "
+                    "KAFKA_SSL_CAFILE and that the certificate names the host (KAFKA_SSL_CHECK_HOSTNAME)") from exc
+            except ssl.SSLError as exc:
+                raise KafkaUnreachable(
+                    f"Kafka at {server}: TLS failed ({exc.reason or exc}); check KAFKA_SECURITY_PROTOCOL, "
+                    "KAFKA_SSL_CAFILE, KAFKA_SSL_CERTFILE and KAFKA_SSL_KEYFILE") from exc
+            except (AuthenticationFailedError, AuthenticationMethodNotSupported, IllegalSaslStateError,
+                    SaslAuthenticationFailed, UnsupportedSaslMechanismError) as exc:
+                raise KafkaUnreachable(
+                    f"Kafka at {server} refused the {self.sasl_mechanism} login of {self.sasl_username!r}: "
+                    f"check KAFKA_SASL_USERNAME, KAFKA_SASL_PASSWORD and KAFKA_SASL_MECHANISM") from exc
+            except (OSError, KafkaError) as exc:  # OSError covers refused connections and timeouts
+                problems.append(f"{server}: {str(exc) or type(exc).__name__}")
+                continue
+            await conn.close()
+            return
+        raise KafkaUnreachable(f"cannot reach Kafka at {self.bootstrap_servers} ({self.security_protocol}): "
+                               f"{'; '.join(problems)}; check KAFKA_BOOTSTRAP_SERVERS and that the broker is up")
 
     def faust_credentials(self) -> Any:
         """``broker_credentials`` for ``faust.App`` (None for PLAINTEXT); needs the worker extra."""

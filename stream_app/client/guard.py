@@ -226,9 +226,9 @@ class Guard(StartStop):
     @classmethod
     def fleet(
         cls,
-        config: KafkaClientConfig,
-        telemetry_topic: str = "agent.telemetry",
-        control_topic: str = "agent.control",
+        config: KafkaClientConfig | None = None,
+        telemetry_topic: str | None = None,
+        control_topic: str | None = None,
         policy: Policy | None = None,
         *,
         trusted_keys: KeyRing | None = None,
@@ -244,6 +244,10 @@ class Guard(StartStop):
         and obeys the fleet's decisions signed by ``trusted_keys``: the workers' public keys, by default
         the ``LOOPWARDEN_WORKER_KEYS`` files or directories (``allow_unsigned`` only for development).
 
+        What is not given is read from the environment the workers are configured by: ``config`` from
+        ``KAFKA_*`` (``KafkaClientConfig.from_env``), the topics from ``LOOPWARDEN_TELEMETRY_TOPIC`` and
+        ``LOOPWARDEN_CONTROL_TOPIC`` (defaults ``agent.telemetry``, ``agent.control``).
+
         ``policy`` is what the local rules enforce (``None``: the built-in defaults); give it the
         workers' policy, so both sides decide alike (telemetry carries its digest; workers count
         mismatches). The stricter applies either way: this process enforces its policy and obeys every
@@ -253,6 +257,10 @@ class Guard(StartStop):
             setting = os.environ.get(WORKER_KEYS_VAR, "").strip()
             if setting:
                 trusted_keys = KeyRing.from_setting(setting)
+        env = os.environ
+        config = config or KafkaClientConfig.from_env(env)
+        telemetry_topic = telemetry_topic or env.get("LOOPWARDEN_TELEMETRY_TOPIC", "").strip() or "agent.telemetry"
+        control_topic = control_topic or env.get("LOOPWARDEN_CONTROL_TOPIC", "").strip() or "agent.control"
         policy = policy or Policy()
         board = ControlBoard()
         fleet = _FleetLink(

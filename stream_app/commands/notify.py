@@ -18,6 +18,9 @@ v1 JSON). The notifier reads that topic in a consumer group and posts each decis
   decision id (CloudEvent ``id``, ``Idempotency-Key`` header) for receivers that deduplicate.
 - A worker that crashed may re-send a decision (same ``decision_id``); ids posted recently are
   remembered and not posted again.
+- Only alerts signed by a worker key it trusts (``LOOPWARDEN_WORKER_KEYS``, as runtimes do) are posted:
+  an unsigned, forged or tampered one is skipped, logged and counted by reason. Without keys the
+  notifier refuses to start, unless ``LOOPWARDEN_NOTIFY_ALLOW_UNSIGNED=true`` (development only).
 - A bad message (no value, not JSON, not a control v1 decision) is skipped, logged and counted by
   reason; it never stops the notifier.
 
@@ -48,6 +51,7 @@ import orjson
 
 from ..bus.kafka import KafkaClientConfig
 from ..bus.settings import SettingsError, SettingsTable
+from ..bus.signing import KeyRing, SignatureRejected
 from ..bus.wire import CE_TYPE_PREFIX
 from ..core import LoopwardenError
 
@@ -76,6 +80,8 @@ NOTIFY_SETTINGS = SettingsTable((
     ("backoff_max_s", "LOOPWARDEN_NOTIFY_BACKOFF_MAX_S", "60", "longest wait between attempts, seconds"),
     ("max_attempts", "LOOPWARDEN_NOTIFY_MAX_ATTEMPTS", "0", "posts of one alert before it is dropped; 0 retries until it is delivered"),
     ("metrics_port", "LOOPWARDEN_NOTIFY_METRICS_PORT", "0", "Prometheus metrics port of the notifier; 0 disables"),
+    ("worker_keys", "LOOPWARDEN_WORKER_KEYS", "", "the workers' Ed25519 public keys (PEM files or directories, comma-separated): only alerts they signed are posted; required unless LOOPWARDEN_NOTIFY_ALLOW_UNSIGNED=true"),
+    ("allow_unsigned", "LOOPWARDEN_NOTIFY_ALLOW_UNSIGNED", "false", "post alerts without checking their signature (development only: anyone who can write the alerts topic could page you)"),
     ("log_level", "LOOPWARDEN_LOG_LEVEL", "info", "log level"),
 ), error=NotifySettingsError)
 
@@ -110,6 +116,8 @@ class NotifySettings:
     backoff_max_s: float
     max_attempts: int
     metrics_port: int
+    worker_keys: str
+    allow_unsigned: bool
     log_level: str
 
     @classmethod
@@ -130,6 +138,10 @@ class NotifySettings:
                 raise NotifySettingsError(f"{_var(name)} must be > 0, got {values[name]}")
         if values["max_attempts"] < 0:
             raise NotifySettingsError(f"{_var('max_attempts')} must be >= 0, got {values['max_attempts']}")
+        if not values["worker_keys"] and not values["allow_unsigned"]:
+            raise NotifySettingsError(f"{_var('worker_keys')}: required, the workers' public key(s), so that only "
+                                      "alerts they signed are posted; LOOPWARDEN_NOTIFY_ALLOW_UNSIGNED=true posts "
+                                      "unverified alerts (development only)")
         return cls(kafka=KafkaClientConfig.from_env(env), **values)
 
     @property
@@ -300,6 +312,8 @@ class NotifyStats:
     dropped: int = 0
     duplicates: int = 0
     bad: Counter[str] = field(default_factory=Counter)
+    #: Alerts refused because their signature did not verify, by reason (unsigned, unknown_key, bad_signature).
+    rejected: Counter[str] = field(default_factory=Counter)
 
     def samples(self) -> Iterator[tuple[str, str, dict[str, str], float]]:
         yield "loopwarden_notify_posted", "Alerts posted to the webhook.", {}, self.posted
@@ -310,6 +324,9 @@ class NotifyStats:
         for reason, count in sorted(self.bad.items()):
             yield "loopwarden_notify_bad_messages", "Messages on the alerts topic skipped as not a decision.", {
                 "reason": reason}, count
+        for reason, count in sorted(self.rejected.items()):
+            yield ("loopwarden_notify_rejected", "Alerts not posted: their signature is not a trusted worker's.",
+                   {"reason": reason}, count)
 
 
 class Notifier:
@@ -325,6 +342,7 @@ class Notifier:
         self._stopping = asyncio.Event()
         self._recent: OrderedDict[str, None] = OrderedDict()
         self._attempts: dict[tuple[str, int, int], int] = {}
+        self._keys = KeyRing.from_setting(settings.worker_keys) if settings.worker_keys else None
 
     def _default_consumer(self) -> AIOKafkaConsumer:
         from aiokafka import AIOKafkaConsumer
@@ -362,6 +380,14 @@ class Notifier:
 
         tp = TopicPartition(record.topic, record.partition)
         where = f"{record.topic}[{record.partition}]@{record.offset}"
+        if self._keys is not None:
+            try:
+                self._keys.verify(record.value or b"", record.headers)
+            except SignatureRejected as exc:
+                self.stats.rejected[exc.reason] += 1
+                log.warning("notify: refused %s: %s (not a trusted worker's alert)", where, exc)
+                await self._commit(consumer, tp, record.offset)
+                return
         try:
             alert = decode_alert(record.value, record.headers)
         except BadAlert as exc:
@@ -437,10 +463,11 @@ def serve_metrics(stats: NotifyStats, port: int, host: str = "0.0.0.0") -> Any:
                 if family is None:
                     family = families[name] = CounterMetricFamily(name, documentation, labels=sorted(labels))
                 family.add_metric([labels[k] for k in sorted(labels)], value)
-            if "loopwarden_notify_bad_messages" not in families:
-                families["loopwarden_notify_bad_messages"] = CounterMetricFamily(
-                    "loopwarden_notify_bad_messages", "Messages on the alerts topic skipped as not a decision.",
-                    labels=["reason"])
+            for name, documentation in (
+                    ("loopwarden_notify_bad_messages", "Messages on the alerts topic skipped as not a decision."),
+                    ("loopwarden_notify_rejected", "Alerts not posted: their signature is not a trusted worker's.")):
+                if name not in families:
+                    families[name] = CounterMetricFamily(name, documentation, labels=["reason"])
             yield from families.values()
 
     registry = CollectorRegistry()
@@ -452,6 +479,10 @@ def run_notify(settings: NotifySettings) -> int:
     """Run the notifier in this process until SIGINT/SIGTERM; returns the exit status."""
     logging.basicConfig(level=settings.log_level.upper(),
                         format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}')
+    asyncio.run(settings.kafka.check_connection())  # KafkaUnreachable says what to check
+    if settings.allow_unsigned:
+        log.warning("notify: LOOPWARDEN_NOTIFY_ALLOW_UNSIGNED=true: alerts are posted without checking their "
+                    "signature; anyone who can write %s can page you", settings.alerts_topic)
     notifier = Notifier(settings)
     if settings.metrics_port:
         serve_metrics(notifier.stats, settings.metrics_port)

@@ -43,7 +43,7 @@ from ..core import (
 )
 from ..core.stored import FORMAT_VERSION, decode_run, encode_run
 
-__all__ = ["BatchFold", "BatchResult", "DeadLetter", "RawRecord", "Rekey", "Verifier"]
+__all__ = ["BatchFold", "BatchResult", "DeadLetter", "RawRecord", "Rekey", "Verifier", "is_operator"]
 
 Headers = Sequence[tuple[str, bytes]]
 
@@ -106,6 +106,11 @@ class BatchResult:
 
 
 Item = TelemetryEvent | OperatorCommand
+
+
+def is_operator(record: RawRecord) -> bool:
+    """Whether the record is an operator's command (``loopwarden halt|resume``), not telemetry."""
+    return bool(record.headers) and header(record.headers, KIND_HEADER) == OPERATOR_KIND
 
 
 class BatchFold:
@@ -177,7 +182,7 @@ class BatchFold:
         value = record.value
         if value is None:
             raise InvalidEvent("", "message has no value")
-        if record.headers and header(record.headers, KIND_HEADER) == OPERATOR_KIND:
+        if is_operator(record):
             return self._operator_command(value, record.headers, now_ms)
         return parse_event(value, self.max_event_bytes)
 

@@ -33,7 +33,7 @@ from ..bus.signing import Signer
 from ..bus.wire import Headers, encode_control
 from ..core import Decision, InvalidEvent
 from ..core.stored import last_ts_ms
-from .batch import BatchFold, RawRecord
+from .batch import BatchFold, RawRecord, is_operator
 from .metrics import WorkerMetrics
 from .store import Change, RunStore
 
@@ -61,10 +61,16 @@ class DeadLetters:
         self.dlq = dlq
         self.metrics = metrics
 
-    async def send(self, event: EventT[Any], error: InvalidEvent) -> None:
+    async def send(self, event: EventT[Any], error: InvalidEvent, *, operator: bool = False) -> None:
+        """``operator``: the message is an operator's command, whose refusal an operator is waiting on
+        (logged as a warning; other bad input only at info level, it can be a flood)."""
         message = event.message
         self.metrics.dlq.labels(reason=error.field or error.kind).inc()
-        log.info("dead-lettered %s[%d]@%d: %s", message.topic, message.partition, message.offset, error)
+        if operator:
+            log.warning("operator command refused, %s[%d]@%d: %s", message.topic, message.partition,
+                        message.offset, error)
+        else:
+            log.info("dead-lettered %s[%d]@%d: %s", message.topic, message.partition, message.offset, error)
         headers: Headers = [
             ("error", str(error)[:1024].encode()),
             ("error_field", error.field.encode()),
@@ -114,7 +120,7 @@ class Effects:
         result = self.fold.fold(records, stored, wall_clock_ms())
 
         for dead in result.dead_letters:
-            await self.dead_letters.send(batch[dead.index], dead.error)
+            await self.dead_letters.send(batch[dead.index], dead.error, operator=is_operator(records[dead.index]))
         for rekey in result.rekeys:
             metrics.rekeyed.inc()
             event = batch[rekey.index]

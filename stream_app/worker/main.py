@@ -10,9 +10,10 @@ from collections.abc import Callable
 from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 from prometheus_client import start_http_server
 
+from ..bus.kafka import KafkaUnreachable
 from ..bus.policy_file import load_policy
 from ..bus.signing import KeyRing, Signer
 from ..core import LoopwardenError
@@ -91,14 +92,14 @@ def run_worker(settings: WorkerSettings) -> int:
     if signer is None:
         log.warning("LOOPWARDEN_ALLOW_UNSIGNED=true: control messages are unsigned; runtimes that verify "
                     "signatures refuse them, and anyone who can write the control topic can forge them")
+    asyncio.run(settings.kafka.check_connection())  # KafkaUnreachable says what to check
     try:
         asyncio.run(ensure_topics(settings))
-    except KafkaConnectionError as exc:
-        kafka = settings.kafka
-        print(f"loopwarden worker: cannot connect to Kafka at {kafka.bootstrap_servers} as "
-              f"{kafka.sasl_username or 'anonymous'} ({kafka.security_protocol}): {exc}; the log line above "
-              "has the broker's reason", file=sys.stderr)
-        return 2
+    except KafkaError as exc:
+        raise KafkaUnreachable(f"Kafka at {settings.kafka.bootstrap_servers} refused the topic set-up as "
+                               f"{settings.kafka.sasl_username or 'anonymous'}: {exc}; check the ACLs "
+                               "(docs/security.md) or create the topics and set LOOPWARDEN_CREATE_TOPICS=false"
+                               ) from exc
     metrics = WorkerMetrics()
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=metrics.registry)

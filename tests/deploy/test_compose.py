@@ -55,7 +55,7 @@ def test_compose_loader_accepts_the_file() -> None:
     """compose-go loads the file: schema, interpolation, consistency (every depends_on, volume and
     network a service names exists)."""
     assert set(services()) == {"kafka", "kafka-init", "keys-init", "worker-1", "worker-2", "prometheus", "alertmanager",
-                               "notify"}
+                               "grafana", "notify"}
 
 
 @pytest.mark.parametrize(("service", "error"), [
@@ -181,6 +181,54 @@ def test_keys_job_makes_the_signing_key_once(tmp_path: Path) -> None:
     before = private.read_bytes()
     run_job()
     assert private.read_bytes() == before and len(calls.read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", sorted(workers()))
+def test_workers_trust_the_operator_key_keys_init_makes(name: str, tmp_path: Path) -> None:
+    """`loopwarden halt` works against compose: the workers' LOOPWARDEN_OPERATOR_KEYS is the operator
+    public key keys-init writes into the keys volume (the script, run for real, makes it)."""
+    operator_keys = Path(services()[name]["environment"]["LOOPWARDEN_OPERATOR_KEYS"])
+    (mount,) = [v for v in services()[name]["volumes"] if v["target"] == str(operator_keys.parent)]
+    (written,) = services()["keys-init"]["volumes"]
+    assert mount["source"] == written["source"]
+    script = services()["keys-init"]["command"][0].replace(written["target"], str(tmp_path)).replace("chown", "true")
+    subprocess.run(["/bin/sh", "-ec", script], check=True, timeout=60,
+                   env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
+    signer = Signer.from_file(tmp_path / "operator.key")
+    value = b'{"kind": "operator"}'
+    assert KeyRing.from_paths([tmp_path / operator_keys.name]).verify(value, signer.headers(value)) == signer.key_id
+
+
+def test_notify_posts_only_alerts_the_workers_signed() -> None:
+    """notify's LOOPWARDEN_WORKER_KEYS is the workers' public key, from the same keys volume, read-only."""
+    notify = services()["notify"]
+    keys = Path(notify["environment"]["LOOPWARDEN_WORKER_KEYS"])
+    (mount,) = [v for v in notify["volumes"] if v["target"] == str(keys.parent)]
+    worker_key = Path(services()["worker-1"]["environment"]["LOOPWARDEN_SIGNING_KEY"])
+    (worker_mount,) = [v for v in services()["worker-1"]["volumes"] if v["target"] == str(worker_key.parent)]
+    assert mount["source"] == worker_mount["source"] and mount["read_only"] is True
+    assert keys.name == worker_key.with_suffix(".pub").name
+    assert "keys-init" in notify["depends_on"]
+
+
+def test_grafana_shows_the_charts_dashboard_on_the_compose_prometheus() -> None:
+    """Grafana provisions the Helm chart's own dashboard file (one file for both) and the compose
+    Prometheus as its data source; the dashboard's queries are checked against the worker's metrics by
+    test_helm and against real series by test_prometheus_scrape."""
+    grafana = services()["grafana"]
+    assert re.fullmatch(r"grafana/grafana:\d+\.\d+\.\d+", grafana["image"])
+    mounts = {v["target"]: v for v in grafana["volumes"]}
+    dashboard = mounts["/var/lib/grafana/dashboards/loopwarden.json"]
+    assert dashboard["source"] == str(REPO / "helm/loopwarden/files/dashboards/loopwarden.json")
+    provisioning = Path(mounts["/etc/grafana/provisioning"]["source"])
+    assert provisioning == REPO / "deploy/grafana/provisioning"
+    (source,) = yaml.safe_load((provisioning / "datasources/prometheus.yaml").read_text())["datasources"]
+    prometheus_port = services()["prometheus"]["ports"][0]["target"]
+    assert (source["type"], source["url"]) == ("prometheus", f"http://prometheus:{prometheus_port}")
+    (provider,) = yaml.safe_load((provisioning / "dashboards/loopwarden.yaml").read_text())["providers"]
+    assert provider["options"]["path"] == str(Path(dashboard["target"]).parent)
+    assert json.loads(Path(dashboard["source"]).read_text())["uid"] == "loopwarden"
+    assert grafana["depends_on"]["prometheus"]["condition"] == "service_healthy"
 
 
 def test_metrics_port_is_the_prometheus_scrape_target() -> None:

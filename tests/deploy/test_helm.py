@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -155,6 +157,42 @@ def test_policy_values_become_the_policy_file() -> None:
     docs = render("ephemeral-values.yaml")
     values = yaml.safe_load((CHART / "ci/ephemeral-values.yaml").read_text())
     assert one(docs, "ConfigMap", "-policy")["data"]["policy.yaml"] == values["policyFile"]
+
+
+@pytest.mark.parametrize(("sets", "status", "message"), [
+    ((), 0, "a valid policy"),
+    (("policy.defaults.retry_budgte=3",), 2, "defaults.retry_budgte: unknown setting"),  # a typo
+    (("policy.tools.send_email.side_effect=yes",), 2, "tools.send_email.side_effect: must be bool"),
+])
+def test_a_pre_upgrade_hook_checks_the_policy_before_any_worker_rolls(
+        sets: tuple[str, ...], status: int, message: str, tmp_path: Path) -> None:
+    """A pre-install/pre-upgrade hook Job runs `loopwarden policy check` on exactly the policy the
+    workers would load (its own hook ConfigMap: pre-install hooks run before the release's resources
+    exist). Run here as the Job runs it: a typo exits 2 with the setting's path, which fails `helm
+    upgrade` before the StatefulSet is touched (it is no hook, so it is updated only after hooks pass)."""
+    docs = render(DEFAULTS, *sets)
+    job = one(docs, "Job", "-policy-check")
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
+    hook_cm = one(docs, "ConfigMap", "-policy-check")
+    assert "pre-install" in hook_cm["metadata"]["annotations"]["helm.sh/hook"]
+    assert int(hook_cm["metadata"]["annotations"]["helm.sh/hook-weight"]) < int(
+        job["metadata"]["annotations"]["helm.sh/hook-weight"])
+    assert hook_cm["data"] == one(docs, "ConfigMap", "-policy")["data"]
+    assert "helm.sh/hook" not in worker(docs)[0]["metadata"].get("annotations", {})
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["args"][:2] == ["policy", "check"] and job["spec"]["backoffLimit"] == 0
+    checked = Path(container["args"][2])
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(checked.parent)]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["configMap"]["name"] == hook_cm["metadata"]["name"]
+    assert container["image"] == worker(docs)[1]["image"]
+    (tmp_path / checked.name).write_text(hook_cm["data"][checked.name])
+    result = subprocess.run([sys.executable, "-m", "stream_app", *container["args"][:2], str(tmp_path / checked.name)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == status, result.stderr
+    assert message in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_checksum_annotation_follows_the_policy() -> None:
@@ -390,7 +428,9 @@ def test_grafana_dashboard_configmap() -> None:
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert configmap["metadata"]["annotations"] == {"grafana_folder": "Agents"}
     assert json.loads(configmap["data"]["loopwarden.json"]) == json.loads(DASHBOARD.read_text())
-    assert kinds(render(), "ConfigMap") == [one(render(), "ConfigMap", "-policy")]
+    # Without dashboards.enabled: only the policy's ConfigMaps (the workers' and the check hook's).
+    assert kinds(render(), "ConfigMap") == [one(render(), "ConfigMap", "-policy"),
+                                            one(render(), "ConfigMap", "-policy-check")]
 
 
 def test_dashboard_queries_use_worker_metrics() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.notify_support import Webhook, as_records, halts, publish
+from tests.notify_support import WORKER_KEYS, Webhook, as_records, halts, publish
 
 pytestmark = pytest.mark.e2e
 
@@ -30,6 +30,7 @@ def test_restarts_never_post_twice_and_lose_nothing(
     decisions = halts()[:6]
     topic = topic_factory(2, prefix="alerts")
     env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap, "LOOPWARDEN_ALERTS_TOPIC": topic,
+           "LOOPWARDEN_WORKER_KEYS": WORKER_KEYS,
            "LOOPWARDEN_NOTIFY_URL": webhook.url, "LOOPWARDEN_NOTIFY_GROUP": f"notify-{uuid.uuid4().hex[:8]}",
            "LOOPWARDEN_NOTIFY_START": "earliest", "LOOPWARDEN_NOTIFY_BACKOFF_S": "0.1",
            "LOOPWARDEN_NOTIFY_BACKOFF_MAX_S": "0.2"}

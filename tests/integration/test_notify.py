@@ -7,8 +7,19 @@ from collections.abc import Callable
 
 import pytest
 
+from stream_app.bus.wire import encode_control
 from stream_app.commands.notify import Notifier
-from tests.notify_support import BAD_RECORDS, SOURCE, Webhook, as_records, halts, publish, settings_for, until
+from tests.notify_support import (
+    BAD_RECORDS,
+    SOURCE,
+    Webhook,
+    as_records,
+    halts,
+    publish,
+    settings_for,
+    signed,
+    until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -67,3 +78,28 @@ async def test_an_alert_is_dropped_after_max_attempts(
         stats = await asyncio.wait_for(task, 30)
     assert [r.json["id"] for r in webhook.delivered] == [decisions[1].decision_id]
     assert (stats.posted, stats.failed_attempts, stats.dropped) == (1, 3, 1)
+
+
+async def test_alerts_not_signed_by_a_trusted_worker_are_not_posted(
+        kafka_bootstrap: str, topic_factory: Callable[..., str], webhook: Webhook) -> None:
+    """An unsigned, a stranger-signed and a tampered alert (a forged page for on-call) are refused and
+    counted by reason; the genuine ones around them are posted."""
+    decisions = halts()[:3]
+    genuine = as_records(decisions)
+    key, value, headers = encode_control(halts()[3], SOURCE)
+    tampered_key, tampered_value, tampered_headers = genuine[1]
+    forged = [(key, value, headers),                                          # unsigned
+              signed((key, value, []), "stranger"),                           # a key nobody trusts
+              (tampered_key, tampered_value.replace(b"halt", b"HALT"), tampered_headers)]  # altered after signing
+    topic = topic_factory(1, prefix="alerts")
+    await publish(kafka_bootstrap, topic, [genuine[0], *forged, genuine[1], genuine[2]])
+    notifier = Notifier(settings_for(kafka_bootstrap, topic, webhook.url))
+    task = asyncio.create_task(notifier.run())
+    try:
+        await until(lambda: len(webhook.delivered) >= 3, what="the genuine alerts")
+        await asyncio.sleep(1.0)
+    finally:
+        notifier.stop()
+        stats = await asyncio.wait_for(task, 30)
+    assert [r.json["id"] for r in webhook.delivered] == [d.decision_id for d in decisions]
+    assert dict(stats.rejected) == {"unsigned": 1, "unknown_key": 1, "bad_signature": 1}

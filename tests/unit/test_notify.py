@@ -76,6 +76,8 @@ def test_slack_format_escapes_and_summarises() -> None:
     ({"LOOPWARDEN_NOTIFY_URL": "http://h/x", "LOOPWARDEN_NOTIFY_BACKOFF_S": "0"}, "LOOPWARDEN_NOTIFY_BACKOFF_S"),
     ({"LOOPWARDEN_NOTIFY_URL": "http://h/x", "LOOPWARDEN_NOTIFY_MAX_ATTEMPTS": "two"}, "expected int"),
     ({"LOOPWARDEN_NOTIFY_URL": "http://h/x", "LOOPWARDEN_NOTIFY_START": "middle"}, "LOOPWARDEN_NOTIFY_START"),
+    ({"LOOPWARDEN_NOTIFY_URL": "http://h/x"}, "LOOPWARDEN_WORKER_KEYS: required"),  # nobody's alerts trusted
+    ({"LOOPWARDEN_NOTIFY_URL": "http://h/x", "LOOPWARDEN_NOTIFY_ALLOW_UNSIGNED": "perhaps"}, "expected bool"),
 ])
 def test_settings_refuse_what_cannot_work(env: dict[str, str], message: str) -> None:
     """Settings errors name the variable to fix."""
@@ -86,8 +88,8 @@ def test_settings_refuse_what_cannot_work(env: dict[str, str], message: str) -> 
 def test_settings_defaults_and_overrides() -> None:
     """Defaults follow NOTIFY_SETTINGS; command-line options win over the environment; the URL's secret
     path never appears in what is logged."""
-    settings = NotifySettings.from_env({"LOOPWARDEN_NOTIFY_URL": "https://hooks.slack.com/services/T/B/secret"},
-                                       format="slack", url=None)
+    settings = NotifySettings.from_env({"LOOPWARDEN_NOTIFY_URL": "https://hooks.slack.com/services/T/B/secret",
+                                        "LOOPWARDEN_WORKER_KEYS": "/keys/worker.pub"}, format="slack", url=None)
     assert (settings.format, settings.alerts_topic, settings.group_id, settings.start_from) == (
         "slack", "agent.alerts", "loopwarden-notify", "latest")
     assert settings.max_attempts == 0 and settings.kafka.bootstrap_servers == "127.0.0.1:9092"

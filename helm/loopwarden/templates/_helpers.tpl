@@ -64,6 +64,20 @@ app.kubernetes.io/part-of: loopwarden
 {{- define "loopwarden.stateDir" -}}/var/lib/loopwarden/state{{- end }}
 {{- define "loopwarden.policyDir" -}}/etc/loopwarden/policy{{- end }}
 {{- define "loopwarden.policyFile" -}}{{ include "loopwarden.policyDir" . }}/policy.yaml{{- end }}
+
+{{/*
+The policy file's ConfigMap data (policy.yaml): policyFile as written, else the policy map as YAML. Shared by
+the workers' ConfigMap and the policy-check hook's, so the hook checks exactly what the workers will load.
+*/}}
+{{- define "loopwarden.policyData" -}}
+{{- if .Values.policyFile }}
+policy.yaml: |
+  {{- .Values.policyFile | nindent 2 }}
+{{- else }}
+policy.yaml: |
+  {{- toYaml (.Values.policy | default dict) | nindent 2 }}
+{{- end }}
+{{- end }}
 {{- define "loopwarden.kafkaTlsDir" -}}/etc/loopwarden/kafka-tls{{- end }}
 {{- define "loopwarden.signingDir" -}}/etc/loopwarden/signing{{- end }}
 {{- define "loopwarden.operatorsDir" -}}/etc/loopwarden/operators{{- end }}
