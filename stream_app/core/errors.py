@@ -13,6 +13,7 @@ The whole tree, by the module that defines each::
     ├── StoredRecordError        core.stored     a stored run record cannot be decoded (also RuntimeError)
     │   └── StateVersionError    core.stored       its format version is not one this release knows
     ├── KafkaConfigError         bus.kafka       Kafka settings that cannot work together (also ValueError)
+    ├── KafkaUnreachable         bus.kafka       no broker reached, or it refused the login (also ConnectionError)
     ├── SettingsError            bus.settings    an environment variable's value (also ValueError)
     │   └── NotifySettingsError  commands.notify
     ├── KeyFileError             bus.signing     a key file that cannot be used (also ValueError)
