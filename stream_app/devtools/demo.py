@@ -180,6 +180,8 @@ def main(bootstrap: str | None, runs: int, partitions: int, seed: int) -> int:
         print("loopwarden demo: set KAFKA_BOOTSTRAP_SERVERS (make run starts a local broker for you)",
               file=sys.stderr)
         return 2
+    config = KafkaClientConfig.from_env({**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap})
+    asyncio.run(config.check_connection())  # KafkaUnreachable: one line, from the CLI
     try:
         return asyncio.run(run_demo(bootstrap, runs, partitions, seed, Path("var/demo")))
     except KeyboardInterrupt:
