@@ -78,11 +78,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except LoopwardenError as exc:
-        print(f"loopwarden {args.command}: {exc}", file=sys.stderr)
-        return 2
+        _fail(args.command, str(exc))
     except FileNotFoundError as exc:
-        print(f"loopwarden {args.command}: {exc.filename}: {exc.strerror}", file=sys.stderr)
-        return 2
+        _fail(args.command, f"{exc.filename}: {exc.strerror}")
+    return 2
+
+
+def _fail(command: str, message: str) -> None:
+    """One line on stderr; for the processes that run on the bus, in their log format."""
+    import os
+
+    from .bus import logs
+
+    fmt = os.environ.get("LOOPWARDEN_LOG_FORMAT", "json").strip() if command in ("worker", "notify") else "text"
+    logs.fatal(command, message, fmt if fmt in logs.FORMATS else "text")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -161,6 +161,8 @@ struct Replayer {
     policy_key: String,
     runs: LinkedHashMap<String, RunState>,
     runs_seen: HashSet<String>,
+    /// The newest `ts_ms` folded so far.
+    #[pyo3(get)]
     watermark_ms: i64,
     ttl_ms: i64,
     max_runs: usize,

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from ..bus import logs
 from ..bus.kafka import KafkaClientConfig
 from ..bus.settings import SettingsError, SettingsTable
 from ..bus.signing import KeyRing, SignatureRejected
@@ -83,6 +84,7 @@ NOTIFY_SETTINGS = SettingsTable((
     ("worker_keys", "LOOPWARDEN_WORKER_KEYS", "", "the workers' Ed25519 public keys (PEM files or directories, comma-separated): only alerts they signed are posted; required unless LOOPWARDEN_NOTIFY_ALLOW_UNSIGNED=true"),
     ("allow_unsigned", "LOOPWARDEN_NOTIFY_ALLOW_UNSIGNED", "false", "post alerts without checking their signature (development only: anyone who can write the alerts topic could page you)"),
     ("log_level", "LOOPWARDEN_LOG_LEVEL", "info", "log level"),
+    ("log_format", "LOOPWARDEN_LOG_FORMAT", "json", "log lines on stderr: `json` (one JSON object per line) or `text`"),
 ), error=NotifySettingsError)
 
 
@@ -119,6 +121,7 @@ class NotifySettings:
     worker_keys: str
     allow_unsigned: bool
     log_level: str
+    log_format: str
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> NotifySettings:
@@ -138,6 +141,8 @@ class NotifySettings:
                 raise NotifySettingsError(f"{_var(name)} must be > 0, got {values[name]}")
         if values["max_attempts"] < 0:
             raise NotifySettingsError(f"{_var('max_attempts')} must be >= 0, got {values['max_attempts']}")
+        if values["log_format"] not in logs.FORMATS:
+            raise NotifySettingsError(f"{_var('log_format')}={values['log_format']!r}: expected json or text")
         if not values["worker_keys"] and not values["allow_unsigned"]:
             raise NotifySettingsError(f"{_var('worker_keys')}: required, the workers' public key(s), so that only "
                                       "alerts they signed are posted; LOOPWARDEN_NOTIFY_ALLOW_UNSIGNED=true posts "
@@ -477,8 +482,7 @@ def serve_metrics(stats: NotifyStats, port: int, host: str = "0.0.0.0") -> Any:
 
 def run_notify(settings: NotifySettings) -> int:
     """Run the notifier in this process until SIGINT/SIGTERM; returns the exit status."""
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}')
+    logs.configure(settings.log_level, settings.log_format)
     asyncio.run(settings.kafka.check_connection())  # KafkaUnreachable says what to check
     if settings.allow_unsigned:
         log.warning("notify: LOOPWARDEN_NOTIFY_ALLOW_UNSIGNED=true: alerts are posted without checking their "

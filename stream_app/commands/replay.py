@@ -52,6 +52,16 @@ class EngineUnavailable(LoopwardenError, RuntimeError):
     ``make install``), or use ``--engine python``."""
 
 
+#: Halted run ids the summary names, at most.
+HALTED_LISTED = 10
+#: ``ts_ms`` values below this are 1973 in milliseconds, but today in seconds: a runtime's unit mistake.
+SECONDS_LIKE_TS = 10**11
+
+
+def _count(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n:,} {word if n == 1 else plural or word + 's'}"
+
+
 @dataclass
 class ReplaySummary:
     events: int = 0
@@ -59,14 +69,26 @@ class ReplaySummary:
     bad_lines: int = 0
     runs: int = 0
     decisions: Counter[tuple[str, str]] = field(default_factory=Counter)
+    #: Halted runs in the order of their halts (the first ``HALTED_LISTED`` of them), and how many in all.
+    halted: list[str] = field(default_factory=list)
+    halted_runs: int = 0
+    #: The newest event time seen (0: none).
+    newest_ts_ms: int = 0
 
     def render(self) -> str:
         by_kind = ", ".join(f"{action}/{verdict} {n}" for (action, verdict), n in sorted(self.decisions.items()))
-        return (
-            f"loopwarden replay: {self.events} events ({self.duplicates} duplicates) in {self.runs} runs; "
-            f"{sum(self.decisions.values())} decisions{': ' + by_kind if by_kind else ''}; "
-            f"{self.bad_lines} bad line{'s' if self.bad_lines != 1 else ''}"
+        text = (
+            f"loopwarden replay: {_count(self.events, 'event')} ({_count(self.duplicates, 'duplicate')}) in "
+            f"{_count(self.runs, 'run')}; {_count(sum(self.decisions.values()), 'decision')}"
+            f"{': ' + by_kind if by_kind else ''}; {_count(self.bad_lines, 'bad line')}"
         )
+        if self.halted_runs:
+            more = self.halted_runs - len(self.halted)
+            text += (f"\nhalted: {', '.join(self.halted)}" + (f" and {_count(more, 'more run')}" if more else ""))
+        if self.events and self.newest_ts_ms < SECONDS_LIKE_TS:
+            text += ("\nwarning: every ts_ms is below 10^11, which looks like seconds, not milliseconds: windows "
+                     "and run expiry would be a thousand times too long; send epoch milliseconds")
+        return text
 
 
 def replay(
@@ -108,7 +130,12 @@ class _Writer:
         self.next_progress = time.monotonic() + progress_every_s if progress_every_s else None
 
     def decision(self, decision: Decision) -> None:
-        self.summary.decisions[(decision.action, decision.verdict)] += 1
+        summary = self.summary
+        summary.decisions[(decision.action, decision.verdict)] += 1
+        if decision.action == "halt":
+            summary.halted_runs += 1
+            if len(summary.halted) < HALTED_LISTED:
+                summary.halted.append(decision.run_id)
         self.out.write(orjson.dumps(decision.to_control()) + b"\n")
         if self.flush_each:
             self.out.flush()
@@ -143,6 +170,8 @@ def _replay_python(lines: Iterable[bytes], policy: Policy, writer: _Writer) -> N
             continue
         summary.events += 1
         runs.add(event.run_id)
+        if event.ts_ms > summary.newest_ts_ms:
+            summary.newest_ts_ms = event.ts_ms
         evaluation = table.observe(event)
         if evaluation.duplicate:
             summary.duplicates += 1
@@ -182,6 +211,7 @@ def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer, engi
         writer.progress(done, len(engine))
     summary = writer.summary
     summary.events, summary.duplicates, summary.runs = engine.events, engine.duplicates, engine.runs_seen
+    summary.newest_ts_ms = engine.watermark_ms
 
 
 def _observe(engine: Any, event: TelemetryEvent, policy: Policy) -> tuple[Any, ...] | None:

@@ -171,7 +171,7 @@ def parse_event(raw: bytes, max_bytes: int = MAX_EVENT_BYTES) -> TelemetryEvent:
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise NotJSON(str(exc)) from exc
+        raise NotJSON.at(exc.msg, exc.pos) from exc
     return decode_event(obj)
 
 
@@ -250,7 +250,7 @@ def decode_operator_command(raw: bytes, key_id: str = "") -> OperatorCommand:
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise NotJSON(str(exc)) from exc
+        raise NotJSON.at(exc.msg, exc.pos) from exc
     if type(obj) is not dict or obj.get("kind") != "operator":
         raise InvalidEvent("kind", "not an operator command")
     for name in ("run_id", "command_id", "operator", "reason"):

@@ -66,6 +66,12 @@ class NotJSON(InvalidEvent):
     def __init__(self, reason: str) -> None:
         super().__init__("", f"not JSON: {reason}")
 
+    @classmethod
+    def at(cls, problem: str, position: int) -> NotJSON:
+        """From a JSON parser's complaint and the 0-based byte offset it points at: said as a position in
+        the message or line, not in the parser's own "line 1 column 5 (char 4)"."""
+        return cls(f"{problem} at byte {position + 1}")
+
 
 class NormalisationError(LoopwardenError):
     """A value has no canonical JSON form (non-finite float, unsupported type, nesting too deep)."""

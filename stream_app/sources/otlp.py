@@ -287,7 +287,7 @@ def _decode(raw: bytes, encoding: Encoding) -> TracesData:
     try:
         document = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise NotJSON(str(exc)) from exc
+        raise NotJSON.at(exc.msg, exc.pos) from exc
     try:
         if type(document) is not dict:
             raise TypeError(f"a TracesData object was expected, got {type(document).__name__}")

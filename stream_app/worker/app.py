@@ -144,6 +144,9 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]  # faust's signal type wants a signal= keyword
     async def forget_revoked(sender: faust.App, revoked: set[faust.types.TP], **_: object) -> None:
         sequencer.forget(revoked)
+        effects.forget({tp.partition for tp in revoked if tp.topic == settings.telemetry_topic})
+
+    runs.on_recover(effects.recount)  # loopwarden_runs_tracked: exact, for the active partitions
 
     if settings.evict_scan_per_sweep:
 

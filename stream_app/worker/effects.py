@@ -106,6 +106,8 @@ class Effects:
         self._sweep_from: dict[int, bytes] = {}
         self._state_lock = asyncio.Lock()
         self._mismatches_warned: set[str] = set()
+        #: Runs stored per active partition (standbys excluded), counted on recovery, then kept up to date.
+        self._tracked: dict[int, int] = {}
 
     async def process(self, batch: Sequence[EventT[Any]]) -> None:
         async with self._state_lock:
@@ -144,6 +146,11 @@ class Effects:
         if result.decisions:
             await self._publish(result.decisions)
         await store.write(result.records)
+        tracked = self._tracked
+        for partition, changes in result.records.items():
+            if partition in tracked:
+                tracked[partition] += sum(stored[(partition, key)] is None for key, _ in changes)
+        metrics.runs_tracked.set(sum(tracked.values()))
         last_of_partition: dict[int, EventT[Any]] = {event.message.partition: event for event in batch}
         for event in last_of_partition.values():
             self._report_lag(event)
@@ -167,7 +174,25 @@ class Effects:
         if expired:
             await self.store.write(expired)
             self.metrics.evictions.inc(sum(map(len, expired.values())))
-        self.metrics.runs_tracked.set(self.store.estimated_keys())
+            for partition, stale in expired.items():
+                if partition in self._tracked:
+                    self._tracked[partition] -= len(stale)
+            self.metrics.runs_tracked.set(sum(self._tracked.values()))
+
+    def forget(self, partitions: set[int]) -> None:
+        """Partitions were revoked: their runs are another worker's to count."""
+        for partition in partitions:
+            self._tracked.pop(partition, None)
+        self.metrics.runs_tracked.set(sum(self._tracked.values()))
+
+    async def recount(self) -> None:
+        """Count the runs of every active partition afresh (faust calls it when recovery is complete:
+        the partitions' state is then whole) and drop partitions no longer assigned."""
+        async with self._state_lock:
+            topic = self.topics.telemetry.get_topic_name()
+            active = {tp.partition for tp in self.app.consumer.assignment() if tp.topic == topic}  # type: ignore[attr-defined]
+            self._tracked = {partition: self.store.count(partition) for partition in sorted(active)}
+            self.metrics.runs_tracked.set(sum(self._tracked.values()))
 
     async def _publish(self, decisions: list[Decision]) -> None:
         """Send decisions and wait until the broker has them all."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +12,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 from prometheus_client import start_http_server
 
+from ..bus import logs
 from ..bus.kafka import KafkaUnreachable
 from ..bus.policy_file import load_policy
 from ..bus.signing import KeyRing, Signer
@@ -84,8 +84,7 @@ def run_worker(settings: WorkerSettings) -> int:
     from .app import FatalStop, create_app
 
     level = settings.log_level.upper()
-    logging.basicConfig(level=level, format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s",'
-                                           '"msg":"%(message)s"}')
+    logs.configure(level, settings.log_format)
     policy = load_policy(settings.policy_path)
     signer = Signer.from_file(settings.signing_key) if settings.signing_key else None
     operator_keys = KeyRing.from_setting(settings.operator_keys) if settings.operator_keys else None
@@ -113,7 +112,7 @@ def run_worker(settings: WorkerSettings) -> int:
     else:
         status = 0
     if fatal.reason is not None:
-        print(f"loopwarden worker: stopped: {fatal.reason}", file=sys.stderr)
+        logs.fatal("worker", f"stopped: {fatal.reason}", settings.log_format)
         return 3
     return status
 
@@ -124,13 +123,16 @@ def serve(app: Any, level: str, on_ready: Callable[[], None]) -> None:
     import faust
 
     class Worker(faust.Worker):
-        def on_setup_root_logger(self, logger: logging.Logger, level: int) -> None:
-            # No terminal spinner: faust's spinner handler lowers the root logger to DEBUG, so every
-            # debug call in faust and aiokafka would build a log record.
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # No terminal spinner: it writes escape codes among the log lines, and its log handler lowers
+            # the root logger to DEBUG, so every debug call in faust and aiokafka would build a record.
             self.spinner = None
 
         async def on_startup_finished(self) -> None:
             await super().on_startup_finished()
             on_ready()
 
-    Worker(app, loglevel=level, quiet=True, redirect_stdouts=False).execute_from_commandline()
+    # override_logging=False: logging stays as run_worker configured it (one format for every line);
+    # mode would install its own handlers on stdout.
+    Worker(app, loglevel=level, quiet=True, redirect_stdouts=False, override_logging=False).execute_from_commandline()

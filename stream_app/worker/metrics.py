@@ -38,8 +38,8 @@ class WorkerMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
-        self.runs_tracked = Gauge("loopwarden_runs_tracked", "Runs with state in this worker's partitions "
-                                  "(RocksDB estimate).", registry=r)
+        self.runs_tracked = Gauge("loopwarden_runs_tracked", "Runs with stored state in this worker's active "
+                                  "partitions (standbys excluded): counted on recovery, then kept exact.", registry=r)
         self.consumer_lag = Gauge("loopwarden_consumer_lag", "Telemetry messages not yet processed, by partition.",
                                   ["partition"], registry=r)
         self.ready = Gauge("loopwarden_worker_ready", "1 once the worker has recovered its state and consumes.",

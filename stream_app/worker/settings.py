@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..bus.kafka import KafkaClientConfig
+from ..bus.logs import FORMATS
 from ..bus.settings import SettingsError, SettingsTable
 from ..core.stored import FORMAT_VERSION
 
@@ -52,6 +53,7 @@ SETTINGS = SettingsTable((
     ("operator_max_age_s", "LOOPWARDEN_OPERATOR_MAX_AGE_S", "900", "operator commands older than this (by their ts_ms) go to the DLQ as replays"),
     ("event_source", "LOOPWARDEN_EVENT_SOURCE", "", "CloudEvents source of decisions; empty means /loopwarden/<app_id>"),
     ("log_level", "LOOPWARDEN_LOG_LEVEL", "warning", "worker log level"),
+    ("log_format", "LOOPWARDEN_LOG_FORMAT", "json", "log lines on stderr: `json` (one JSON object per line, faust's, aiokafka's and tracebacks included) or `text`"),
 ))
 
 
@@ -91,6 +93,7 @@ class WorkerSettings:
     operator_max_age_s: float
     event_source: str
     log_level: str
+    log_format: str
 
     @property
     def changelog_topic(self) -> str:
@@ -116,6 +119,8 @@ class WorkerSettings:
             raise SettingsError("LOOPWARDEN_SIGNING_KEY: required, the Ed25519 private key that signs control "
                                 "messages (`loopwarden keys generate --name worker` makes one); "
                                 "LOOPWARDEN_ALLOW_UNSIGNED=true publishes unsigned halts (development only)")
+        if values["log_format"] not in FORMATS:
+            raise SettingsError(f"LOOPWARDEN_LOG_FORMAT={values['log_format']!r}: expected json or text")
         if values["otlp_encoding"] not in ("otlp_proto", "otlp_json"):
             raise SettingsError(f"LOOPWARDEN_OTLP_ENCODING={values['otlp_encoding']!r}: expected otlp_proto or "
                                 "otlp_json, the collector kafka exporter's traces::encoding")

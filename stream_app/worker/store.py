@@ -90,6 +90,12 @@ class RunStore:
             cursor.next()
         return found, cursor.key() if cursor.valid() else b""
 
-    def estimated_keys(self) -> int:
-        """Runs stored in the open partition DBs (RocksDB's estimate)."""
-        return sum(db.property_int_value("rocksdb.estimate-num-keys") or 0 for db in self._store._dbs.values())
+    def count(self, partition: int) -> int:
+        """The runs stored in ``partition``, counted key by key (faust's own keys skipped)."""
+        cursor = self._store._db_for_partition(partition).iter()
+        cursor.seek_to_first()
+        runs = 0
+        while cursor.valid():
+            runs += not cursor.key().startswith(FAUST_RESERVED_PREFIX)
+            cursor.next()
+        return runs

@@ -3,6 +3,7 @@ is unreachable, the broker refuses the login, or the policy file is wrong (exit 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -25,10 +26,14 @@ def _loopwarden(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[
 
 
 def _one_line(result: subprocess.CompletedProcess[str], command: str, *words: str) -> None:
+    """One line says it; the worker and the notifier write theirs as a JSON log record (their default
+    LOOPWARDEN_LOG_FORMAT), like every other line they write."""
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
-    assert [line for line in lines if line.startswith(f"loopwarden {command}: ")], result.stderr
+    if command in ("worker", "notify"):
+        records = [json.loads(line) for line in lines]  # every line is JSON
+        lines = [r["msg"] for r in records if r["level"] == "CRITICAL"]
     (line,) = [line for line in lines if line.startswith(f"loopwarden {command}: ")]
     for word in words:
         assert word in line, line

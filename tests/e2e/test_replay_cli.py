@@ -50,11 +50,13 @@ def test_replay_reports_bad_lines_and_keeps_going(tmp_path: Path, engine: str) -
     result = _loopwarden("replay", "--engine", engine, str(path))
     stderr = result.stderr.decode()
     assert result.returncode == 1
-    assert "line 2: not JSON" in stderr
+    assert "line 2: not JSON: unexpected character, expected a string key at byte 2" in stderr
     assert "line 4: event must be a JSON object, got array" in stderr
     assert "line 5: ts_ms: must be an integer, got string" in stderr
     assert "line 7: outcome: must be one of" in stderr
-    assert "5 events (0 duplicates) in 1 runs; 1 decisions: halt/recursion 1; 4 bad lines" in stderr
+    assert "5 events (0 duplicates) in 1 run; 1 decision: halt/recursion 1; 4 bad lines" in stderr
+    assert "\nhalted: r1\n" in stderr
+    assert "warning: every ts_ms is below 10^11, which looks like seconds" in stderr  # these say 1,000 ms
     decisions = [json.loads(line) for line in result.stdout.splitlines()]
     assert [(d["action"], d["verdict"], d["trigger_event_id"]) for d in decisions] == [
         ("halt", "recursion", "e3")
@@ -68,6 +70,20 @@ def test_replay_reads_stdin_and_exits_zero_on_clean_input(engine: str) -> None:
     result = _loopwarden("replay", "--engine", engine, "-", stdin=stdin)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["trigger_event_id"] == "e3"
+
+
+@ENGINES
+def test_the_summary_names_the_halted_runs_and_trusts_millisecond_times(engine: str) -> None:
+    """Twelve runaways: the summary lists the first ten halted run ids and counts the rest; epoch
+    milliseconds raise no warning."""
+    stdin = b"".join(orjson.dumps({"run_id": f"r{run:02d}", "event_id": f"r{run}-{i}", "tool": "search",
+                                   "ts_ms": 1_764_000_000_000 + i, "outcome": "error", "args": {"q": run},
+                                   "result": {"error": "503"}}) + b"\n" for run in range(12) for i in range(4))
+    result = _loopwarden("replay", "--engine", engine, "-", stdin=stdin)
+    stderr = result.stderr.decode()
+    assert "48 events (0 duplicates) in 12 runs; 12 decisions: halt/recursion 12; 0 bad lines" in stderr
+    assert f"halted: {', '.join(f'r{run:02d}' for run in range(10))} and 2 more runs" in stderr
+    assert "warning" not in stderr
 
 
 def test_replay_applies_a_policy_file(tmp_path: Path) -> None:

@@ -106,7 +106,7 @@ def test_a_record_newer_than_the_worker_stops_it_with_the_operator_action(kafka_
                                                                           tmp_path: Path) -> None:
     """A worker of an older release that meets a record of a newer format stops (exit status 3) with
     the version and what to do, and commits nothing for the batch that met it."""
-    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=PARTITIONS)
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=PARTITIONS, settings={"log_level": "info"})
     _topics(fleet)
     newer = {**orjson.loads(encode_run(StoredRun(decode_run(None).state, 5))), "v": FORMAT_VERSION + 1}
     key = "run-from-the-future"
@@ -125,6 +125,11 @@ def test_a_record_newer_than_the_worker_stops_it_with_the_operator_action(kafka_
     assert status == 3, log[-3000:]
     assert f"format version {FORMAT_VERSION + 1}" in log and "Operator action: a worker of a newer release" in log
     assert "KeyError" not in log
+    # Every line the worker wrote, the agent's traceback and faust's and aiokafka's lines included, is one
+    # JSON object (LOOPWARDEN_LOG_FORMAT=json, the default).
+    records = [orjson.loads(line) for line in log.splitlines()]
+    assert any("exc" in r and "StateVersionError" in r["exc"] for r in records)
+    assert {r["logger"].split(".")[0] for r in records} >= {"loopwarden", "faust"}
     assert run(_committed(kafka_bootstrap, fleet.name, fleet.telemetry_topic, partition)) in (None, 0)
 
 

@@ -130,7 +130,7 @@ def test_metrics_match_what_was_processed(corpus_run: dict[str, Any]) -> None:
     assert sum(v for k, v in metrics.items() if k.startswith("loopwarden_dlq_total")) == len(BAD_MESSAGES)
     assert metrics["loopwarden_rekeyed_total"] == 5
     assert metrics["loopwarden_decision_latency_seconds_count"] == len(expected)
-    assert metrics["loopwarden_runs_tracked"] > 0
+    assert metrics["loopwarden_runs_tracked"] == len({e["run_id"] for e in stream})  # exact, not an estimate
     assert all(v == 0 for k, v in metrics.items() if k.startswith("loopwarden_consumer_lag{"))
 
 
@@ -180,6 +180,7 @@ def test_two_workers_split_the_partitions_and_halt_each_loop_once(kafka_bootstra
         time.sleep(1.0)
         processed = [sum(v for k, v in w.metrics().items() if k.startswith("loopwarden_events_total{"))
                      for w in (a, b)]
+        tracked = [w.metrics()["loopwarden_runs_tracked"] for w in (a, b)]
     finally:
         fleet.stop()
     halts = Counter(d["run_id"] for d in got if d["action"] == "halt")
@@ -187,6 +188,8 @@ def test_two_workers_split_the_partitions_and_halt_each_loop_once(kafka_bootstra
     assert set(halts.values()) == {1}
     assert sorted(d["decision_id"] for d in got) == sorted(d["decision_id"] for d in expected)
     assert all(count > 0 for count in processed), processed
+    # Each worker counts its active partitions only (each also holds standby copies of the other's).
+    assert sum(tracked) == len({e["run_id"] for e in stream}), tracked
 
 
 def test_silent_runs_are_evicted_in_event_time(kafka_bootstrap: str, tmp_path: Path) -> None:
