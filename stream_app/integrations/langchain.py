@@ -28,10 +28,13 @@ LangChain's run ids are UUIDv7, whose first 8 bytes (LangSmith's choice) repeat 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Annotated, Any, NotRequired, TypeVar
 from uuid import UUID
 
@@ -44,12 +47,59 @@ from langgraph.errors import GraphBubbleUp
 from langgraph.runtime import Runtime
 from langgraph.types import Command
 
-from ..client import CallIds, DuplicateSuppressed, Guard, GuardedRun, PendingCall, ToolOutcome, UsageError
+from ..client import (
+    CallIds,
+    DuplicateSuppressed,
+    Guard,
+    GuardedRun,
+    PendingCall,
+    RunHalted,
+    ToolOutcome,
+    UsageError,
+)
 
 __all__ = ["DuplicateSuppressed", "LoopwardenCallbackHandler", "LoopwardenMiddleware"]
 
+logger = logging.getLogger(__name__)
+
 T = TypeVar("T")
 ToolResult = ToolMessage | Command[Any]
+
+
+#: Invocations and halts remembered to notice repeats (bounded memory).
+_REMEMBERED = 1_000
+#: LangChain logs every exception a callback raises, at WARNING, however often the same halt is refused.
+_CALLBACK_LOGGER = "langchain_core.callbacks.manager"
+
+
+class _OnceFilter(logging.Filter):
+    """Lets LangChain's warning about a handler's ``RunHalted`` through once per decision: an agent loop
+    under a catch-all error handler would repeat it every superstep until the recursion limit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        halted = next((a for a in record.args or () if isinstance(a, str) and a.startswith("RunHalted(")), None) \
+            if isinstance(record.args, tuple) else None
+        if halted is None or not record.getMessage().startswith("Error in LoopwardenCallbackHandler."):
+            return True
+        if halted in self._seen:
+            return False
+        if len(self._seen) >= _REMEMBERED:
+            self._seen.clear()
+        self._seen.add(halted)
+        return True
+
+
+_ONCE = _OnceFilter()
+
+
+def _warn_swallowed(where: str, fix: str, run_id: str) -> None:
+    logger.warning("loopwarden: run %s was halted, and its RunHalted went back to the model instead of ending "
+                   "the run: %s. The tool does not run again, but the agent loops on until LangGraph's recursion "
+                   "limit. Fix: %s", run_id, where, fix)
 
 
 class _Bridge:
@@ -103,6 +153,10 @@ class LoopwardenCallbackHandler(BaseCallbackHandler):
         self._bridge = _Bridge(loop)
         self._roots: dict[UUID, UUID] = {}  # run id of each chain in flight -> its root run id
         self._pending: dict[UUID, tuple[GuardedRun, PendingCall, float]] = {}
+        self._refused: set[UUID] = set()  # invocations (root runs) in which a call was refused
+        self._warned = False
+        if _ONCE not in logging.getLogger(_CALLBACK_LOGGER).filters:
+            logging.getLogger(_CALLBACK_LOGGER).addFilter(_ONCE)
 
     def on_chain_start(
         self, serialized: dict[str, Any] | None, inputs: Any, *, run_id: UUID,
@@ -112,9 +166,11 @@ class LoopwardenCallbackHandler(BaseCallbackHandler):
 
     def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
         self._roots.pop(run_id, None)
+        self._refused.discard(run_id)
 
     def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         self._roots.pop(run_id, None)
+        self._refused.discard(run_id)
 
     def on_tool_start(
         self,
@@ -138,7 +194,17 @@ class LoopwardenCallbackHandler(BaseCallbackHandler):
             parent_span_id=_span_id(parent_run_id) if parent_run_id else None,
         )
         tool = serialized["name"]
-        pending = self._bridge.run(run.begin(tool, _args(inputs, input_str), ids=ids))
+        try:
+            pending = self._bridge.run(run.begin(tool, _args(inputs, input_str), ids=ids))
+        except RunHalted:
+            if root in self._refused and not self._warned:
+                self._warned = True
+                _warn_swallowed("a tool error handler catches every exception (ToolNode(handle_tool_errors=True), "
+                                "ToolErrorMiddleware answering all) and hands it to the model",
+                                "let RunHalted through (handle_tool_errors=(ToolException,)), or guard with "
+                                "LoopwardenMiddleware listed first", run.run_id)
+            self._refused.add(root)
+            raise
         if pending.earlier is not None:
             raise DuplicateSuppressed(run.run_id, tool, "a callback handler", "LoopwardenMiddleware")
         self._pending[run_id] = (run, pending, time.perf_counter())
@@ -161,6 +227,8 @@ class _GuardedState(AgentState[Any]):
     """The agent state plus the run id, chosen once per invocation (not checkpointed, not in the output)."""
 
     loopwarden_run_id: NotRequired[Annotated[str, UntrackedValue, PrivateStateAttr]]
+    #: This invocation's id: a second refusal within one invocation means a RunHalted was swallowed.
+    loopwarden_invocation: NotRequired[Annotated[str, UntrackedValue, PrivateStateAttr]]
 
 
 class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
@@ -187,17 +255,20 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
         self.agent_id = agent_id
         self.tenant = tenant
         self._bridge = _Bridge(loop)
+        self._refused: OrderedDict[str, None] = OrderedDict()  # recent invocations with a refused call
+        self._warned = False
 
     def before_agent(self, state: _GuardedState, runtime: Runtime[Any]) -> dict[str, Any]:
         info = runtime.execution_info
         run_id = (info.thread_id or info.run_id) if info is not None else None
-        return {"loopwarden_run_id": str(run_id or uuid.uuid4())}
+        return {"loopwarden_run_id": str(run_id or uuid.uuid4()), "loopwarden_invocation": uuid.uuid4().hex}
 
     def wrap_tool_call(
         self, request: ToolCallRequest, handler: Callable[[ToolCallRequest], ToolResult]
     ) -> ToolResult:
         run, tool, args, ids = self._call(request)
-        pending = self._bridge.run(run.begin(tool, args, ids=ids))
+        with self._noticing_swallowed_halts(request, run):
+            pending = self._bridge.run(run.begin(tool, args, ids=ids))
         if pending.earlier is not None:
             return _replayed(request, pending)
         started = time.perf_counter()
@@ -215,7 +286,8 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
         self, request: ToolCallRequest, handler: Callable[[ToolCallRequest], Awaitable[ToolResult]]
     ) -> ToolResult:
         run, tool, args, ids = self._call(request)
-        pending = await run.begin(tool, args, ids=ids)
+        with self._noticing_swallowed_halts(request, run):
+            pending = await run.begin(tool, args, ids=ids)
         if pending.earlier is not None:
             return _replayed(request, pending)
         started = time.perf_counter()
@@ -228,6 +300,25 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
             raise
         await run.finish(pending, _reported(result), latency_ms=_ms_since(started))
         return result
+
+    @contextmanager
+    def _noticing_swallowed_halts(self, request: ToolCallRequest, run: GuardedRun) -> Iterator[None]:
+        """A second refusal in one invocation: the first RunHalted did not end it, so a middleware listed
+        before this one (outside it) turned it into a message; warn once, with the fix."""
+        try:
+            yield
+        except RunHalted:
+            invocation = str(request.state.get("loopwarden_invocation", ""))
+            if invocation in self._refused and not self._warned:
+                self._warned = True
+                _warn_swallowed("a middleware listed before LoopwardenMiddleware (outside it) catches tool errors "
+                                "(ToolErrorMiddleware, ToolRetryMiddleware...)",
+                                "list LoopwardenMiddleware first: create_agent(..., middleware=[LoopwardenMiddleware("
+                                "guard), ...])", run.run_id)
+            self._refused[invocation] = None
+            if len(self._refused) > _REMEMBERED:
+                self._refused.popitem(last=False)
+            raise
 
     def _call(self, request: ToolCallRequest) -> tuple[GuardedRun, str, dict[str, Any], CallIds]:
         call = request.tool_call

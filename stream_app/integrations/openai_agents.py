@@ -26,6 +26,7 @@ Ids: the run is ``run_id`` (a string, or a function of the run context) if given
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import weakref
@@ -44,6 +45,8 @@ from agents import (
     ToolOutputGuardrailData,
     default_tool_error_function,
 )
+from agents.exceptions import ToolInputGuardrailTripwireTriggered
+from agents.tool import FunctionTool, resolve_function_tool_failure_error_function
 from agents.tool_context import ToolContext
 from agents.tracing import get_current_trace
 
@@ -53,10 +56,13 @@ from ..client import CallIds, Guard, GuardedRun, InvalidCall, PendingCall, RunHa
 __all__ = [
     "AgentRunHalted",
     "DuplicateSuppressed",
+    "GuardrailHalted",
     "LoopwardenRunHooks",
     "LoopwardenToolGuardrails",
     "tool_failed",
 ]
+
+logger = logging.getLogger(__name__)
 
 RunIdOf = Callable[[RunContextWrapper[Any]], str]
 
@@ -76,6 +82,22 @@ class AgentRunHalted(RunHalted, AgentsException):
     """``RunHalted`` as an ``AgentsException``, which the SDK lets out of a hook unwrapped."""
 
 
+class GuardrailHalted(RunHalted, ToolInputGuardrailTripwireTriggered):
+    """A halted run's call stopped at ``LoopwardenToolGuardrails.input``: the SDK's tripwire
+    (``guardrail``; ``output.output_info`` is the halt decision) whose message says which halt, rather
+    than the SDK's "Tool input guardrail ToolInputGuardrail triggered tripwire"; and a ``RunHalted``."""
+
+    def __init__(self, guardrail: ToolInputGuardrail[Any], decision: dict[str, Any]) -> None:
+        # Not through super(): the two bases take different arguments; both sets of attributes are set.
+        halted = RunHalted(decision)
+        self.decision, self.run_id, self.verdict = halted.decision, halted.run_id, halted.verdict
+        self.reason, self.decision_id = halted.reason, halted.decision_id
+        self.guardrail = guardrail
+        self.output = ToolGuardrailFunctionOutput.raise_exception(output_info=halted.decision)
+        self.run_data = None
+        Exception.__init__(self, f"tool input guardrail {guardrail.get_name()} tripped: {halted}")
+
+
 class DuplicateSuppressed(client.DuplicateSuppressed, AgentsException):
     """The SDK's ``DuplicateSuppressed`` as an ``AgentsException``, which the SDK lets out of a hook
     unwrapped: a run hook cannot hand back the earlier result (``LoopwardenToolGuardrails`` can)."""
@@ -91,6 +113,7 @@ class _ToolCalls:
         self.tenant = tenant
         self._run_id = run_id
         self._pending: dict[tuple[str, str], tuple[GuardedRun, PendingCall, float]] = {}
+        self._warned: set[str] = set()
 
     async def _begin(self, context: ToolContext[Any]) -> tuple[GuardedRun, PendingCall]:
         """``GuardedRun.begin`` for this call (``RunHalted`` propagates); remembered until it ends unless
@@ -135,6 +158,7 @@ class LoopwardenRunHooks(_ToolCalls, RunHooks[Any]):
     async def on_tool_start(self, context: RunContextWrapper[Any], agent: Any, tool: Any) -> None:
         if not isinstance(context, ToolContext):  # computer and shell actions: no call id, no arguments
             return
+        self._check_failures_reach_the_hooks(tool)
         try:
             run, pending = await self._begin(context)
         except RunHalted as halted:
@@ -145,6 +169,20 @@ class LoopwardenRunHooks(_ToolCalls, RunHooks[Any]):
     async def on_tool_end(self, context: RunContextWrapper[Any], agent: Any, tool: Any, result: Any) -> None:
         if isinstance(context, ToolContext):
             await self._finish(context, result)
+
+    def _check_failures_reach_the_hooks(self, tool: Any) -> None:
+        """Warn once per tool whose failures the SDK turns into messages the hooks cannot tell from a
+        success: a loop of its failures would never halt."""
+        if not isinstance(tool, FunctionTool) or tool.name in self._warned:
+            return
+        failure = resolve_function_tool_failure_error_function(tool)
+        if failure is not None and failure is not tool_failed:
+            self._warned.add(tool.name)
+            logger.warning(
+                "loopwarden: function tool %r has no failure_error_function=tool_failed: the SDK turns its "
+                "exceptions into messages before LoopwardenRunHooks sees the call end, so its failures count as "
+                "successes and a loop of them is never halted. Fix: @function_tool(failure_error_function="
+                "tool_failed) (stream_app.integrations.openai_agents.tool_failed)", tool.name)
 
 
 class LoopwardenToolGuardrails(_ToolCalls):
@@ -163,7 +201,8 @@ class LoopwardenToolGuardrails(_ToolCalls):
         try:
             _, pending = await self._begin(data.context)
         except RunHalted as halted:
-            return ToolGuardrailFunctionOutput.raise_exception(output_info=halted.decision)
+            # The SDK's tripwire, raised here so that its message names the halt.
+            raise GuardrailHalted(self.input, halted.decision) from None
         if pending.earlier is None:
             return ToolGuardrailFunctionOutput.allow()
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -14,11 +15,13 @@ from typing import Any
 import orjson
 import pytest
 from langchain.agents import create_agent
+from langchain.agents.middleware import ToolErrorMiddleware
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 from langchain_core.outputs import ChatResult
 from langchain_core.tools import BaseTool, StructuredTool, ToolException
+from langgraph.errors import GraphRecursionError
 from pydantic import Field
 
 from stream_app.client import Guard, KafkaClientConfig, RunHalted
@@ -323,3 +326,46 @@ async def test_fleet_halt_stops_the_agent(guarded_by: str, kafka_bootstrap: str,
     assert halted.value.verdict == "recursion"
     assert [(e["run_id"], e["tool"], e["outcome"], e["attrs"]["tool_call_id"]) for e in telemetry] == [
         ("thread-fleet", "search_docs", "error", f"call-{n}") for n in range(1, 5)]
+
+
+# --- footguns, detected and warned about once, with the fix --------------------------------------------
+
+def _answer_every_error() -> ToolErrorMiddleware:
+    """The catch-all: every exception a tool call raises becomes an error ToolMessage for the model."""
+    return ToolErrorMiddleware(on_error=lambda exc, request: f"{request.tool_call['name']} failed: {exc}")
+
+
+def test_middleware_listed_after_a_tool_error_middleware_is_warned_about_once(caplog: pytest.LogCaptureFixture) -> None:
+    """ToolErrorMiddleware listed first (outside LoopwardenMiddleware) answers its RunHalted to the model,
+    so the agent loops on to the recursion limit; the middleware notices the second refusal within one
+    invocation and says, once, to list it first."""
+    guard = Guard.in_process()
+    search = Counted()
+    chat = model(calling("search_docs", SEARCH_ARGS))
+    agent = create_agent(chat, [search_tool(search)],
+                         middleware=[_answer_every_error(), LoopwardenMiddleware(guard)])
+    with caplog.at_level(logging.WARNING, logger="stream_app"), pytest.raises(GraphRecursionError):
+        agent.invoke({"messages": [("user", "Refund policy?")]},
+                     {"configurable": {"thread_id": "thread-order"}, "recursion_limit": 25})
+    assert search.runs == 4  # refused ever after, but the agent went on
+    warnings = [r.getMessage() for r in caplog.records if "went back to the model" in r.getMessage()]
+    assert len(warnings) == 1 and "list LoopwardenMiddleware first" in warnings[0]
+
+
+def test_callback_handler_under_a_catch_all_error_handler_is_warned_about_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A tool error handler that hands every exception to the model (ToolErrorMiddleware answering all):
+    the handler's RunHalted is logged once (LangChain would log it every superstep), and a warning names
+    the fix."""
+    guard = Guard.in_process()
+    search = Counted()
+    chat = model(calling("search_docs", SEARCH_ARGS))
+    agent = create_agent(chat, [search_tool(search)], middleware=[_answer_every_error()])
+    with caplog.at_level(logging.WARNING), pytest.raises(GraphRecursionError):
+        agent.invoke({"messages": [("user", "Refund policy?")]},
+                     {"callbacks": [LoopwardenCallbackHandler(guard)], "recursion_limit": 25})
+    assert search.runs == 4
+    halted = [r for r in caplog.records if "Error in LoopwardenCallbackHandler.on_tool_start" in r.getMessage()]
+    assert len(halted) == 1
+    warnings = [r.getMessage() for r in caplog.records if "went back to the model" in r.getMessage()]
+    assert len(warnings) == 1 and "handle_tool_errors=(ToolException,)" in warnings[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from agents import (
     Runner,
     ToolInputGuardrailTripwireTriggered,
     UserError,
+    default_tool_error_function,
     function_tool,
 )
 from agents.items import ModelResponse, TResponseOutputItem
@@ -335,3 +337,45 @@ async def test_fleet_halt_stops_the_agent(kafka_bootstrap: str, tmp_path: Path) 
     assert halted.value.verdict == "recursion"
     assert [(e["run_id"], e["tool"], e["outcome"], e["attrs"]["tool_call_id"]) for e in telemetry] == [
         ("conv-fleet", "search_docs", "error", f"call-{n}") for n in range(1, 5)]
+
+
+# --- footguns, detected and warned about once, with the fix --------------------------------------------
+
+async def test_a_tool_without_tool_failed_under_run_hooks_is_warned_about_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The SDK's default failure function turns the tool's exceptions into messages before the hooks
+    see the call end: its failures look like successes and the loop is never halted. The hooks say so,
+    once, naming the tool and the fix; a tool with tool_failed gets no warning."""
+    guard = Guard.in_process()
+    search = Counted()
+    tool = search_tool(search, failure_error_function=default_tool_error_function)
+    model = ScriptedModel(calling("search_docs", SEARCH_ARGS, 6), answer("I could not search."))
+    agent = Agent(name="support", model=model, tools=[tool])
+    with caplog.at_level(logging.WARNING, logger="stream_app"):
+        await Runner.run(agent, "Refund policy?", hooks=LoopwardenRunHooks(guard),
+                         run_config=RunConfig(group_id="conv-footgun"))
+    assert search.runs == 6  # never halted: the failures passed for successes
+    warnings = [r.getMessage() for r in caplog.records if "failure_error_function=tool_failed" in r.getMessage()]
+    assert len(warnings) == 1 and "'search_docs'" in warnings[0]
+
+    caplog.clear()
+    fixed = Agent(name="support", model=ScriptedModel(calling("search_docs", SEARCH_ARGS, 2), answer("ok")),
+                  tools=[search_tool(Counted())])
+    with caplog.at_level(logging.WARNING, logger="stream_app"):
+        await Runner.run(fixed, "Refund policy?", hooks=LoopwardenRunHooks(guard),
+                         run_config=RunConfig(group_id="conv-fixed"))
+    assert not [r for r in caplog.records if "failure_error_function" in r.getMessage()]
+
+
+async def test_the_guardrails_tripwire_says_which_halt() -> None:
+    """The tripwire's message names the verdict and the reason (not only "guardrail ... triggered
+    tripwire"), and it is a RunHalted too."""
+    guard = Guard.in_process()
+    guardrails = LoopwardenToolGuardrails(guard)
+    tool = search_tool(Counted(), tool_input_guardrails=[guardrails.input], tool_output_guardrails=[guardrails.output])
+    agent = Agent(name="support", model=ScriptedModel(calling("search_docs", SEARCH_ARGS)), tools=[tool])
+    with pytest.raises(ToolInputGuardrailTripwireTriggered) as tripped:
+        await Runner.run(agent, "Refund policy?", run_config=RunConfig(group_id="conv-trip"))
+    assert isinstance(tripped.value, RunHalted) and tripped.value.verdict == "recursion"
+    assert str(tripped.value).startswith("tool input guardrail loopwarden tripped: run conv-trip was halted by "
+                                         "loopwarden (recursion): search_docs with identical arguments")
