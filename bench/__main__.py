@@ -93,7 +93,9 @@ async def kafka_benches(bootstrap: str, plan: Plan, sections: set[str], results:
     name = f"bench-{uuid.uuid4().hex[:6]}"
 
     def save(section: str, data: dict[str, Any]) -> None:
-        (results / f"{section}.json").write_text(json.dumps(data, indent=1) + "\n")
+        machine = json.loads((results / "machine.json").read_text())
+        measured = {"commit": machine["commit"], "date_utc": machine["date_utc"]}
+        (results / f"{section}.json").write_text(json.dumps(data | {"measured": measured}, indent=1) + "\n")
 
     if "limit" in sections:
         progress("limit: raw aiokafka consume and one-message round trip")
@@ -282,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         with broker() as (bootstrap, version):
             progress(f"broker: Apache Kafka {version} at {bootstrap}")
             machine = json.loads((RESULTS / "machine.json").read_text())
-            machine |= {"kafka": version, "corpus_events": events,
+            machine |= {"kafka": version, "sections": sorted(sections), "corpus_events": events,
                         "corpus_mean_bytes": corpus.mean_size(corpus.read_template(template)),
                         "plan": "quick" if args.quick else "full"}
             (RESULTS / "machine.json").write_text(json.dumps(machine, indent=1) + "\n")

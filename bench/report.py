@@ -137,6 +137,7 @@ class Page:
             "that reproduces it is given with it (each starts its own local broker unless",
             "`KAFKA_BOOTSTRAP_SERVERS` is set). Raw results: `bench/results/*.json`.",
             "",
+            *self._provenance(),
             "| machine | |",
             "|---|---|",
             f"| CPU | {m['cpu']}, {m['cores']} cores |",
@@ -161,6 +162,20 @@ class Page:
             "(from `/proc`) is given next to throughputs because it is the figure least affected by sharing.",
             "",
         )
+
+    def _provenance(self) -> list[str]:
+        """Which sections this run measured, and when the others were (a partial run re-renders all)."""
+        measured = self.machine.get("sections")
+        if not measured:
+            return []
+        older = []
+        for name in ("core", "limit", "fleet", "halt", "overshoot", "settings"):
+            data = getattr(self, name, None)
+            if data and name not in measured and name != "core":
+                when = data.get("measured", {})
+                older.append(f"{name} ({when['date_utc']}, commit {when['commit']})" if when else f"{name} (an earlier run)")
+        return ([f"This run measured: {', '.join(measured)}. Carried over from earlier runs: {', '.join(older)}.", ""]
+                if older else [])
 
     def targets(self) -> None:
         rows = []

@@ -117,6 +117,10 @@ class ControlBoard:
         for message in self._parked.pop(run_id, ()):
             self._act(run_id, view, message)
 
+    def watches(self, run_id: str) -> bool:
+        """Whether decisions for ``run_id`` concern this process."""
+        return self.watch_all or run_id in self._runs
+
     def halt_decision(self, run_id: str) -> dict[str, Any] | None:
         """The halt in force for the run (its control v1 object), or None."""
         view = self._runs.get(run_id)
@@ -455,14 +459,17 @@ class HaltListener(StartStop):
         if self.max_age_ms is not None and type(message) is dict and type(message.get("ts_ms")) is int:
             age_ms = wall_clock_ms() - message["ts_ms"]
             if age_ms > self.max_age_ms:
-                return self._reject("expired", f"decision is {age_ms // 1000} s old", record)
+                # A stale decision about a run this process does not guard is no concern of its own: a
+                # replay aimed at it, or another process's old traffic. Counted either way.
+                mine = self.board.watches(str(message.get("run_id", "")))
+                return self._reject("expired", f"decision is {age_ms // 1000} s old", record, warn=mine)
         return self.board.apply(message)
 
-    def _reject(self, reason: str, detail: str, record: ConsumerRecord[bytes, bytes]) -> str:
+    def _reject(self, reason: str, detail: str, record: ConsumerRecord[bytes, bytes], warn: bool = True) -> str:
         self.board.counters[reason] += 1
-        logger.warning("control message refused (%s): %s", reason, detail,
-                       extra={"topic": record.topic, "partition": record.partition, "offset": record.offset,
-                              "reason": reason})
+        logger.log(logging.WARNING if warn else logging.DEBUG, "control message refused (%s): %s", reason, detail,
+                   extra={"topic": record.topic, "partition": record.partition, "offset": record.offset,
+                          "reason": reason})
         return reason
 
     async def _follow_new_partitions(self, consumer: AIOKafkaConsumer) -> None:
