@@ -16,15 +16,14 @@ only after it was processed). Windows live in the core's event-time state, not i
 (their expiry uses the wall clock and never fires after recovery).
 
 A stored record this release cannot read (a newer format, or damage) stops the worker with the reason
-and the operator action (``FatalStop``): folding on a state it cannot read would make wrong decisions.
+and the operator action (``delivery.FatalStop``): folding on a state it cannot read would make wrong
+decisions.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, cast
 
 import faust
@@ -32,7 +31,6 @@ from faust.types import EventT, StreamT
 
 from ..bus.signing import KeyRing, Signer
 from ..core import Detector, Policy
-from ..core.stored import StoredRecordError
 from ..sources import Decoded
 from . import delivery
 from .batch import BatchFold
@@ -83,32 +81,12 @@ def telemetry_topic(app: faust.App, settings: WorkerSettings) -> faust.TopicT:
     return raw_topic(app, settings.telemetry_topic, settings.partitions)
 
 
-class FatalStop:
-    """Stops the worker for an error it must not work around, and remembers why (``run_worker`` exits
-    with it). The batch in hand is not marked processed, so its offsets stay uncommitted."""
-
-    def __init__(self) -> None:
-        self.reason: BaseException | None = None
-
-    async def guard(self, step: Awaitable[None]) -> None:
-        try:
-            await step
-        except StoredRecordError as exc:
-            if self.reason is None:
-                self.reason = exc
-                log.critical("stopping the worker: %s", exc)
-                # The way an operator stops it: faust's graceful shutdown, which commits processed
-                # offsets only (this batch is not marked processed).
-                os.kill(os.getpid(), signal.SIGTERM)
-            raise
-
-
 def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics, signer: Signer | None = None,
-               operator_keys: KeyRing | None = None, fatal: FatalStop | None = None) -> faust.App:
+               operator_keys: KeyRing | None = None, fatal: delivery.FatalStop | None = None) -> faust.App:
     """A configured Faust app with its topics, the runs table, the agents and the sweep. Decisions are
     signed with ``signer`` (None: unsigned, development only); operator commands are accepted from
     ``operator_keys`` only."""
-    fatal = fatal or FatalStop()
+    fatal = fatal or delivery.FatalStop()
     app = configured_app(settings)
     topics = Topics(
         telemetry=telemetry_topic(app, settings),
@@ -151,16 +129,14 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
     if settings.evict_scan_per_sweep:
 
         async def expire_silent_runs() -> None:
-            await fatal.guard(effects.sweep())
+            await fatal.run(effects.sweep())
 
         app.timer(SWEEP_INTERVAL_S)(expire_silent_runs)
 
-    def agent(name: str, topic: faust.TopicT, handle: Callable[[Sequence[EventT[Any]]], Awaitable[None]]) -> None:
+    def agent(name: str, topic: faust.TopicT,
+              handle: Callable[[Sequence[EventT[Any]]], Coroutine[Any, Any, None]]) -> None:
         async def consume(stream: StreamT[Any]) -> None:
-            async def guarded(events: Sequence[EventT[Any]]) -> None:
-                await fatal.guard(handle(events))
-
-            await delivery.in_order(stream, sequencer, processed, guarded, settings.batch_max,
+            await delivery.in_order(stream, sequencer, processed, fatal, handle, settings.batch_max,
                                     settings.batch_within_s)
 
         app.agent(topic, concurrency=1, name=name)(consume)

@@ -27,8 +27,10 @@ So, here, with faust kept for everything else:
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 from weakref import WeakSet
@@ -40,6 +42,8 @@ from faust.transport.drivers.aiokafka import Consumer
 from faust.types import TP, EventT, Message, StreamT
 from faust.types.tuples import ack_lock
 from mode.utils.futures import notify
+
+from ..core.stored import StoredRecordError
 
 log = logging.getLogger(__name__)
 
@@ -174,13 +178,48 @@ class Sequencer:
         return True
 
 
-async def in_order(stream: StreamT[Any], sequencer: Sequencer, processed: ProcessedMessages,
-                   handle: Callable[[list[EventT[Any]]], Awaitable[None]], batch_max: int, within_s: float) -> None:
+class FatalStop:
+    """Stops the worker for an error it must not work around, and remembers why (``run_worker`` exits
+    with it).
+
+    From the first such error on, nothing more is processed or committed: the batch that met it is not
+    marked processed, every later one is dropped unprocessed (its messages acknowledged without
+    counting, so faust's shutdown does not wait for them), and the agent does not crash (its
+    supervisor would restart it and go on taking messages while the worker stops).
+    """
+
+    def __init__(self, stop: Callable[[], object] = lambda: os.kill(os.getpid(), signal.SIGTERM)) -> None:
+        #: How the worker is stopped: by default the way an operator stops it, faust's graceful
+        #: shutdown, which commits processed offsets only.
+        self.stop = stop
+        self.reason: BaseException | None = None
+
+    async def run(self, step: Coroutine[Any, Any, None]) -> bool:
+        """Await ``step``; whether it completed (False: the worker is stopping, or ``step`` met an error
+        that stops it)."""
+        if self.reason is not None:
+            step.close()
+            return False
+        try:
+            await step
+        except StoredRecordError as exc:
+            self.reason = exc
+            log.critical("stopping the worker: %s", exc, exc_info=exc)
+            self.stop()
+            return False
+        return True
+
+
+async def in_order(stream: StreamT[Any], sequencer: Sequencer, processed: ProcessedMessages, fatal: FatalStop,
+                   handle: Callable[[Sequence[EventT[Any]]], Coroutine[Any, Any, None]], batch_max: int,
+                   within_s: float) -> None:
     """Hand ``stream``'s batches to ``handle``, each partition in offset order, and mark what it finished
-    as processed (only that gets committed): the body of every agent of the worker."""
+    as processed (only that gets committed): the body of every agent of the worker. Once ``fatal``
+    stopped the worker, batches are dropped unprocessed."""
     # faust's StreamT interface lacks take_events; the Stream every agent gets has it.
     async for batch in cast("Stream[Any]", stream).take_events(batch_max, within=within_s):
+        if fatal.reason is not None:
+            continue
         events = await sequencer.admit(batch)
-        if events:
-            await handle(events)
+        if events and await fatal.run(handle(events)):
             processed.mark_processed(events)

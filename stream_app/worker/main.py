@@ -81,7 +81,8 @@ async def _wait_for_partitions(admin: AIOKafkaAdminClient, settings: WorkerSetti
 
 def run_worker(settings: WorkerSettings) -> int:
     """Run one worker in this process until SIGINT/SIGTERM; returns the exit status."""
-    from .app import FatalStop, create_app
+    from .app import create_app
+    from .delivery import FatalStop
 
     level = settings.log_level.upper()
     logs.configure(level, settings.log_format)

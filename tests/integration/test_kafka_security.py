@@ -286,7 +286,7 @@ def test_a_runaway_is_halted_with_every_client_authenticated(deployment: tuple[F
         settings = NotifySettings.from_env({
             **secure_kafka.env("notify"), "LOOPWARDEN_NOTIFY_URL": "http://127.0.0.1:9/hook",
             "LOOPWARDEN_ALERTS_TOPIC": fleet.alerts_topic, "LOOPWARDEN_NOTIFY_GROUP": acls.notify_group,
-            "LOOPWARDEN_NOTIFY_START": "earliest"})
+            "LOOPWARDEN_NOTIFY_START": "earliest", "LOOPWARDEN_WORKER_KEYS": str(fleet.keys / "worker.pub")})
         notifier = Notifier(settings, post=post)
         task = asyncio.create_task(notifier.run())
         try:

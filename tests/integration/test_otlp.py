@@ -78,6 +78,7 @@ def otlp_corpus(encoding: str, runs: int = 40, seed: int = 5) -> tuple[list[tupl
             "agent_id": e["agent_id"], "trace_id": trace_id, "span_id": span_id,
             "parent_span_id": format(root.get_span_context().span_id, "016x"),
             **{k: e[k] for k in ("retry_budget", "plan_step", "side_effect") if k in e},
+            **({"error_class": result["error_type"]} if e["outcome"] == "error" else {}),
         }
     for root in roots.values():
         root.end()

@@ -57,14 +57,16 @@ async def _agent(fleet: Fleet) -> dict[str, Any]:
                         await asyncio.sleep(0.05)  # the model's turn
 
             mail = guard.run("run-mail", agent_id="crm-agent")
-            receipts = [await mail.call("send_email", send, MAIL_ARGS, side_effect=True) for _ in range(2)]
-            while not any(d["action"] == "suppress" for d in decisions):
+            receipts = [await mail.call("send_email", send, MAIL_ARGS, side_effect=True) for _ in range(3)]
+            # The guard suppressed the repeats itself; the worker's copy of that decision arrives only if
+            # it hashed the raw, redacted e-mail as the guard did.
+            while guard.counters["confirmed"] < guard.counters["local"]:
                 await asyncio.sleep(0.05)
-            receipts.append(await mail.call("send_email", send, MAIL_ARGS, side_effect=True))
 
             lookup = guard.run("run-search", agent_id="crm-agent")
             await lookup.call("search_customers", search, {"customer_name": CUSTOMER, "api_key": API_KEY})
-    return {"halted": halted.value, "decisions": decisions, "receipts": receipts, "sent": send.calls}
+    return {"halted": halted.value, "decisions": decisions, "receipts": receipts, "sent": send.calls,
+            "counters": guard.counters}
 
 
 async def _read_every_topic(bootstrap: str, prefix: str) -> dict[str, list[ConsumerRecord[bytes, bytes]]]:
@@ -115,11 +117,13 @@ def privacy_run(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) 
 
 def test_the_scenario_ran_halt_suppress_and_state_included(privacy_run: dict[str, Any]) -> None:
     """The scan below is not vacuous: the runaway was halted, the duplicate e-mail suppressed (the raw,
-    redacted e-mail hashed at the worker as the guard hashed it, or the third send would have run), and
-    the deployment's topics, the state changelog among them, hold records."""
+    redacted e-mail hashed at the worker as the guard hashed it, or the worker would not have confirmed
+    the guard's suppression), and the deployment's topics, the state changelog among them, hold records."""
     fleet: Fleet = privacy_run["fleet"]
     assert privacy_run["halted"].verdict == "recursion", privacy_run["log"]
-    assert privacy_run["sent"] == 2 and privacy_run["receipts"][2] == privacy_run["receipts"][0]
+    assert privacy_run["sent"] == 1 and privacy_run["receipts"] == [privacy_run["receipts"][0]] * 3
+    # one halt, two suppressions (the second and third send): each made here and confirmed by the worker
+    assert privacy_run["counters"]["confirmed"] == privacy_run["counters"]["local"] == 3
     assert {(d["run_id"], d["action"]) for d in privacy_run["decisions"]} == {
         ("run-login", "halt"), ("run-mail", "suppress")}
     topics = privacy_run["topics"]
@@ -152,7 +156,7 @@ def test_raw_tool_sends_its_arguments_without_the_redacted_fields(privacy_run: d
     mails = sorted((e for e in events if e["tool"] == "send_email"), key=lambda e: e["seq"])
     assert [(e["args"], e["result"], e.get("attrs")) for e in mails] == [
         ({"to": "desk@example.com", "subject": SUBJECT}, {"message_id": "m-1", "echo": {}}, None),
-        ({"to": "desk@example.com", "subject": SUBJECT}, {"message_id": "m-1", "echo": {}}, None),
+        ({"to": "desk@example.com", "subject": SUBJECT}, {"message_id": "m-1", "echo": {}}, {"suppressed": True}),
         ({"to": "desk@example.com", "subject": SUBJECT}, {"message_id": "m-1", "echo": {}}, {"suppressed": True}),
     ]
     hashed = [e for e in events if e["tool"] != "send_email"]

@@ -176,3 +176,39 @@ async def test_a_partition_revoked_before_its_seek_is_forgotten() -> None:
     consumer.assigned = False
     assert await sequencer.admit(_events(9)) == []
     assert _offsets(await sequencer.admit(_events(40))) == [(0, 40)]  # a new assignment starts afresh
+
+
+# --- the fatal stop: nothing processed after a state this release cannot read -------------------------
+
+async def test_a_fatal_stop_stops_once_and_runs_nothing_after_it() -> None:
+    """The step that meets an unreadable stored record is not counted done, the worker is stopped once,
+    the error does not escape (the agent's supervisor would restart it and go on), and no later step
+    runs, the expiry sweep included."""
+    from stream_app.core.stored import StateVersionError
+
+    stops: list[int] = []
+    fatal = delivery.FatalStop(stop=lambda: stops.append(1))
+    ran: list[str] = []
+
+    async def step(name: str, fail: bool = False) -> None:
+        ran.append(name)
+        if fail:
+            raise StateVersionError("stored run record has format version 2", "upgrade this worker")
+
+    assert await fatal.run(step("first")) is True
+    assert await fatal.run(step("meets v2", fail=True)) is False
+    assert await fatal.run(step("later batch")) is False
+    assert await fatal.run(step("sweep")) is False
+    assert ran == ["first", "meets v2"] and stops == [1]
+    assert isinstance(fatal.reason, StateVersionError)
+
+
+async def test_an_error_that_is_not_about_stored_state_still_crashes_the_step() -> None:
+    fatal = delivery.FatalStop(stop=lambda: pytest.fail("stopped"))
+
+    async def step() -> None:
+        raise KeyError("bug")
+
+    with pytest.raises(KeyError):
+        await fatal.run(step())
+    assert fatal.reason is None
