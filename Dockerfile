@@ -1,12 +1,27 @@
 # syntax=docker/dockerfile:1
 # The loopwarden worker image: `docker build -t loopwarden .` (docker-compose.yml builds it for you).
 #
-# Two stages: the build stage installs loopwarden[worker] into a virtualenv (with a compiler, because
-# faust-streaming has no wheel for some platforms, e.g. arm64); the runtime stage is python slim plus
-# that virtualenv, running as an unprivileged user, with the RocksDB state in a volume. Configured by
+# Three stages: the native stage builds the native engine (native/, Rust) into an abi3 wheel with
+# maturin; the build stage installs loopwarden[worker] and that wheel into a virtualenv (with a
+# compiler, because faust-streaming has no wheel for some platforms, e.g. arm64); the runtime stage is
+# python slim plus that virtualenv, running as an unprivileged user, with the RocksDB state in a volume.
+# The worker folds telemetry with the native engine (LOOPWARDEN_ENGINE=auto finds it). Configured by
 # environment variables only (README, "Worker configuration").
 
 ARG PYTHON_VERSION=3.11
+
+FROM rust:1-slim-bookworm AS native
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/maturin && /opt/maturin/bin/pip install 'maturin>=1.7,<2'
+WORKDIR /src/native
+COPY native/Cargo.toml native/Cargo.lock native/pyproject.toml ./
+COPY native/src ./src
+# abi3-py311: one wheel for every CPython >= 3.11 on this platform.
+RUN /opt/maturin/bin/maturin build --release --locked --out /wheels
 
 FROM python:${PYTHON_VERSION}-slim-bookworm AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -21,7 +36,8 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY schemas ./schemas
 COPY stream_app ./stream_app
-RUN /opt/loopwarden/bin/pip install --prefer-binary '.[worker]'
+COPY --from=native /wheels /wheels
+RUN /opt/loopwarden/bin/pip install --prefer-binary '.[worker]' /wheels/loopwarden_native-*.whl
 
 FROM python:${PYTHON_VERSION}-slim-bookworm
 LABEL org.opencontainers.image.title="loopwarden" \

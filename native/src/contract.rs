@@ -31,6 +31,8 @@ pub struct Call<'a> {
     pub retry_budget: Option<i64>,
     pub plan_step: Option<i64>,
     pub side_effect: Option<bool>,
+    /// The runtime's policy digest, when it folded the call locally.
+    pub policy_digest: Option<&'a str>,
 }
 
 /// The call in `obj`, or None when the reference decoder must look at it.
@@ -67,6 +69,7 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
         retry_budget: None,
         plan_step: None,
         side_effect: None,
+        policy_digest: None,
     };
     for (name, value) in obj {
         if value.is_null() {
@@ -76,9 +79,10 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
             "run_id" | "event_id" | "tool" | "ts_ms" | "outcome" | "args" | "args_hash"
             | "result" | "result_hash" => {}
             "agent_id" => call.agent_id = Some(identifier(Some(value), false)?),
-            "tenant" | "trace_id" | "span_id" | "parent_span_id" | "error_class" | "policy_digest" => {
+            "tenant" | "trace_id" | "span_id" | "parent_span_id" | "error_class" => {
                 identifier(Some(value), false)?;
             }
+            "policy_digest" => call.policy_digest = Some(identifier(Some(value), false)?),
             "error_head" if value.as_str()?.len() > MAX_ERROR_HEAD_BYTES => return None,
             "error_head" => {}
             "seq" => {

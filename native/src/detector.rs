@@ -4,6 +4,9 @@
 
 use std::collections::VecDeque;
 
+use serde_json::{Map, Value};
+use sha2::{Digest as _, Sha256};
+
 /// The thresholds of one call (the reference's `Thresholds`).
 #[derive(Clone, Debug)]
 pub struct Thresholds {
@@ -69,12 +72,26 @@ pub fn tool_digest(tool: &str) -> [u8; 4] {
     crc32fast::hash(tool.as_bytes()).to_be_bytes()
 }
 
+/// Stable id of a decision, as the reference's `decision_id`: the first 32 hex digits of the SHA-256 of
+/// run, trigger, action and verdict joined by U+001F.
+pub fn decision_id(run_id: &str, trigger_event_id: &str, action: &str, verdict: &str) -> String {
+    let mut hasher = Sha256::new();
+    for (i, part) in [run_id, trigger_event_id, action, verdict].iter().enumerate() {
+        if i > 0 {
+            hasher.update([0x1f]);
+        }
+        hasher.update(part.as_bytes());
+    }
+    crate::normalize::hex(&hasher.finalize()[..16])
+}
+
 /// Everything the detector remembers about one run.
 #[derive(Default)]
 pub struct RunState {
     calls: i64,
     pub last_ts_ms: i64,
-    halted: bool,
+    /// The id of the decision that halted the run (the reference's `halted_by`).
+    halted_by: Option<String>,
     plan_step: Option<i64>,
     seen_ids: VecDeque<Digest>,
     streak_key: Option<StreakKey>,
@@ -85,8 +102,9 @@ pub struct RunState {
     streak_alerted: bool,
     recent_sigs: VecDeque<StepSig>,
     recent_ts: VecDeque<i64>,
-    /// Bit i set = the call i steps back failed (only the last three bits are ever read).
-    recent_failing: u8,
+    /// Bit i set = the call i steps back failed, for as many calls as `recent_sigs` can hold (only the
+    /// last three bits are ever read; the rest is kept because the stored record has it).
+    recent_failing: u64,
     /// (call, first ts, occurrences) in insertion order, as the reference's dict.
     side_effects: Vec<(SideEffectKey, i64, i64)>,
 }
@@ -102,6 +120,7 @@ pub enum Admission {
 
 /// The call of an admitted event, its hashes cut to digests.
 pub struct Step<'a> {
+    pub run_id: &'a str,
     pub event_id: &'a str,
     pub ts_ms: i64,
     pub outcome: u8,
@@ -135,7 +154,7 @@ impl RunState {
         if ts_ms > self.last_ts_ms {
             self.last_ts_ms = ts_ms;
         }
-        if self.halted {
+        if self.halted_by.is_some() {
             return Admission::Halted;
         }
         Admission::Fold
@@ -226,13 +245,13 @@ impl RunState {
         if thresholds.shadow {
             self.resume(); // as if halted and resumed at once
         } else {
-            self.halted = true;
+            self.halted_by = Some(decision_id(step.run_id, step.event_id, "halt", verdict));
         }
         Some(finding)
     }
 
     fn resume(&mut self) {
-        self.halted = false;
+        self.halted_by = None;
         self.calls = 0;
         self.side_effects.clear();
         self.reset_streaks();
@@ -334,7 +353,8 @@ impl RunState {
         if times.len() > capacity {
             times.pop_front(); // one only, as the reference does
         }
-        self.recent_failing = ((self.recent_failing << 1) | failing as u8) & 0b111;
+        let mask = if capacity >= 64 { u64::MAX } else { (1u64 << capacity) - 1 };
+        self.recent_failing = ((self.recent_failing << 1) | failing as u64) & mask;
         if !repeats {
             return 0;
         }
@@ -350,7 +370,7 @@ impl RunState {
             let all_this_step = (unit_start..n).all(|i| sigs[i] == sig);
             if repeated
                 && !all_this_step
-                && self.recent_failing & ((1u8 << period) - 1) != 0
+                && self.recent_failing & ((1u64 << period) - 1) != 0
                 && ts_ms - times[steps - span] <= thresholds.window_ms
             {
                 return period as i64;
@@ -358,6 +378,233 @@ impl RunState {
         }
         0
     }
+}
+
+/// Cycle settings whose `recent_failing` bits fit the stored record's integer here (64 bits): with more
+/// occurrences a run is folded by the reference.
+pub const MAX_STORED_CYCLE_OCCURRENCES: i64 = 21;
+
+/// The stored record's format versions this engine reads (the reference's `core/stored.py`).
+pub const FORMAT_VERSION: i64 = 1;
+
+impl RunState {
+    /// The state and offset of a stored record (`core/stored.py`, versions 0 and 1), or None for
+    /// anything else (another version, a damaged record): the reference then reads it and says what is
+    /// wrong.
+    pub fn from_record(record: &Map<String, Value>, raw: &[u8]) -> Option<(RunState, i64)> {
+        match record.get("v") {
+            None => {}
+            Some(Value::Number(n)) if (0..=FORMAT_VERSION).contains(&n.as_i64()?) => {}
+            Some(_) => return None,
+        }
+        let int = |name: &str| record.get(name)?.as_i64();
+        let flag = |name: &str| record.get(name)?.as_bool();
+        let text = |name: &str| record.get(name)?.as_str();
+        let times = |name: &str| -> Option<VecDeque<i64>> {
+            record.get(name)?.as_array()?.iter().map(Value::as_i64).collect()
+        };
+        let halted_by = match record.get("halted_by")? {
+            Value::Null => None,
+            Value::String(id) => Some(id.clone()),
+            _ => return None,
+        };
+        let plan_step = match record.get("plan_step")? {
+            Value::Null => None,
+            value => Some(value.as_i64()?),
+        };
+        let streak_key: Option<StreakKey> = match unhex(text("streak_key")?)?.as_slice() {
+            [] => None,
+            key => Some(key.try_into().ok()?),
+        };
+        let streak_call: Digest = match (streak_key, unhex(text("streak_call")?)?.as_slice()) {
+            (None, []) => [0; 8],
+            (Some(_), call) => call.try_into().ok()?,
+            (None, _) => return None,
+        };
+        let side_effects = match record.get("side_effects")? {
+            Value::Null => Vec::new(),
+            // The table's order is its insertion order (which entry an eviction picks among equals):
+            // read it from the record's text, which serde_json's sorted map does not keep.
+            Value::Object(table) if !table.is_empty() => ordered_side_effects(raw)?
+                .into_iter()
+                .map(|(key, entry)| {
+                    let key: SideEffectKey = unhex(&key)?.as_slice().try_into().ok()?;
+                    match entry.as_array()?.as_slice() {
+                        [first, n] => Some((key, first.as_i64()?, n.as_i64()?)),
+                        _ => None,
+                    }
+                })
+                .collect::<Option<Vec<_>>>()?,
+            _ => return None,
+        };
+        let state = RunState {
+            calls: int("calls")?,
+            last_ts_ms: int("last_ts_ms")?,
+            halted_by,
+            plan_step,
+            seen_ids: chunks(&unhex(text("seen_ids")?)?)?,
+            streak_key,
+            streak_call,
+            streak_varied: flag("streak_varied")?,
+            streak_ts: times("streak_ts")?,
+            streak_first_event_id: text("streak_first_event_id")?.to_owned(),
+            streak_alerted: flag("streak_alerted")?,
+            recent_sigs: chunks(&unhex(text("recent_sigs")?)?)?,
+            recent_ts: times("recent_ts")?,
+            recent_failing: record.get("recent_failing")?.as_u64()?,
+            side_effects,
+        };
+        let offset = match record.get("offset") {
+            None => -1,
+            Some(value) => value.as_i64()?,
+        };
+        Some((state, offset))
+    }
+
+    /// The stored record of this state and `offset` in format `version` (0 or 1): the reference's
+    /// `encode_run`, key for key.
+    pub fn write_record(&self, offset: i64, version: i64, out: &mut Vec<u8>) {
+        use std::io::Write;
+        let string = |out: &mut Vec<u8>, text: &str| {
+            serde_json::to_writer(&mut *out, text).expect("writing to a Vec cannot fail")
+        };
+        let list = |out: &mut Vec<u8>, items: &VecDeque<i64>| {
+            out.push(b'[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write!(out, "{item}").expect("writing to a Vec cannot fail");
+            }
+            out.push(b']');
+        };
+        let hex_of = |out: &mut Vec<u8>, parts: &mut dyn Iterator<Item = &[u8]>| {
+            out.push(b'"');
+            for part in parts {
+                out.extend_from_slice(crate::normalize::hex(part).as_bytes());
+            }
+            out.push(b'"');
+        };
+        write!(out, "{{\"calls\":{},\"last_ts_ms\":{},\"halted_by\":", self.calls, self.last_ts_ms)
+            .expect("writing to a Vec cannot fail");
+        match &self.halted_by {
+            Some(id) => string(out, id),
+            None => out.extend_from_slice(b"null"),
+        }
+        out.extend_from_slice(b",\"plan_step\":");
+        match self.plan_step {
+            Some(step) => write!(out, "{step}").expect("writing to a Vec cannot fail"),
+            None => out.extend_from_slice(b"null"),
+        }
+        out.extend_from_slice(b",\"seen_ids\":");
+        hex_of(out, &mut self.seen_ids.iter().map(|d| d.as_slice()));
+        out.extend_from_slice(b",\"streak_key\":");
+        hex_of(out, &mut self.streak_key.iter().map(|k| k.as_slice()));
+        out.extend_from_slice(b",\"streak_call\":");
+        let call: &[u8] = if self.streak_key.is_some() { &self.streak_call } else { &[] };
+        hex_of(out, &mut std::iter::once(call));
+        write!(out, ",\"streak_varied\":{},\"streak_ts\":", self.streak_varied)
+            .expect("writing to a Vec cannot fail");
+        list(out, &self.streak_ts);
+        out.extend_from_slice(b",\"streak_first_event_id\":");
+        string(out, &self.streak_first_event_id);
+        write!(out, ",\"streak_alerted\":{},\"recent_sigs\":", self.streak_alerted)
+            .expect("writing to a Vec cannot fail");
+        hex_of(out, &mut self.recent_sigs.iter().map(|s| s.as_slice()));
+        out.extend_from_slice(b",\"recent_ts\":");
+        list(out, &self.recent_ts);
+        write!(out, ",\"recent_failing\":{},\"side_effects\":", self.recent_failing)
+            .expect("writing to a Vec cannot fail");
+        if self.side_effects.is_empty() {
+            out.extend_from_slice(b"null");
+        } else {
+            out.push(b'{');
+            for (i, (key, first, n)) in self.side_effects.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                hex_of(out, &mut std::iter::once(key.as_slice()));
+                write!(out, ":[{first},{n}]").expect("writing to a Vec cannot fail");
+            }
+            out.push(b'}');
+        }
+        write!(out, ",\"offset\":{offset}").expect("writing to a Vec cannot fail");
+        if version == 1 {
+            out.extend_from_slice(b",\"v\":1");
+        }
+        out.push(b'}');
+    }
+}
+
+/// The entries of the record's ``side_effects`` object in the order the record has them.
+fn ordered_side_effects(raw: &[u8]) -> Option<Vec<(String, Value)>> {
+    use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
+
+    struct Entries;
+    impl<'de> Visitor<'de> for Entries {
+        type Value = Vec<(String, Value)>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut entries = Vec::new();
+            while let Some(entry) = map.next_entry::<String, Value>()? {
+                entries.push(entry);
+            }
+            Ok(entries)
+        }
+    }
+    struct Record;
+    impl<'de> Visitor<'de> for Record {
+        type Value = Option<Vec<(String, Value)>>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a stored run record")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut found = None;
+            while let Some(key) = map.next_key::<String>()? {
+                if key == "side_effects" {
+                    found = Some(map.next_value_seed(EntriesSeed)?);
+                } else {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+            Ok(found)
+        }
+    }
+    struct EntriesSeed;
+    impl<'de> serde::de::DeserializeSeed<'de> for EntriesSeed {
+        type Value = Vec<(String, Value)>;
+        fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+            deserializer.deserialize_map(Entries)
+        }
+    }
+    let mut deserializer = serde_json::Deserializer::from_slice(raw);
+    deserializer.deserialize_map(Record).ok()?
+}
+
+/// Bytes of a lowercase or uppercase hex string (as Python's `bytes.fromhex`, without its spaces).
+fn unhex(text: &str) -> Option<Vec<u8>> {
+    let digits = text.as_bytes();
+    if !digits.len().is_multiple_of(2) {
+        return None;
+    }
+    digits
+        .chunks(2)
+        .map(|pair| {
+            let high = (pair[0] as char).to_digit(16)?;
+            let low = (pair[1] as char).to_digit(16)?;
+            Some((high * 16 + low) as u8)
+        })
+        .collect()
+}
+
+/// `bytes` cut into `N`-byte entries, None if it does not divide evenly.
+fn chunks<const N: usize>(bytes: &[u8]) -> Option<VecDeque<[u8; N]>> {
+    if !bytes.len().is_multiple_of(N) {
+        return None;
+    }
+    Some(bytes.chunks(N).map(|c| c.try_into().expect("N bytes")).collect())
 }
 
 #[cfg(test)]

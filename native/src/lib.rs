@@ -20,7 +20,8 @@ use std::rc::Rc;
 
 use hashlink::LinkedHashMap;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList};
+use pyo3::intern;
+use pyo3::types::{PyBytes, PyDict, PyList};
 use serde_json::Value;
 
 use contract::{Call, Hashed, OUTCOMES};
@@ -153,12 +154,119 @@ impl HashOf<'_> {
     }
 }
 
-/// The engine behind `loopwarden replay`: run states with event-time eviction, as `RunTable`.
-#[pyclass(unsendable)]
-struct Replayer {
+/// The policy side of folding a call, shared by both engines: (agent, tool) resolutions cached, and
+/// the call's hashes computed (or taken as given).
+struct Resolver {
     policy: Py<PyAny>,
     policies: HashMap<String, Rc<CallPolicy>>,
     policy_key: String,
+    scratch: Vec<u8>,
+}
+
+impl Resolver {
+    fn new(policy: Py<PyAny>) -> Self {
+        Resolver {
+            policy,
+            policies: HashMap::new(),
+            policy_key: String::new(),
+            scratch: Vec::with_capacity(1024),
+        }
+    }
+
+    fn resolve(
+        &mut self,
+        py: Python<'_>,
+        agent_id: Option<&str>,
+        tool: &str,
+    ) -> PyResult<Rc<CallPolicy>> {
+        let key = &mut self.policy_key;
+        key.clear();
+        match agent_id {
+            Some(agent) => {
+                key.push('a');
+                key.push_str(agent);
+            }
+            None => key.push('-'),
+        }
+        key.push('\u{1f}');
+        key.push_str(tool);
+        if let Some(hit) = self.policies.get(key.as_str()) {
+            return Ok(hit.clone());
+        }
+        let resolved = self
+            .policy
+            .bind(py)
+            .call_method1("resolve", (agent_id, tool))?;
+        let policy = Rc::new(CallPolicy::from_reference(&resolved, tool)?);
+        if self.policies.len() >= POLICY_CACHE_LIMIT {
+            self.policies.clear();
+        }
+        self.policies
+            .insert(self.policy_key.clone(), policy.clone());
+        Ok(policy)
+    }
+
+    /// Fold an admitted, counted call into `state`: its hashes (computed, or ``given`` by the
+    /// reference), then the detector. The finding as the reference's tuple, if a rule fires.
+    fn fold(
+        &mut self,
+        py: Python<'_>,
+        state: &mut RunState,
+        policy: &CallPolicy,
+        call: &Call,
+        given: Option<(HashOf, bool, HashOf)>,
+    ) -> PyResult<Option<FindingTuple>> {
+        let thresholds = &policy.thresholds;
+        let (args, verified, result) = match given {
+            Some(hashes) => hashes,
+            None => {
+                let (args, verified) = match call.args {
+                    Hashed::Raw(value) => match policy.hash(py, value, &mut self.scratch)? {
+                        Some(sha) => (HashOf::Computed(sha), true),
+                        None => (HashOf::Missing, false),
+                    },
+                    Hashed::Hash(text) => (HashOf::Given(text), !thresholds.strict_args),
+                };
+                let result = match call.result {
+                    Hashed::Raw(value) => match policy.hash(py, value, &mut self.scratch)? {
+                        Some(sha) => HashOf::Computed(sha),
+                        None => HashOf::Missing,
+                    },
+                    Hashed::Hash(text) => HashOf::Given(text),
+                };
+                (args, verified, result)
+            }
+        };
+        let step = Step {
+            run_id: call.run_id,
+            event_id: call.event_id,
+            ts_ms: call.ts_ms,
+            outcome: call.outcome,
+            call: if verified { args.digest("") } else { short("") },
+            result: result.digest("unhashable"),
+            tool: policy.tool,
+            retry_budget: call.retry_budget,
+            side_effect: call.side_effect,
+        };
+        Ok(state.fold(&step, thresholds).map(|f| {
+            (
+                f.verdict,
+                f.count,
+                f.budget,
+                f.period,
+                f.first_event_id,
+                args.text(""),
+                verified,
+                result.text("unhashable"),
+            )
+        }))
+    }
+}
+
+/// The engine behind `loopwarden replay`: run states with event-time eviction, as `RunTable`.
+#[pyclass(unsendable)]
+struct Replayer {
+    resolver: Resolver,
     runs: LinkedHashMap<String, RunState>,
     runs_seen: HashSet<String>,
     /// The newest `ts_ms` folded so far.
@@ -167,7 +275,6 @@ struct Replayer {
     ttl_ms: i64,
     max_runs: usize,
     max_event_bytes: usize,
-    scratch: Vec<u8>,
     /// Events folded or dropped as redeliveries (lines that decoded).
     #[pyo3(get)]
     events: u64,
@@ -192,16 +299,13 @@ impl Replayer {
             .getattr("run_ttl_ms")?
             .extract()?;
         Ok(Replayer {
-            policy,
-            policies: HashMap::new(),
-            policy_key: String::new(),
+            resolver: Resolver::new(policy),
             runs: LinkedHashMap::new(),
             runs_seen: HashSet::new(),
             watermark_ms: 0,
             ttl_ms,
             max_runs,
             max_event_bytes,
-            scratch: Vec::with_capacity(1024),
             events: 0,
             duplicates: 0,
             evicted: 0,
@@ -278,6 +382,7 @@ impl Replayer {
             retry_budget,
             plan_step,
             side_effect,
+            policy_digest: None,
         };
         let duplicates = self.duplicates;
         let given = (
@@ -302,39 +407,6 @@ impl Replayer {
 }
 
 impl Replayer {
-    fn resolve(
-        &mut self,
-        py: Python<'_>,
-        agent_id: Option<&str>,
-        tool: &str,
-    ) -> PyResult<Rc<CallPolicy>> {
-        let key = &mut self.policy_key;
-        key.clear();
-        match agent_id {
-            Some(agent) => {
-                key.push('a');
-                key.push_str(agent);
-            }
-            None => key.push('-'),
-        }
-        key.push('\u{1f}');
-        key.push_str(tool);
-        if let Some(hit) = self.policies.get(key.as_str()) {
-            return Ok(hit.clone());
-        }
-        let resolved = self
-            .policy
-            .bind(py)
-            .call_method1("resolve", (agent_id, tool))?;
-        let policy = Rc::new(CallPolicy::from_reference(&resolved, tool)?);
-        if self.policies.len() >= POLICY_CACHE_LIMIT {
-            self.policies.clear();
-        }
-        self.policies
-            .insert(self.policy_key.clone(), policy.clone());
-        Ok(policy)
-    }
-
     /// Fold one call into its run (created on first sight), then evict as `RunTable` does. ``given``:
     /// the reference's hashes (args, verified, result) instead of hashing the call's JSON here.
     fn fold_call(
@@ -347,8 +419,7 @@ impl Replayer {
         if !self.runs_seen.contains(call.run_id) {
             self.runs_seen.insert(call.run_id.to_owned());
         }
-        let policy = self.resolve(py, call.agent_id, call.tool)?;
-        let thresholds = &policy.thresholds;
+        let policy = self.resolver.resolve(py, call.agent_id, call.tool)?;
         let state = match self.runs.get_mut(call.run_id) {
             Some(_) => {
                 self.runs.to_back(call.run_id);
@@ -360,57 +431,12 @@ impl Replayer {
                 .or_insert_with(RunState::default),
         };
         let mut finding = None;
-        match state.admit(call.event_id, call.ts_ms, thresholds) {
+        match state.admit(call.event_id, call.ts_ms, &policy.thresholds) {
             Admission::Duplicate => self.duplicates += 1,
             Admission::Halted => {}
             Admission::Fold => {
                 state.count_call(call.plan_step);
-                let (args, verified, result) = match given {
-                    Some(hashes) => hashes,
-                    None => {
-                        let (args, verified) = match call.args {
-                            Hashed::Raw(value) => {
-                                match policy.hash(py, value, &mut self.scratch)? {
-                                    Some(sha) => (HashOf::Computed(sha), true),
-                                    None => (HashOf::Missing, false),
-                                }
-                            }
-                            Hashed::Hash(text) => (HashOf::Given(text), !thresholds.strict_args),
-                        };
-                        let result = match call.result {
-                            Hashed::Raw(value) => {
-                                match policy.hash(py, value, &mut self.scratch)? {
-                                    Some(sha) => HashOf::Computed(sha),
-                                    None => HashOf::Missing,
-                                }
-                            }
-                            Hashed::Hash(text) => HashOf::Given(text),
-                        };
-                        (args, verified, result)
-                    }
-                };
-                let step = Step {
-                    event_id: call.event_id,
-                    ts_ms: call.ts_ms,
-                    outcome: call.outcome,
-                    call: if verified { args.digest("") } else { short("") },
-                    result: result.digest("unhashable"),
-                    tool: policy.tool,
-                    retry_budget: call.retry_budget,
-                    side_effect: call.side_effect,
-                };
-                finding = state.fold(&step, thresholds).map(|f| {
-                    (
-                        f.verdict,
-                        f.count,
-                        f.budget,
-                        f.period,
-                        f.first_event_id,
-                        args.text(""),
-                        verified,
-                        result.text("unhashable"),
-                    )
-                });
+                finding = self.resolver.fold(py, state, &policy, call, given)?;
             }
         }
         if call.ts_ms > self.watermark_ms {
@@ -429,6 +455,279 @@ impl Replayer {
             self.runs.pop_front();
             self.evicted += 1;
         }
+    }
+}
+
+/// What `BatchFolder.fold` returns: new records ``(partition, key, record)``, findings ``(index,
+/// finding)``, re-keys ``(index, run_id)``, deferred record indexes (for the reference), events folded
+/// by outcome (``OUTCOMES`` order), duplicates, watermarks ``(partition, ts_ms)`` and policy mismatches
+/// ``(index, agent_id or "", digest)``.
+type BatchOut = (
+    Vec<(i64, Py<PyBytes>, Py<PyBytes>)>,
+    Vec<(usize, FindingTuple)>,
+    Vec<(usize, String)>,
+    Vec<usize>,
+    [u64; 4],
+    u64,
+    Vec<(i64, i64)>,
+    Vec<(usize, String, String)>,
+);
+
+/// One input record as read from the consumer's record object.
+struct Input<'py> {
+    partition: i64,
+    offset: i64,
+    key: Option<Bound<'py, PyBytes>>,
+    value: Option<Bound<'py, PyBytes>>,
+}
+
+/// The worker's batch fold (`stream_app/worker/batch.py:BatchFold.fold`) for telemetry: stored records
+/// and raw messages in, new records and findings out, with the per-run offset guard. Stateless between
+/// calls (the state is in the records) but for the policy cache. A run this engine does not fold
+/// wholly (a record it cannot decode, an operator command, a stored record it cannot read, a policy it
+/// cannot store) is deferred, every record of it, to the reference, which folds it, dead-letters what
+/// is bad and raises what must stop the worker.
+#[pyclass(unsendable)]
+struct BatchFolder {
+    resolver: Resolver,
+    policy_digest: String,
+    write_version: i64,
+    max_event_bytes: usize,
+    record: Vec<u8>,
+}
+
+#[pymethods]
+impl BatchFolder {
+    #[new]
+    fn new(policy: Py<PyAny>, policy_digest: String, write_version: i64, max_event_bytes: usize) -> PyResult<Self> {
+        if !(0..=detector::FORMAT_VERSION).contains(&write_version) {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "write_version {write_version}: this engine writes versions 0 to {}",
+                detector::FORMAT_VERSION
+            )));
+        }
+        Ok(BatchFolder {
+            resolver: Resolver::new(policy),
+            policy_digest,
+            write_version,
+            max_event_bytes,
+            record: Vec::with_capacity(1024),
+        })
+    }
+
+    /// Fold ``records`` (objects with ``partition``, ``offset``, ``key``, ``value``) into the stored runs
+    /// (``stored``: ``(partition, key) -> bytes | None`` for every run key of the batch); the indexes in
+    /// ``reference`` (operator commands) are deferred with their runs.
+    fn fold(
+        &mut self,
+        py: Python<'_>,
+        records: &Bound<'_, PyList>,
+        reference: Vec<usize>,
+        stored: &Bound<'_, PyDict>,
+    ) -> PyResult<BatchOut> {
+        let mut inputs = Vec::with_capacity(records.len());
+        for record in records.iter() {
+            inputs.push(Input {
+                partition: record.getattr(intern!(py, "partition"))?.extract()?,
+                offset: record.getattr(intern!(py, "offset"))?.extract()?,
+                key: record.getattr(intern!(py, "key"))?.cast_into::<PyBytes>().ok(),
+                value: record.getattr(intern!(py, "value"))?.cast_into::<PyBytes>().ok(),
+            });
+        }
+        // Decode each record once to route it; runs in the order they first appear, as the reference.
+        let mut values: Vec<Option<Value>> = Vec::with_capacity(inputs.len());
+        let mut rekeys = Vec::new();
+        // Runs: (partition, key, member indexes, deferred to the reference).
+        let mut groups: Vec<(i64, &[u8], Vec<usize>, bool)> = Vec::new();
+        let mut group_of: HashMap<(i64, &[u8]), usize> = HashMap::new();
+        let reference: HashSet<usize> = reference.into_iter().collect();
+        let mut watermarks: Vec<(i64, i64)> = Vec::new();
+        let mut deferred_set: Vec<bool> = vec![false; inputs.len()];
+        for (index, input) in inputs.iter().enumerate() {
+            let key = input.key.as_ref().map(|k| k.as_bytes());
+            let decoded = if reference.contains(&index) {
+                None
+            } else {
+                input.value.as_ref().and_then(|v| {
+                    let bytes = v.as_bytes();
+                    if bytes.len() > self.max_event_bytes {
+                        return None;
+                    }
+                    match serde_json::from_slice::<Value>(bytes) {
+                        Ok(value @ Value::Object(_)) => Some(value),
+                        _ => None,
+                    }
+                })
+            };
+            let call_run = decoded.as_ref().and_then(|value| {
+                let call = contract::decode(value.as_object().expect("an object"))?;
+                Some((call.run_id.to_owned(), call.ts_ms))
+            });
+            match (call_run, key) {
+                (Some((run_id, ts_ms)), Some(key)) if run_id.as_bytes() == key => {
+                    note_watermark(&mut watermarks, input.partition, ts_ms);
+                    let g = group_index(&mut groups, &mut group_of, input.partition, key);
+                    groups[g].2.push(index);
+                }
+                (Some((run_id, _)), _) => rekeys.push((index, run_id)),
+                (None, Some(key)) => {
+                    // Not decodable here: the reference decodes it (or dead-letters it) with its run.
+                    let g = group_index(&mut groups, &mut group_of, input.partition, key);
+                    groups[g].2.push(index);
+                    groups[g].3 = true;
+                }
+                (None, None) => deferred_set[index] = true,
+            }
+            values.push(decoded);
+        }
+
+        let mut out_records = Vec::new();
+        let mut findings = Vec::new();
+        let mut applied = [0u64; 4];
+        let mut duplicates = 0u64;
+        let mut mismatches = Vec::new();
+        for (partition, key, members, deferred) in groups.iter_mut() {
+            let folded = if *deferred {
+                None
+            } else {
+                self.fold_run(py, *partition, key, members, &inputs, &values, stored)?
+            };
+            match folded {
+                Some(run) => {
+                    for (o, n) in applied.iter_mut().zip(run.applied) {
+                        *o += n;
+                    }
+                    duplicates += run.duplicates;
+                    findings.extend(run.findings);
+                    mismatches.extend(run.mismatches);
+                    if let Some(record) = run.record {
+                        out_records.push((
+                            *partition,
+                            PyBytes::new(py, key).unbind(),
+                            PyBytes::new(py, &record).unbind(),
+                        ));
+                    }
+                }
+                None => {
+                    for &member in members.iter() {
+                        deferred_set[member] = true;
+                    }
+                }
+            }
+        }
+        let deferred = (0..inputs.len()).filter(|i| deferred_set[*i]).collect();
+        Ok((out_records, findings, rekeys, deferred, applied, duplicates, watermarks, mismatches))
+    }
+}
+
+/// What folding one run gave.
+struct FoldedRun {
+    record: Option<Vec<u8>>,
+    findings: Vec<(usize, FindingTuple)>,
+    applied: [u64; 4],
+    duplicates: u64,
+    mismatches: Vec<(usize, String, String)>,
+}
+
+impl BatchFolder {
+    /// Fold one run's records (all decodable) into its stored record; None to defer the run to the
+    /// reference (its stored record or a policy this engine cannot handle).
+    #[allow(clippy::too_many_arguments)]
+    fn fold_run(
+        &mut self,
+        py: Python<'_>,
+        partition: i64,
+        key: &[u8],
+        members: &[usize],
+        inputs: &[Input<'_>],
+        values: &[Option<Value>],
+        stored: &Bound<'_, PyDict>,
+    ) -> PyResult<Option<FoldedRun>> {
+        let lookup = (partition, PyBytes::new(py, key));
+        let (mut state, mut run_offset) = match stored.get_item(lookup)? {
+            None => (RunState::default(), -1),
+            Some(raw) if raw.is_none() => (RunState::default(), -1),
+            Some(raw) => {
+                let Ok(raw) = raw.cast_into::<PyBytes>() else {
+                    return Ok(None);
+                };
+                match serde_json::from_slice::<Value>(raw.as_bytes()) {
+                    Ok(Value::Object(record)) => match RunState::from_record(&record, raw.as_bytes()) {
+                        Some(found) => found,
+                        None => return Ok(None),
+                    },
+                    _ => return Ok(None),
+                }
+            }
+        };
+        let mut run = FoldedRun {
+            record: None,
+            findings: Vec::new(),
+            applied: [0; 4],
+            duplicates: 0,
+            mismatches: Vec::new(),
+        };
+        let mut changed = false;
+        for &index in members {
+            let offset = inputs[index].offset;
+            if offset <= run_offset {
+                run.duplicates += 1;
+                continue;
+            }
+            let value = values[index].as_ref().expect("routed to fold: decoded");
+            let call = contract::decode(value.as_object().expect("an object")).expect("routed to fold: decoded");
+            let policy = self.resolver.resolve(py, call.agent_id, call.tool)?;
+            if policy.thresholds.cycle_occurrences > detector::MAX_STORED_CYCLE_OCCURRENCES {
+                return Ok(None);
+            }
+            match state.admit(call.event_id, call.ts_ms, &policy.thresholds) {
+                Admission::Duplicate => run.duplicates += 1,
+                Admission::Halted => run.applied[call.outcome as usize] += 1,
+                Admission::Fold => {
+                    run.applied[call.outcome as usize] += 1;
+                    state.count_call(call.plan_step);
+                    if let Some(finding) = self.resolver.fold(py, &mut state, &policy, &call, None)? {
+                        run.findings.push((index, finding));
+                    }
+                }
+            }
+            if let Some(digest) = call.policy_digest {
+                if digest != self.policy_digest {
+                    run.mismatches
+                        .push((index, call.agent_id.unwrap_or("").to_owned(), digest.to_owned()));
+                }
+            }
+            run_offset = offset;
+            changed = true;
+        }
+        if changed {
+            self.record.clear();
+            state.write_record(run_offset, self.write_version, &mut self.record);
+            run.record = Some(self.record.clone());
+        }
+        Ok(Some(run))
+    }
+}
+
+/// The index of run (partition, key) in `groups`, added at the end when first seen.
+fn group_index<'a>(
+    groups: &mut Vec<(i64, &'a [u8], Vec<usize>, bool)>,
+    group_of: &mut HashMap<(i64, &'a [u8]), usize>,
+    partition: i64,
+    key: &'a [u8],
+) -> usize {
+    *group_of.entry((partition, key)).or_insert_with(|| {
+        groups.push((partition, key, Vec::new(), false));
+        groups.len() - 1
+    })
+}
+
+/// The newest event time per partition, above 0 (as the reference's ``ts_ms > watermarks.get(p, 0)``).
+fn note_watermark(watermarks: &mut Vec<(i64, i64)>, partition: i64, ts_ms: i64) {
+    match watermarks.iter_mut().find(|(p, _)| *p == partition) {
+        Some(entry) => entry.1 = entry.1.max(ts_ms),
+        None if ts_ms > 0 => watermarks.push((partition, ts_ms)),
+        None => {}
     }
 }
 
@@ -459,6 +758,7 @@ fn heap_bytes() -> usize {
 #[pymodule]
 fn loopwarden_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Replayer>()?;
+    m.add_class::<BatchFolder>()?;
     m.add_function(wrap_pyfunction!(semantic_hash, m)?)?;
     m.add_function(wrap_pyfunction!(heap_bytes, m)?)?;
     Ok(())

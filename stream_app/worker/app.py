@@ -6,13 +6,13 @@ Telemetry in, decisions out, per-run state in a RocksDB table with a changelog. 
   with the per-run offset guard, new stored records);
 - ``effects``: the I/O around it (stored runs in; DLQ, re-keys, signed decisions awaited *before* the
   state write; the expiry sweep);
-- ``delivery``: every input message processed once, in offset order, before its offset is committed
-  (faust's consumer left alone drops and skips messages around rebalances and recoveries);
+- ``delivery``: input records in batches straight from faust's consumer (past its per-message path),
+  each processed once, in offset order, before its offset is committed;
 - ``store``: the table's RocksDB partitions and changelog, written a batch at a time;
 - ``relay``: foreign sources (``LOOPWARDEN_OTLP_TOPIC``) re-published as telemetry keyed by run id.
 
-One detection agent (concurrency 1, faust #606) takes telemetry in batches (``take_events`` acks a batch
-only after it was processed). Windows live in the core's event-time state, not in Faust windowed tables
+One detection agent (concurrency 1, faust #606) drains the telemetry batches; the OTLP relay, when
+configured, is a second. Windows live in the core's event-time state, not in Faust windowed tables
 (their expiry uses the wall clock and never fires after recovery).
 
 A stored record this release cannot read (a newer format, or damage) stops the worker with the reason
@@ -23,17 +23,17 @@ decisions.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable
 from typing import Any, cast
 
 import faust
-from faust.types import EventT, StreamT
+from faust.types import StreamT
 
 from ..bus.signing import KeyRing, Signer
 from ..core import Detector, Policy
 from ..sources import Decoded
 from . import delivery
-from .batch import BatchFold
+from .batch import BatchFold, NativeBatchFold
 from .effects import DeadLetters, Effects, Topics
 from .metrics import WorkerMetrics
 from .relay import SourceRelay
@@ -66,8 +66,12 @@ def configured_app(settings: WorkerSettings) -> faust.App:
         broker_heartbeat_interval=settings.heartbeat_s,
         consumer_auto_offset_reset="earliest",
         table_standby_replicas=settings.standby_replicas,
+        # A batch is what the consumer has buffered, at most this many records per fetch.
+        broker_max_poll_records=settings.batch_max,
         producer_acks=-1,
         producer_linger_ms=1,
+        # Batches of hundreds of changelog records (~0.8 KB each) per partition: 16 KiB held ~20.
+        producer_max_batch_size=256 * 1024,
         web_enabled=False,
     )
 
@@ -107,21 +111,23 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
             "max_open_files": settings.rocksdb_max_open_files,
         },
     )
-    fold = BatchFold(Detector(policy), operator_keys=operator_keys,
-                     operator_max_age_ms=int(settings.operator_max_age_s * 1000),
-                     max_event_bytes=settings.max_event_bytes, write_version=settings.state_write_version)
+    fold = batch_fold(settings, Detector(policy), operator_keys)
+    metrics.engine.labels(engine="native" if isinstance(fold, NativeBatchFold) else "python").set(1)
     dead_letters = DeadLetters(topics.dlq, metrics)
     effects = Effects(app, topics, RunStore(app, runs, settings.changelog_topic), fold, metrics, dead_letters,
                       signer, settings.event_source, settings.evict_scan_per_sweep)
 
-    # Offsets are committed only for processed messages, in sequence (see delivery's docstring).
-    inputs = [settings.telemetry_topic] + ([settings.otlp_topic] if settings.otlp_topic else [])
-    processed = delivery.install(app, inputs, metrics.refetched.labels(reason="skipped").inc)
-    sequencer = delivery.Sequencer(app, metrics.refetched.labels(reason="gap").inc)
+    # Input records reach the agents in batches straight from the consumer, and offsets are committed only
+    # for processed records, in sequence (see delivery's docstring).
+    stale = metrics.refetched.labels(reason="stale").inc
+    sinks = [delivery.BatchSink(settings.telemetry_topic, settings.batch_max, stale)]
+    if settings.otlp_topic:
+        sinks.append(delivery.BatchSink(settings.otlp_topic, settings.batch_max, stale))
+    delivery.install(app, sinks, metrics.refetched.labels(reason="gap").inc)
 
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]  # faust's signal type wants a signal= keyword
     async def forget_revoked(sender: faust.App, revoked: set[faust.types.TP], **_: object) -> None:
-        sequencer.forget(revoked)
+        cast(delivery.BatchConsumer, app.consumer).sequencer.forget(revoked)
         effects.forget({tp.partition for tp in revoked if tp.topic == settings.telemetry_topic})
 
     runs.on_recover(effects.recount)  # loopwarden_runs_tracked: exact, for the active partitions
@@ -133,19 +139,41 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
 
         app.timer(SWEEP_INTERVAL_S)(expire_silent_runs)
 
-    def agent(name: str, topic: faust.TopicT,
-              handle: Callable[[Sequence[EventT[Any]]], Coroutine[Any, Any, None]]) -> None:
+    def agent(name: str, topic: faust.TopicT, sink: delivery.BatchSink, handle: delivery.Handler) -> None:
+        # The agent subscribes its topic (faust's conductor does that for agents' streams); its records
+        # never reach the stream: the consumer hands them to the sink.
         async def consume(stream: StreamT[Any]) -> None:
-            await delivery.in_order(stream, sequencer, processed, fatal, handle, settings.batch_max,
-                                    settings.batch_within_s)
+            await delivery.drain(app, sink, fatal, handle, stale)
 
         app.agent(topic, concurrency=1, name=name)(consume)
 
-    agent("loopwarden.detect", topics.telemetry, effects.process)
+    agent("loopwarden.detect", topics.telemetry, sinks[0], effects.process)
     if settings.otlp_topic:
         relay = SourceRelay(topics.telemetry, _otlp_decoder(settings), dead_letters)
-        agent("loopwarden.otlp", raw_topic(app, settings.otlp_topic), relay.relay)
+        agent("loopwarden.otlp", raw_topic(app, settings.otlp_topic), sinks[1], relay.relay)
     return app
+
+
+def batch_fold(settings: WorkerSettings, detector: Detector, operator_keys: KeyRing | None) -> BatchFold:
+    """The batch function of ``LOOPWARDEN_ENGINE``: the native engine (``auto``: when installed) or the
+    reference; both read and write the same stored records, so workers of a group may differ."""
+    options: dict[str, Any] = {
+        "operator_keys": operator_keys, "operator_max_age_ms": int(settings.operator_max_age_s * 1000),
+        "max_event_bytes": settings.max_event_bytes, "write_version": settings.state_write_version}
+    if settings.engine != "python":
+        try:
+            fold = NativeBatchFold(detector, **options)
+        except ImportError as exc:
+            if settings.engine == "native":
+                raise SettingsError("LOOPWARDEN_ENGINE=native but the native engine (loopwarden_native) is not "
+                                    "installed. Operator action: pip install ./native (the Docker image has it), "
+                                    "or set LOOPWARDEN_ENGINE=python") from exc
+            log.warning("the native engine (loopwarden_native) is not installed: telemetry is folded by the "
+                        "Python reference, about 4x the CPU per event; pip install ./native")
+        else:
+            log.info("telemetry is folded by the native engine")
+            return fold
+    return BatchFold(detector, **options)
 
 
 def _otlp_decoder(settings: WorkerSettings) -> Callable[[bytes], Decoded]:

@@ -35,15 +35,18 @@ from ..bus.wire import KIND_HEADER, OPERATOR_KIND, header
 from ..core import (
     Decision,
     Detector,
+    Finding,
     InvalidEvent,
     OperatorCommand,
     TelemetryEvent,
     decode_operator_command,
+    explain,
     parse_event,
 )
 from ..core.stored import FORMAT_VERSION, decode_run, encode_run
 
-__all__ = ["BatchFold", "BatchResult", "DeadLetter", "RawRecord", "Rekey", "Verifier", "is_operator"]
+__all__ = ["BatchFold", "BatchResult", "DeadLetter", "InputRecord", "NativeBatchFold", "RawRecord", "Rekey", "Verifier",
+           "is_operator"]
 
 Headers = Sequence[tuple[str, bytes]]
 
@@ -55,9 +58,24 @@ class Verifier(Protocol):
     def verify(self, value: bytes, headers: Any) -> str: ...
 
 
+class InputRecord(Protocol):
+    """One input record as the consumer delivered it (aiokafka's ``ConsumerRecord`` is one)."""
+
+    @property
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def key(self) -> bytes | None: ...
+    @property
+    def value(self) -> bytes | None: ...
+    @property
+    def headers(self) -> Headers: ...
+
+
 @dataclass(frozen=True, slots=True)
 class RawRecord:
-    """One input record as the consumer delivered it."""
+    """An input record made by hand (tests, tools): the fields ``fold`` reads."""
 
     partition: int
     offset: int
@@ -108,7 +126,7 @@ class BatchResult:
 Item = TelemetryEvent | OperatorCommand
 
 
-def is_operator(record: RawRecord) -> bool:
+def is_operator(record: InputRecord) -> bool:
     """Whether the record is an operator's command (``loopwarden halt|resume``), not telemetry."""
     return bool(record.headers) and header(record.headers, KIND_HEADER) == OPERATOR_KIND
 
@@ -127,11 +145,11 @@ class BatchFold:
         self.policy_digest = detector.policy.digest
 
     @staticmethod
-    def keys(records: Sequence[RawRecord]) -> set[tuple[int, bytes]]:
+    def keys(records: Sequence[InputRecord]) -> set[tuple[int, bytes]]:
         """The (partition, key) pairs whose stored records ``fold`` needs."""
         return {(r.partition, r.key) for r in records if r.key is not None}
 
-    def fold(self, records: Sequence[RawRecord], stored: Mapping[tuple[int, bytes], bytes | None],
+    def fold(self, records: Sequence[InputRecord], stored: Mapping[tuple[int, bytes], bytes | None],
              now_ms: int) -> BatchResult:
         """Fold ``records`` into the stored runs (``stored``: every pair of ``keys(records)``, None for a
         run not stored); ``now_ms`` judges operator commands' age. Raises ``StoredRecordError`` for a
@@ -178,7 +196,7 @@ class BatchFold:
                 result.records.setdefault(partition, []).append((key, encode_run(run, self.write_version)))
         return result
 
-    def _decode(self, record: RawRecord, now_ms: int) -> Item:
+    def _decode(self, record: InputRecord, now_ms: int) -> Item:
         value = record.value
         if value is None:
             raise InvalidEvent("", "message has no value")
@@ -201,3 +219,69 @@ class BatchFold:
             raise InvalidEvent("ts_ms", f"operator command is {age_ms / 1000:.0f} s old, over "
                                         "LOOPWARDEN_OPERATOR_MAX_AGE_S: refused as a replay")
         return command
+
+
+#: The native engine's outcome order (``native/src/contract.rs``: ``OUTCOMES``).
+_NATIVE_OUTCOMES = ("success", "error", "empty", "noop")
+
+
+class NativeBatchFold(BatchFold):
+    """``BatchFold`` with the telemetry folded by the native engine (``loopwarden_native.BatchFolder``).
+
+    The native engine decodes each record, groups it by run, folds each run from its stored record and
+    writes the new record (the same record the reference writes: either engine reads the other's) with
+    the per-run offset guard. The reference (``BatchFold.fold``) keeps everything else, on the records
+    the native engine hands back: runs with an operator command, a record the native fast path does not
+    decode (bad: dead-lettered with the reference's reason; unusual: folded), a stored record it cannot
+    read (the reference raises ``StoredRecordError``), a policy it cannot store. Decisions are built
+    from the native findings by the reference's ``explain``, on the event the reference decodes. Each
+    run is folded wholly by one engine, so its decisions are in order; runs' decisions are not
+    interleaved as the reference alone would (the native runs' come first).
+    """
+
+    def __init__(self, detector: Detector, **kwargs: Any) -> None:
+        super().__init__(detector, **kwargs)
+        from loopwarden_native import BatchFolder  # raises ImportError when the engine is not installed
+
+        self._native = BatchFolder(detector.policy, self.policy_digest, self.write_version, self.max_event_bytes)
+
+    def fold(self, records: Sequence[InputRecord], stored: Mapping[tuple[int, bytes], bytes | None],
+             now_ms: int) -> BatchResult:
+        operators = [i for i, record in enumerate(records) if record.headers and is_operator(record)]
+        (new_records, findings, rekeys, deferred, applied, duplicates, watermarks,
+         mismatches) = self._native.fold(records if isinstance(records, list) else list(records), operators, stored)
+        result = BatchResult(duplicates=duplicates, watermarks=dict(watermarks))
+        for partition, key, record in new_records:
+            result.records.setdefault(partition, []).append((key, record))
+        policy = self.detector.policy
+        for index, finding in findings:
+            value = records[index].value
+            assert value is not None  # the native engine decoded it
+            event = parse_event(value, self.max_event_bytes)
+            result.decisions.append(explain(event, policy.resolve(event.agent_id, event.tool).thresholds,
+                                            Finding(*finding)))
+        result.rekeys.extend(Rekey(index, run_id.encode()) for index, run_id in rekeys)
+        for outcome, count in zip(_NATIVE_OUTCOMES, applied, strict=True):
+            if count:
+                result.applied[outcome] += count
+        for _, agent_id, digest in mismatches:
+            result.policy_mismatches[(agent_id, digest)] += 1
+        if deferred:
+            self._merge(result, deferred, super().fold([records[i] for i in deferred], stored, now_ms))
+        return result
+
+    @staticmethod
+    def _merge(result: BatchResult, indexes: Sequence[int], part: BatchResult) -> None:
+        """Add the reference's result on the records at ``indexes`` (its indexes are into that subset)."""
+        for partition, changes in part.records.items():
+            result.records.setdefault(partition, []).extend(changes)
+        result.decisions.extend(part.decisions)
+        result.dead_letters.extend(DeadLetter(indexes[d.index], d.error) for d in part.dead_letters)
+        result.rekeys.extend(Rekey(indexes[r.index], r.key) for r in part.rekeys)
+        result.applied.update(part.applied)
+        result.duplicates += part.duplicates
+        for partition, ts_ms in part.watermarks.items():
+            if ts_ms > result.watermarks.get(partition, 0):
+                result.watermarks[partition] = ts_ms
+        result.policy_mismatches.update(part.policy_mismatches)
+        result.facts.extend(part.facts)

@@ -1,181 +1,89 @@
-"""Every input message processed once, in offset order, before its offset is committed.
+"""Input records in batches straight from faust's consumer, each processed once, in offset order, before
+its offset is committed.
 
-The worker's restart safety rests on two assumptions about delivery: each partition's messages reach the
-batch processor in offset order with none left out (a skipped message of a run whose later messages were
-applied is never applied: the per-run offset guard takes it for a redelivery), and no offset is
-committed before its message was processed. faust-streaming 0.15 breaks both in edge cases, all seen
-as halts made one call late in ``make chaos``:
+faust keeps what it does well here: group membership and partition assignment (telemetry co-partitioned
+with the runs table), the table's changelog, recovery and standbys, timers, the producer and commits. Its
+per-message delivery (``Consumer._drain_messages``: one ``Service.wait_first`` per message, four tasks
+made and three cancelled; then the conductor, a channel, the stream, ``take_events`` and one ack per
+event) cost ~115 us of main-thread CPU per event, most of the worker's time. So the input topics (the
+agents' topics: telemetry, OTLP) skip it:
 
-* at the end of a recovery it seeks the stream partitions back to their committed offsets while its
-  fetcher is already delivering them; its read-offset bookkeeping then drops some re-fetched messages
-  as already read although they never reached the stream (``Consumer._drain_messages``);
-* it fills "gaps" in the offsets it read (meant for transaction markers and compacted records) into
-  the committed offset, so the commit passes those dropped messages;
-* it acknowledges, as if processed, a message it skips during a rebalance (``Stream._py_aiter``).
+* ``BatchConsumer.getmany`` (faust's drain loop still calls it) hands each fetch's records of an input
+  topic to that topic's ``BatchSink`` as per-partition lists and yields only the other topics' records
+  (changelogs, standbys) to faust's per-message path. It keeps faust's rules: nothing while flow is
+  stopped (a fetch then seeks back to the committed offsets, as faust does), only active or buffered
+  partitions, nothing across a consumer generation change.
+* each input's agent drains its sink (``drain``): a batch is what the consumer has buffered (capped by
+  ``broker_max_poll_records``; pending fetches are merged up to ``LOOPWARDEN_BATCH_MAX``), no batch
+  window. A batch of an older consumer generation, or one met while faust's flow control is suspended
+  (revoke, stop) or a rebalance is in progress (until the state's recovery completed), is dropped
+  unacknowledged: it is fetched again.
+* ``Sequencer`` admits each partition's records only in sequence from the consumer's position, seeded
+  when faust seeks to the committed offsets (every assignment ends with that seek; a partition with
+  nothing committed is sought to its beginning, as a new group's consumer starts). A jump past the next
+  expected offset holds the partition back (not processed, not acknowledged) and seeks the consumer back;
+  a jump that persists (``GAP_CONFIRM_SEEKS`` seeks over at least ``GAP_CONFIRM_S``) is real (records
+  deleted by retention, transaction markers): it is accepted, logged and handed to faust's gap
+  bookkeeping so commits can pass it. Without the seed, the first record after an assignment was taken
+  as the start, and faust's ``_new_offset`` commits past a single missing first message (committed 100,
+  acknowledged [101, 102] commits 103).
+* a batch's offsets are acknowledged into faust's commit bookkeeping in bulk once the handler returned
+  (its decisions acknowledged by the broker, its state and changelog queued: faust flushes the producer
+  before it commits), in the generation it was fetched in; faust's commit timer does the rest.
+* back-pressure: a sink holding more than ``4 x batch_max`` records marks the partitions it holds as
+  buffered (faust's ``on_buffer_full``: no more fetches for them) until it drained below half of that
+  (then the fetch starts at once; faust would sleep a second when no partition is left to fetch).
+* revoke and stop: faust suspends and clears its flow control (which clears the sinks: pending batches
+  are dropped unacknowledged), then waits in ``wait_empty``, which here first waits for the batch in
+  hand to finish, so that no state, changelog or decision of a revoked partition is written after it.
+* the livelock monitor reads ``stream_inbound_time[tp]``: set for each partition of each batch.
 
-So, here, with faust kept for everything else:
+``FatalStop`` is the error the worker must not work around (a stored record it cannot read): from then
+on nothing is processed or committed.
 
-* ``Sequencer`` admits a partition's messages only in sequence: when a batch jumps past the next
-  expected offset, that partition's messages in it are held back (not processed, not committed) and the
-  consumer is sought back to the expected offset. A jump that persists (``GAP_CONFIRM_SEEKS`` seeks over
-  at least ``GAP_CONFIRM_S``) is real (records deleted by retention, transaction markers): it is
-  accepted, logged and handed to faust's gap bookkeeping so commits can pass it.
-* the consumer installed by ``install`` counts an acknowledgement only for messages a handler
-  ``mark_processed``, and takes gaps only from the sequencer.
+faust internals this relies on (faust-streaming 0.15.3, mode-streaming 0.7.1, aiokafka 0.14.0, checked
+at start-up by ``versions``): ``Consumer._wait_next_records``, ``_buffered_partitions``, ``_acked``,
+``_acked_index``, ``_committed_offset``, ``_to_message``, ``scheduler``, ``seek_to_committed`` (and
+aiokafka's: it seeks only committed offsets above 0), ``_thread`` (``earliest_offsets``, ``seek``),
+``on_buffer_full``/``on_buffer_drop``, ``_get_active_partitions``, ``wait_empty``, ``_add_gap``; ``App.flow_control.manage_queue``
+and ``is_active``; ``App.consumer_generation_id`` and ``rebalancing``; ``Monitor.stream_inbound_time`` and
+``track_tp_end_offset``; ``App.transport.Consumer`` (how the consumer class is installed).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
-from weakref import WeakSet
+from typing import Any, TypeAlias
 
 import faust
 from aiokafka.errors import IllegalStateError
-from faust.streams import Stream
+from aiokafka.structs import ConsumerRecord
 from faust.transport.drivers.aiokafka import Consumer
-from faust.types import TP, EventT, Message, StreamT
-from faust.types.tuples import ack_lock
-from mode.utils.futures import notify
+from faust.types import TP, Message
 
 from ..core.stored import StoredRecordError
 
 log = logging.getLogger(__name__)
 
+Record: TypeAlias = "ConsumerRecord[bytes, bytes]"
+#: One fetch's (or several merged) records of one input topic, by partition, each list in offset order.
+Records = dict[TP, list[Record]]
+Handler = Callable[[Sequence[Record]], Coroutine[Any, Any, None]]
+
 #: A jump past the expected offset is taken as real only after this many seeks back to it...
 GAP_CONFIRM_SEEKS = 20
-#: ...spread over at least this long (stale messages fetched before a seek can still arrive after it).
+#: ...spread over at least this long (stale records fetched before a seek can still arrive after it).
 GAP_CONFIRM_S = 5.0
-
-
-class ProcessedMessages:
-    """The messages a handler finished with, until the consumer has counted their acknowledgement."""
-
-    def __init__(self, topics: Iterable[str], on_skipped: Callable[[], object]) -> None:
-        #: Topics whose acknowledgements are guarded (the agents' inputs).
-        self.topics = frozenset(topics)
-        self.on_skipped = on_skipped
-        self._done: WeakSet[Message] = WeakSet()
-
-    def mark_processed(self, batch: Iterable[EventT[Any]]) -> None:
-        for event in batch:
-            self._done.add(event.message)
-
-    def take(self, message: Message) -> bool:
-        """Whether ``message`` was processed (its acknowledgement counts); forgets it either way."""
-        if message.topic not in self.topics:
-            return True
-        if message in self._done:
-            self._done.discard(message)
-            return True
-        self.on_skipped()
-        return False
-
-
-class _GuardedConsumer(Consumer):
-    processed: ProcessedMessages
-
-    def ack(self, message: Message) -> bool:
-        if self.processed.take(message):
-            return super().ack(message)
-        with ack_lock:  # faust's own bookkeeping of a finished message, minus the committable offset
-            message.acked = True
-            self._unacked_messages.discard(message)
-            notify(self._waiting_for_ack)
-        return False
-
-    async def _add_gap(self, tp: TP, offset_from: int, offset_to: int) -> None:
-        """faust's own gap detection also fires on offsets it dropped: gaps come from the Sequencer."""
-
-    async def confirm_gap(self, tp: TP, offset_from: int, offset_to: int) -> None:
-        """Offsets ``offset_from..offset_to`` are absent from the log: commits may pass them."""
-        await super()._add_gap(tp, offset_from, offset_to)
-
-
-def install(app: faust.App, topics: Iterable[str], on_skipped: Callable[[], object]) -> ProcessedMessages:
-    """Give ``app`` a consumer that commits only processed messages of ``topics`` (``on_skipped`` counts
-    the others) and only gaps the Sequencer confirmed; call before the app starts."""
-    processed = ProcessedMessages(topics, on_skipped)
-    consumer_class: Any = type("ProcessedOnlyConsumer", (_GuardedConsumer,), {"processed": processed})
-    # faust makes the consumer from this attribute of the transport when the app starts.
-    app.transport.Consumer = consumer_class  # type: ignore[misc]
-    return processed
-
-
-@dataclass
-class _Repair:
-    """A partition held back at ``offset`` until the consumer delivers it."""
-
-    offset: int
-    seeks: int
-    since: float
-
-
-class Sequencer:
-    """Admits each partition's messages in offset order, seeking back over anything faust left out."""
-
-    def __init__(self, app: faust.App, on_seek: Callable[[], object],
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.app = app
-        self.on_seek = on_seek
-        self.clock = clock
-        self._next: dict[TP, int] = {}
-        self._repairs: dict[TP, _Repair] = {}
-
-    def forget(self, partitions: Iterable[TP] | None = None) -> None:
-        """Partitions were revoked: a later assignment starts again from the committed offset."""
-        for tp in list(self._next) if partitions is None else partitions:
-            self._next.pop(tp, None)
-            self._repairs.pop(tp, None)
-
-    async def admit(self, batch: Sequence[EventT[Any]]) -> list[EventT[Any]]:
-        """The events of ``batch`` that are next in their partitions (earlier offsets, redeliveries,
-        pass too: the processor's offset guard skips them)."""
-        admitted: list[EventT[Any]] = []
-        held: dict[TP, int] = {}
-        for event in batch:
-            message = event.message
-            tp = message.tp
-            if tp in held:
-                continue
-            expected = self._next.get(tp)
-            if expected is None or message.offset <= expected:
-                admitted.append(event)
-                self._next[tp] = max(expected or 0, message.offset + 1)
-                self._repairs.pop(tp, None)
-            elif await self._gap_is_real(tp, expected, message.offset):
-                admitted.append(event)
-                self._next[tp] = message.offset + 1
-            else:
-                held[tp] = expected
-        for tp, offset in held.items():
-            try:
-                await self.app.consumer.seek(tp, offset)
-            except IllegalStateError:  # revoked meanwhile: its next owner starts from the committed offset
-                self.forget([tp])
-        return admitted
-
-    async def _gap_is_real(self, tp: TP, expected: int, offset: int) -> bool:
-        repair = self._repairs.get(tp)
-        if repair is None or repair.offset != expected:
-            repair = self._repairs[tp] = _Repair(expected, 0, self.clock())
-        repair.seeks += 1
-        if repair.seeks <= GAP_CONFIRM_SEEKS or self.clock() - repair.since < GAP_CONFIRM_S:
-            self.on_seek()
-            if repair.seeks == 1:
-                log.info("%s: offset %d expected, %d delivered: holding the partition back and seeking to %d",
-                         tp, expected, offset, expected)
-            return False
-        log.warning("%s: offsets %d..%d are not in the log (deleted by retention, or transaction markers); "
-                    "going on from %d", tp, expected, offset - 1, offset)
-        del self._repairs[tp]
-        await self.app.consumer.confirm_gap(tp, expected, offset - 1)  # type: ignore[attr-defined]
-        return True
+#: How long ``wait_empty`` (revoke, stop) waits for the batch in hand before giving up on it.
+IN_FLIGHT_WAIT_S = 60.0
 
 
 class FatalStop:
@@ -183,14 +91,13 @@ class FatalStop:
     with it).
 
     From the first such error on, nothing more is processed or committed: the batch that met it is not
-    marked processed, every later one is dropped unprocessed (its messages acknowledged without
-    counting, so faust's shutdown does not wait for them), and the agent does not crash (its
-    supervisor would restart it and go on taking messages while the worker stops).
+    acknowledged, every later one is dropped unacknowledged, and the agent does not crash (its
+    supervisor would restart it and go on taking records while the worker stops).
     """
 
     def __init__(self, stop: Callable[[], object] = lambda: os.kill(os.getpid(), signal.SIGTERM)) -> None:
         #: How the worker is stopped: by default the way an operator stops it, faust's graceful
-        #: shutdown, which commits processed offsets only.
+        #: shutdown, which commits acknowledged offsets only.
         self.stop = stop
         self.reason: BaseException | None = None
 
@@ -210,16 +117,359 @@ class FatalStop:
         return True
 
 
-async def in_order(stream: StreamT[Any], sequencer: Sequencer, processed: ProcessedMessages, fatal: FatalStop,
-                   handle: Callable[[Sequence[EventT[Any]]], Coroutine[Any, Any, None]], batch_max: int,
-                   within_s: float) -> None:
-    """Hand ``stream``'s batches to ``handle``, each partition in offset order, and mark what it finished
-    as processed (only that gets committed): the body of every agent of the worker. Once ``fatal``
-    stopped the worker, batches are dropped unprocessed."""
-    # faust's StreamT interface lacks take_events; the Stream every agent gets has it.
-    async for batch in cast("Stream[Any]", stream).take_events(batch_max, within=within_s):
-        if fatal.reason is not None:
-            continue
-        events = await sequencer.admit(batch)
-        if events and await fatal.run(handle(events)):
-            processed.mark_processed(events)
+@dataclass
+class _Repair:
+    """A partition held back at ``offset`` until the consumer delivers it."""
+
+    offset: int
+    seeks: int
+    since: float
+
+
+class Sequencer:
+    """Admits each partition's records in offset order from its seeded position, seeking back over
+    anything the consumer left out."""
+
+    def __init__(self, consumer: BatchConsumer, on_seek: Callable[[], object],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.consumer = consumer
+        self.on_seek = on_seek
+        self.clock = clock
+        self._next: dict[TP, int] = {}
+        self._repairs: dict[TP, _Repair] = {}
+
+    def seed(self, tp: TP, offset: int) -> None:
+        """``tp``'s next record is ``offset`` (the consumer was just sought there)."""
+        self._next[tp] = offset
+        self._repairs.pop(tp, None)
+
+    def expected(self, tp: TP) -> int | None:
+        return self._next.get(tp)
+
+    def forget(self, partitions: Iterable[TP] | None = None) -> None:
+        """Partitions were revoked: a later assignment seeds them again."""
+        for tp in list(self._next) if partitions is None else partitions:
+            self._next.pop(tp, None)
+            self._repairs.pop(tp, None)
+
+    async def admit(self, batch: Records) -> Records:
+        """The records of ``batch`` that are next in their partitions, each partition's in order.
+
+        Records below the expected offset were admitted before (fetched again after a seek back) and
+        are left out. A partition whose records jump past the expected offset is held back from the
+        jump on and the consumer is sought back (until the gap is confirmed as real). A partition never
+        seeded (every assignment seeds them) is held back and the consumer sought to the committed offsets."""
+        admitted: Records = {}
+        for tp, records in batch.items():
+            expected = self._next.get(tp)
+            if expected is None:
+                log.warning("%s: records delivered before its position was known: seeking every partition "
+                            "to its committed offset", tp)
+                self.on_seek()
+                await self.consumer.perform_seek()  # seeds every assigned partition
+                continue
+            run: list[Record] = []
+            for record in records:
+                offset = record.offset
+                if offset < expected:
+                    continue
+                if offset > expected and not await self._gap_is_real(tp, expected, offset):
+                    await self._seek(tp, expected)
+                    break
+                self._repairs.pop(tp, None)
+                run.append(record)
+                expected = offset + 1
+            if run:
+                admitted[tp] = run
+                self._next[tp] = expected
+        return admitted
+
+    async def rewind(self, batch: Records) -> None:
+        """``batch`` was admitted but not processed (its handler failed): expect and fetch it again."""
+        for tp, records in batch.items():
+            if records and tp in self._next:
+                self._next[tp] = records[0].offset
+                await self._seek(tp, records[0].offset)
+
+    async def _seek(self, tp: TP, offset: int) -> None:
+        try:
+            await self.consumer.seek(tp, offset)
+        except IllegalStateError:  # revoked meanwhile: its next owner starts from the committed offset
+            self.forget([tp])
+
+    async def _gap_is_real(self, tp: TP, expected: int, offset: int) -> bool:
+        repair = self._repairs.get(tp)
+        if repair is None or repair.offset != expected:
+            repair = self._repairs[tp] = _Repair(expected, 0, self.clock())
+        repair.seeks += 1
+        if repair.seeks <= GAP_CONFIRM_SEEKS or self.clock() - repair.since < GAP_CONFIRM_S:
+            self.on_seek()
+            if repair.seeks == 1:
+                log.info("%s: offset %d expected, %d delivered: holding the partition back and seeking to %d",
+                         tp, expected, offset, expected)
+            return False
+        log.warning("%s: offsets %d..%d are not in the log (deleted by retention, or transaction markers); "
+                    "going on from %d", tp, expected, offset - 1, offset)
+        del self._repairs[tp]
+        await self.consumer.confirm_gap(tp, expected, offset - 1)
+        return True
+
+
+class BatchSink:
+    """The batches of one input topic between the consumer and its agent (``drain``).
+
+    ``offer`` never blocks the consumer's drain loop; faust's flow control clears the sink on revoke,
+    stop and resume (it is managed like faust's own channel queues)."""
+
+    def __init__(self, topic: str, batch_max: int, on_dropped: Callable[[int], object]) -> None:
+        self.topic = topic
+        self.batch_max = batch_max
+        self.on_dropped = on_dropped
+        self.high = 4 * batch_max
+        self.consumer: BatchConsumer | None = None
+        self._pending: deque[tuple[int, Records]] = deque()
+        self._pending_records = 0
+        self._buffered: set[TP] = set()
+        self._ready = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def offer(self, generation: int, records: Records) -> None:
+        self._pending.append((generation, records))
+        self._pending_records += sum(map(len, records.values()))
+        self._ready.set()
+        if self._pending_records > self.high and self.consumer is not None:
+            for tp in records:
+                if tp not in self._buffered:
+                    self._buffered.add(tp)
+                    self.consumer.on_buffer_full(tp)
+
+    def clear(self) -> None:
+        """Drop every pending batch, unacknowledged (faust's flow control calls this)."""
+        if self._pending_records:
+            self.on_dropped(self._pending_records)
+        self._pending.clear()
+        self._pending_records = 0
+        self._ready.clear()
+        self._release_buffered()
+
+    def pending(self) -> int:
+        return self._pending_records
+
+    async def next(self) -> tuple[int, Records]:
+        """The oldest pending batch merged with the later ones of its generation, up to ``batch_max``
+        records (more only when one fetch held more); the sink is busy until ``done``."""
+        while not self._pending:
+            self._ready.clear()
+            await self._ready.wait()
+        self._idle.clear()
+        generation, merged = self._pending.popleft()
+        count = sum(map(len, merged.values()))
+        merged = {tp: list(records) for tp, records in merged.items()}
+        while self._pending and self._pending[0][0] == generation:
+            more = sum(map(len, self._pending[0][1].values()))
+            if count + more > self.batch_max:
+                break
+            for tp, records in self._pending.popleft()[1].items():
+                merged.setdefault(tp, []).extend(records)
+            count += more
+        self._pending_records -= count
+        if not self._pending:
+            self._ready.clear()
+        if self._buffered and self._pending_records <= self.high // 2:
+            self._release_buffered()
+        return generation, merged
+
+    def done(self) -> None:
+        self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait for the batch in hand, if any; whether it finished within ``timeout``."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def _release_buffered(self) -> None:
+        if self.consumer is not None:
+            for tp in self._buffered:
+                self.consumer.on_buffer_drop(tp)
+        self._buffered.clear()
+
+
+class BatchConsumer(Consumer):
+    """faust's aiokafka consumer with the input topics' records diverted to batch sinks (see the
+    module docstring). ``install`` makes the class with its sinks."""
+
+    sinks: Mapping[str, BatchSink]
+    on_seek: Callable[[], object]
+    sequencer: Sequencer
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sequencer = Sequencer(self, self.on_seek)
+        self._drained = asyncio.Event()
+        for sink in self.sinks.values():
+            sink.consumer = self
+            self.app.flow_control.manage_queue(sink)  # type: ignore[arg-type]  # it only calls clear()
+
+    async def getmany(self, timeout: float) -> AsyncIterator[tuple[TP, Message]]:
+        records, active = await self._wait_next_records(timeout)
+        if records is None or self.should_stop:
+            return
+        if not self.flow_active:
+            # faust's rule: records fetched while flow is stopped are fetched again from the committed offsets.
+            try:
+                await self.perform_seek()
+            except Exception as exc:  # noqa: BLE001 - as faust does: the next fetch seeks again
+                self.log.warning("exception performing seek when flow not active: %r", exc)
+            return
+        generation = self.app.consumer_generation_id
+        sinks = self.sinks
+        buffered = self._buffered_partitions
+        batches: dict[str, Records] = {}
+        rest = {}
+        monitor = self.app.monitor
+        for tp, tp_records in records.items():
+            if not tp_records or not (active is None or tp in active or tp in buffered):
+                continue
+            if tp.topic in sinks:
+                tp = TP(tp.topic, tp.partition)  # faust's own tuple type (aiokafka hands its TopicPartition)
+                batches.setdefault(tp.topic, {})[tp] = tp_records
+                monitor.track_tp_end_offset(tp, self.highwater(tp))
+            else:
+                rest[tp] = tp_records
+        for topic, batch in batches.items():
+            sinks[topic].offer(generation, batch)
+        if rest:
+            to_message = self._to_message
+            for tp, record in self.scheduler.iterate(rest):
+                if not self.flow_active or self.app.consumer_generation_id != generation:
+                    break
+                yield tp, to_message(tp, record)
+
+    async def _wait_next_records(self, timeout: float) -> tuple[Any, set[TP] | None]:
+        """faust's, except when every partition is held back by a full sink: faust would sleep a whole
+        second before fetching again; this waits until a sink has drained (at most that second)."""
+        if self.flow_active and self._buffered_partitions and not self._get_active_partitions():
+            self._drained.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), 1.0)
+            return {}, self._get_active_partitions()
+        return await super()._wait_next_records(timeout)
+
+    def on_buffer_drop(self, tp: TP) -> None:
+        super().on_buffer_drop(tp)
+        self._drained.set()
+
+    async def seek_to_committed(self) -> Mapping[TP, int]:
+        """faust's seek to the committed offsets (every assignment ends with it), plus: an input
+        partition with nothing committed is sought to its first offset (a new group's start), and the
+        sequencer is seeded with each input partition's offset sought to.
+
+        aiokafka seeks only partitions with a committed offset above 0 and leaves the others where the
+        fetcher got to, past records fetched before the assignment's recovery and dropped. The seed is
+        the offset sought to, not the consumer's position afterwards: the fetch loop runs meanwhile and
+        moves the position past records it hands over (dropped too, while the rebalance lasts)."""
+        committed = await super().seek_to_committed()
+        inputs = [tp for tp in committed if tp.topic in self.sinks]
+        fresh = [tp for tp in inputs if not ((offset := committed[tp]) and offset > 0)]
+        thread: Any = self._thread
+        starts: dict[Any, int] = {}
+        if fresh:
+            starts = dict(await thread.earliest_offsets(*fresh))
+            for tp in fresh:
+                thread.seek(tp, starts[tp])
+        for tp in inputs:
+            self.sequencer.seed(TP(tp.topic, tp.partition), starts[tp] if tp in starts else committed[tp])
+        return committed
+
+    def ack_batch(self, generation: int, batch: Records) -> bool:
+        """Acknowledge ``batch``'s offsets (processed) into faust's commit bookkeeping, unless the consumer
+        generation moved on since it was fetched. Synchronous: no await between check and ack."""
+        if generation != self.app.consumer_generation_id:
+            return False
+        committed_offsets = self._committed_offset
+        for tp, records in batch.items():
+            committed = committed_offsets[tp]
+            index = self._acked_index[tp]
+            acked = self._acked[tp]
+            for record in records:
+                offset = record.offset
+                if (committed is None or offset >= committed) and offset not in index:
+                    index.add(offset)
+                    acked.append(offset)
+        return True
+
+    async def wait_empty(self) -> None:
+        """Revoke and stop: pending batches dropped, the batch in hand finished, then faust's own wait."""
+        for sink in self.sinks.values():
+            sink.clear()
+            if not await sink.wait_idle(IN_FLIGHT_WAIT_S):
+                self.log.warning("a batch of %s did not finish within %.0f s of the revoke or stop; its offsets "
+                                 "stay uncommitted", sink.topic, IN_FLIGHT_WAIT_S)
+        await super().wait_empty()
+
+    async def _add_gap(self, tp: TP, offset_from: int, offset_to: int) -> None:
+        """faust's own gap detection fires on offsets it dropped: gaps come from the Sequencer."""
+
+    async def confirm_gap(self, tp: TP, offset_from: int, offset_to: int) -> None:
+        """Offsets ``offset_from..offset_to`` are absent from the log: commits may pass them."""
+        await super()._add_gap(tp, offset_from, offset_to)
+
+
+def install(app: faust.App, sinks: Iterable[BatchSink], on_seek: Callable[[], object]) -> None:
+    """Give ``app`` a consumer that diverts the sinks' topics to them (``on_seek`` counts seeks back over
+    gaps); call before the app starts."""
+    consumer_class: Any = type("BatchConsumer", (BatchConsumer,), {
+        "sinks": {sink.topic: sink for sink in sinks}, "on_seek": staticmethod(on_seek)})
+    # faust makes the consumer from this attribute of the transport when the app starts.
+    app.transport.Consumer = consumer_class  # type: ignore[misc]
+
+
+async def drain(app: faust.App, sink: BatchSink, fatal: FatalStop, handle: Handler,
+                on_stale: Callable[[int], object]) -> None:
+    """Hand ``sink``'s batches to ``handle``, each partition in offset order, and acknowledge what it
+    finished: the body of every input agent. A batch of an older generation, or met while flow control
+    is suspended, during a rebalance or after a fatal stop, is dropped unacknowledged (``on_stale``
+    counts its records)."""
+    consumer = app.consumer
+    if not isinstance(consumer, BatchConsumer):
+        raise TypeError("delivery.install must run before the app starts")
+    sequencer = consumer.sequencer
+    inbound = app.monitor.stream_inbound_time
+    while True:
+        generation, batch = await sink.next()
+        admitted: Records = {}
+        try:
+            if fatal.reason is not None or not _current(app, generation):
+                on_stale(sum(map(len, batch.values())))
+                continue
+            admitted = await sequencer.admit(batch)
+            if not admitted:
+                continue
+            if not _current(app, generation):  # a rebalance began while the sequencer sought
+                on_stale(sum(map(len, admitted.values())))
+                continue
+            now = time.monotonic()
+            for tp in admitted:
+                inbound[tp] = now
+            records = admitted[next(iter(admitted))] if len(admitted) == 1 else [
+                record for tp_records in admitted.values() for record in tp_records]
+            if await fatal.run(handle(records)):
+                consumer.ack_batch(generation, admitted)
+        except Exception:  # the agent crashes and its supervisor restarts it: fetch the batch again
+            if admitted:
+                await sequencer.rewind(admitted)
+            raise
+        finally:
+            sink.done()
+
+
+def _current(app: faust.App, generation: int) -> bool:
+    """Whether a batch fetched in ``generation`` may be processed now: same generation, flow control
+    active, and no rebalance in progress (from its start until faust's recovery of the state completed:
+    records fetched in between, before faust paused the new assignment's partitions, would be folded on
+    state not recovered yet; dropped, they are fetched again)."""
+    return generation == app.consumer_generation_id and app.flow_control.is_active() and not app.rebalancing

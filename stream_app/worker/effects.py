@@ -22,18 +22,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from faust.types import EventT, TopicT
+from faust.types import TP, TopicT
 
 from ..bus.clock import wall_clock_ms
 from ..bus.signing import Signer
 from ..bus.wire import Headers, encode_control
 from ..core import Decision, InvalidEvent
 from ..core.stored import last_ts_ms
-from .batch import BatchFold, RawRecord, is_operator
+from .batch import BatchFold, is_operator
+from .delivery import Record
 from .metrics import WorkerMetrics
 from .store import Change, RunStore
 
@@ -61,28 +61,27 @@ class DeadLetters:
         self.dlq = dlq
         self.metrics = metrics
 
-    async def send(self, event: EventT[Any], error: InvalidEvent, *, operator: bool = False) -> None:
-        """``operator``: the message is an operator's command, whose refusal an operator is waiting on
+    async def send(self, record: Record, error: InvalidEvent, *, operator: bool = False) -> None:
+        """``operator``: the record is an operator's command, whose refusal an operator is waiting on
         (logged as a warning; other bad input only at info level, it can be a flood)."""
-        message = event.message
         self.metrics.dlq.labels(reason=error.field or error.kind).inc()
         if operator:
-            log.warning("operator command refused, %s[%d]@%d: %s", message.topic, message.partition,
-                        message.offset, error)
+            log.warning("operator command refused, %s[%d]@%d: %s", record.topic, record.partition,
+                        record.offset, error)
         else:
-            log.info("dead-lettered %s[%d]@%d: %s", message.topic, message.partition, message.offset, error)
+            log.info("dead-lettered %s[%d]@%d: %s", record.topic, record.partition, record.offset, error)
         headers: Headers = [
             ("error", str(error)[:1024].encode()),
             ("error_field", error.field.encode()),
-            ("source_topic", message.topic.encode()),
-            ("source_partition", str(message.partition).encode()),
-            ("source_offset", str(message.offset).encode()),
+            ("source_topic", record.topic.encode()),
+            ("source_partition", str(record.partition).encode()),
+            ("source_offset", str(record.offset).encode()),
         ]
-        value = bytes(event.value) if isinstance(event.value, bytes | bytearray) else b""
+        value = record.value or b""
         if len(value) > DLQ_VALUE_LIMIT:  # a multi-megabyte payload must not fail the DLQ send too
             headers.append(("value_bytes", str(len(value)).encode()))
             value = value[:DLQ_VALUE_LIMIT]
-        await self.dlq.send(key=message.key, value=value, headers=headers)
+        await self.dlq.send(key=record.key, value=value, headers=headers)
 
 
 class Effects:
@@ -109,24 +108,23 @@ class Effects:
         #: Runs stored per active partition (standbys excluded), counted on recovery, then kept up to date.
         self._tracked: dict[int, int] = {}
 
-    async def process(self, batch: Sequence[EventT[Any]]) -> None:
+    async def process(self, batch: Sequence[Record]) -> None:
         async with self._state_lock:
             await self._process(batch)
 
-    async def _process(self, batch: Sequence[EventT[Any]]) -> None:
+    async def _process(self, records: Sequence[Record]) -> None:
         metrics = self.metrics
-        metrics.batch_size.observe(len(batch))
-        records = [_raw(event) for event in batch]
+        metrics.batch_size.observe(len(records))
         store = self.store
         stored = {(partition, key): store.get(partition, key) for partition, key in BatchFold.keys(records)}
         result = self.fold.fold(records, stored, wall_clock_ms())
 
         for dead in result.dead_letters:
-            await self.dead_letters.send(batch[dead.index], dead.error, operator=is_operator(records[dead.index]))
+            await self.dead_letters.send(records[dead.index], dead.error, operator=is_operator(records[dead.index]))
         for rekey in result.rekeys:
             metrics.rekeyed.inc()
-            event = batch[rekey.index]
-            await self.topics.telemetry.send(key=rekey.key, value=event.value, headers=_headers(event))
+            record = records[rekey.index]
+            await self.topics.telemetry.send(key=rekey.key, value=record.value, headers=list(record.headers))
         for outcome, count in result.applied.items():
             self._events_by_outcome[outcome].inc(count)
         for (agent_id, digest), count in result.policy_mismatches.items():
@@ -151,9 +149,9 @@ class Effects:
             if partition in tracked:
                 tracked[partition] += sum(stored[(partition, key)] is None for key, _ in changes)
         metrics.runs_tracked.set(sum(tracked.values()))
-        last_of_partition: dict[int, EventT[Any]] = {event.message.partition: event for event in batch}
-        for event in last_of_partition.values():
-            self._report_lag(event)
+        last_of_partition: dict[int, Record] = {record.partition: record for record in records}
+        for record in last_of_partition.values():
+            self._report_lag(record)
 
     async def sweep(self) -> None:
         """Expire silent runs in every assigned partition (on a timer, off the per-batch path)."""
@@ -211,24 +209,8 @@ class Effects:
             self.metrics.decisions.labels(action=decision.action, verdict=decision.verdict).inc()
             self.metrics.decision_latency.observe(max(0.0, now - decision.ts_ms / 1000))
 
-    def _report_lag(self, event: EventT[Any]) -> None:
-        message = event.message
-        highwater = self.app.consumer.highwater(message.tp)  # type: ignore[attr-defined]
+    def _report_lag(self, record: Record) -> None:
+        highwater = self.app.consumer.highwater(TP(record.topic, record.partition))  # type: ignore[attr-defined]
         if highwater is not None:
-            self.metrics.consumer_lag.labels(partition=str(message.partition)).set(
-                max(0, highwater - message.offset - 1))
-
-
-def _raw(event: EventT[Any]) -> RawRecord:
-    message = event.message
-    value = event.value
-    return RawRecord(message.partition, message.offset, message.key,
-                     bytes(value) if isinstance(value, bytes | bytearray) else None, _headers(event))
-
-
-def _headers(event: EventT[Any]) -> list[tuple[str, bytes]]:
-    """A message's headers as (name, value) pairs (faust passes on what the client gave it)."""
-    headers = event.message.headers
-    if not headers:
-        return []
-    return list(headers.items()) if isinstance(headers, Mapping) else list(headers)
+            self.metrics.consumer_lag.labels(partition=str(record.partition)).set(
+                max(0, highwater - record.offset - 1))

@@ -17,6 +17,7 @@ from ..bus.kafka import KafkaUnreachable
 from ..bus.policy_file import load_policy
 from ..bus.signing import KeyRing, Signer
 from ..core import LoopwardenError
+from . import versions
 from .metrics import WorkerMetrics
 from .settings import WorkerSettings
 
@@ -86,6 +87,11 @@ def run_worker(settings: WorkerSettings) -> int:
 
     level = settings.log_level.upper()
     logs.configure(level, settings.log_format)
+    for notice in settings.notices:
+        log.warning(notice)
+    untested = versions.check(settings.allow_untested_faust)  # UntestedFramework unless allowed
+    if untested:
+        log.warning(untested)
     policy = load_policy(settings.policy_path)
     signer = Signer.from_file(settings.signing_key) if settings.signing_key else None
     operator_keys = KeyRing.from_setting(settings.operator_keys) if settings.operator_keys else None

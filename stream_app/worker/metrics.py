@@ -44,5 +44,7 @@ class WorkerMetrics:
                                   ["partition"], registry=r)
         self.ready = Gauge("loopwarden_worker_ready", "1 once the worker has recovered its state and consumes.",
                            registry=r)
+        self.engine = Gauge("loopwarden_engine_info", "The engine folding telemetry batches (1 for the one in use).",
+                            ["engine"], registry=r)
         self.batch_size = Histogram("loopwarden_batch_events", "Telemetry events per processed batch.",
                                     buckets=(1, 10, 50, 100, 250, 500, 1000, 2500), registry=r)

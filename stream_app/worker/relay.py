@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any
 
-from faust.types import EventT, TopicT
+from faust.types import TopicT
 
 from ..bus.wire import encode_telemetry
 from ..core import InvalidEvent
 from ..sources import Decoded
+from .delivery import Record
 from .effects import DeadLetters
 
 
@@ -33,18 +33,18 @@ class SourceRelay:
         self.decode = decode
         self.dead_letters = dead_letters
 
-    async def relay(self, batch: Sequence[EventT[Any]]) -> None:
+    async def relay(self, batch: Sequence[Record]) -> None:
         """Publish every event the batch decodes to and wait for the broker's acknowledgements (the
-        agent marks the batch processed, so its offsets get committed, only after this returns)."""
+        batch is acknowledged, so its offsets get committed, only after this returns)."""
         pending = []
-        for event in batch:
-            raw = event.value
+        for record in batch:
+            raw = record.value
             try:
-                if not isinstance(raw, bytes | bytearray):
+                if raw is None:
                     raise InvalidEvent("", "message has no value")
-                decoded = self.decode(bytes(raw))
+                decoded = self.decode(raw)
             except InvalidEvent as exc:
-                await self.dead_letters.send(event, exc)
+                await self.dead_letters.send(record, exc)
                 continue
             for telemetry in decoded.events:
                 key, value = encode_telemetry(telemetry)
@@ -52,5 +52,5 @@ class SourceRelay:
             if decoded.errors:
                 first, part = decoded.errors[0], decoded.part
                 more = f" (and {len(decoded.errors) - 1} more {part}s)" if len(decoded.errors) > 1 else ""
-                await self.dead_letters.send(event, InvalidEvent(first.field, f"{part} rejected: {first.reason}{more}"))
+                await self.dead_letters.send(record, InvalidEvent(first.field, f"{part} rejected: {first.reason}{more}"))
         await asyncio.gather(*pending)

@@ -35,8 +35,8 @@ SETTINGS = SettingsTable((
     ("state_dir", "LOOPWARDEN_STATE_DIR", "var/state", "RocksDB state directory (one per worker instance)"),
     ("metrics_port", "LOOPWARDEN_METRICS_PORT", "9464", "Prometheus metrics port; 0 disables"),
     ("metrics_host", "LOOPWARDEN_METRICS_HOST", "0.0.0.0", "address the metrics endpoint listens on"),
-    ("batch_max", "LOOPWARDEN_BATCH_MAX", "1000", "most telemetry events processed (and state writes coalesced) per batch"),
-    ("batch_within_s", "LOOPWARDEN_BATCH_WITHIN_S", "0.005", "longest wait to fill a batch, seconds (adds to halt latency)"),
+    ("engine", "LOOPWARDEN_ENGINE", "auto", "the batch fold: `native` (the Rust engine, `loopwarden_native`; a start-up error when not installed), `python` (the reference), or `auto` (native when installed)"),
+    ("batch_max", "LOOPWARDEN_BATCH_MAX", "1000", "most telemetry events processed (and state writes coalesced) per batch: a batch is what the consumer has fetched, up to this many, with no wait to fill it"),
     ("commit_interval_s", "LOOPWARDEN_COMMIT_INTERVAL_S", "1.0", "consumer offset commit interval, seconds"),
     ("session_timeout_s", "LOOPWARDEN_SESSION_TIMEOUT_S", "10", "group session timeout: how soon a dead worker's partitions move"),
     ("heartbeat_s", "LOOPWARDEN_HEARTBEAT_S", "2", "group heartbeat interval, seconds"),
@@ -53,8 +53,20 @@ SETTINGS = SettingsTable((
     ("operator_max_age_s", "LOOPWARDEN_OPERATOR_MAX_AGE_S", "900", "operator commands older than this (by their ts_ms) go to the DLQ as replays"),
     ("event_source", "LOOPWARDEN_EVENT_SOURCE", "", "CloudEvents source of decisions; empty means /loopwarden/<app_id>"),
     ("log_level", "LOOPWARDEN_LOG_LEVEL", "warning", "worker log level"),
+    ("allow_untested_faust", "LOOPWARDEN_ALLOW_UNTESTED_FAUST", "false", "start on faust-streaming, mode-streaming or aiokafka versions other than the tested pins (0.15.3, 0.7.1, 0.14.0), with a warning; see the upgrade checklist"),
     ("log_format", "LOOPWARDEN_LOG_FORMAT", "json", "log lines on stderr: `json` (one JSON object per line, faust's, aiokafka's and tracebacks included) or `text`"),
 ))
+
+
+#: The batch fold's engines (``LOOPWARDEN_ENGINE``).
+ENGINES = ("auto", "native", "python")
+
+#: Variables still accepted, for one release, and what to do about them.
+DEPRECATED = {
+    "LOOPWARDEN_BATCH_WITHIN_S": "LOOPWARDEN_BATCH_WITHIN_S is ignored and will be refused in the next release: "
+                                 "a batch is now what the consumer has fetched (up to LOOPWARDEN_BATCH_MAX), with no "
+                                 "wait to fill it; remove the variable",
+}
 
 
 @dataclass(frozen=True)
@@ -75,8 +87,8 @@ class WorkerSettings:
     state_dir: Path
     metrics_port: int
     metrics_host: str
+    engine: str
     batch_max: int
-    batch_within_s: float
     commit_interval_s: float
     session_timeout_s: float
     heartbeat_s: float
@@ -94,6 +106,9 @@ class WorkerSettings:
     event_source: str
     log_level: str
     log_format: str
+    allow_untested_faust: bool
+    #: Warnings about the environment for the worker to log once logging is set up (deprecated variables).
+    notices: tuple[str, ...] = ()
 
     @property
     def changelog_topic(self) -> str:
@@ -107,7 +122,7 @@ class WorkerSettings:
         for name in ("partitions", "replication_factor", "batch_max", "max_event_bytes"):
             if values[name] < 1:
                 raise SettingsError(f"{_var(name)} must be >= 1, got {values[name]}")
-        for name in ("batch_within_s", "commit_interval_s", "session_timeout_s", "heartbeat_s", "operator_max_age_s"):
+        for name in ("commit_interval_s", "session_timeout_s", "heartbeat_s", "operator_max_age_s"):
             if values[name] <= 0:
                 raise SettingsError(f"{_var(name)} must be > 0, got {values[name]}")
         if not 0 <= values["state_write_version"] <= FORMAT_VERSION:
@@ -119,6 +134,8 @@ class WorkerSettings:
             raise SettingsError("LOOPWARDEN_SIGNING_KEY: required, the Ed25519 private key that signs control "
                                 "messages (`loopwarden keys generate --name worker` makes one); "
                                 "LOOPWARDEN_ALLOW_UNSIGNED=true publishes unsigned halts (development only)")
+        if values["engine"] not in ENGINES:
+            raise SettingsError(f"LOOPWARDEN_ENGINE={values['engine']!r}: expected auto, native or python")
         if values["log_format"] not in FORMATS:
             raise SettingsError(f"LOOPWARDEN_LOG_FORMAT={values['log_format']!r}: expected json or text")
         if values["otlp_encoding"] not in ("otlp_proto", "otlp_json"):
@@ -131,7 +148,8 @@ class WorkerSettings:
             raise SettingsError(f"LOOPWARDEN_OTLP_TOPIC={values['otlp_topic']!r} is one of the worker's own topics; "
                                 "name the topic the collector's kafka exporter writes traces to (default otlp_spans)")
         values["event_source"] = values["event_source"] or f"/loopwarden/{values['app_id']}"
-        return cls(kafka=KafkaClientConfig.from_env(env), **values)
+        notices = tuple(notice for var, notice in DEPRECATED.items() if var in env)
+        return cls(kafka=KafkaClientConfig.from_env(env), notices=notices, **values)
 
 
 _var = SETTINGS.var

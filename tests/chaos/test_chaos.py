@@ -81,8 +81,8 @@ def test_slow_worker(kafka_bootstrap: str, tmp_path: Path, trial: int) -> None:
     fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4)
     worker = fleet.start_worker(0)
     try:
-        # 600 runs in 6 s (~1,200 events/s): each 0.9 s stop leaves more backlog than the worker clears in
-        # its next 0.1 s, so the lag gauge (updated per batch) shows it whatever the machine's load.
+        # 600 runs in 6 s (~1,200 events/s): each 0.97 s stop leaves more backlog than the worker clears in
+        # its next 0.03 s, so the lag gauge (updated per batch) shows it whatever the machine's load.
         result = asyncio.run(harness.run_trial("slow_worker", trial, fleet, harness.slow_worker(worker),
                                                seed=4000 + trial, runs=600))
     finally:

@@ -10,6 +10,7 @@ import re
 import stat
 import subprocess
 import sys
+import tomllib
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -322,13 +323,14 @@ def test_workers_run_the_image_built_from_the_dockerfile() -> None:
 
 
 def test_dockerfile_is_multi_stage_slim_and_non_root() -> None:
-    """Two stages on a slim Python base, the final one running as a numeric non-root user, the worker as
-    entrypoint, the state directory a volume and the metrics port exposed: and they agree with the
-    worker's defaults and with compose."""
+    """Three stages on slim bases (the native engine's wheel, the virtualenv, the runtime), the final one
+    running as a numeric non-root user, the worker as entrypoint, the state directory a volume and the
+    metrics port exposed: and they agree with the worker's defaults and with compose."""
     instructions = dockerfile()
     stages = [args for op, args in instructions if op == "FROM"]
-    assert len(stages) == 2 and all("-slim" in s for s in stages) and stages[0].endswith(" AS build")
-    final = instructions[[op for op, _ in instructions].index("FROM", 1):]
+    assert len(stages) == 3 and all("-slim" in s for s in stages)
+    assert stages[0].endswith(" AS native") and stages[1].endswith(" AS build")
+    final = instructions[[i for i, (op, _) in enumerate(instructions) if op == "FROM"][-1]:]
     user = [args for op, args in final if op == "USER"]
     assert user and user[-1].split(":")[0].isdigit() and int(user[-1].split(":")[0]) >= 1000
     assert [json.loads(args) for op, args in final if op == "ENTRYPOINT"] == [["loopwarden"]]
@@ -343,13 +345,30 @@ def test_dockerfile_is_multi_stage_slim_and_non_root() -> None:
         assert service["environment"]["LOOPWARDEN_METRICS_PORT"] == env["LOOPWARDEN_METRICS_PORT"]
 
 
+def test_the_image_ships_the_native_engine() -> None:
+    """The native stage builds the wheel from native/ with the locked dependencies; the build stage
+    installs it beside loopwarden[worker], so LOOPWARDEN_ENGINE=auto (the default) folds natively.
+    (No Docker engine here: make install builds the same sources with the same maturin range.)"""
+    instructions = dockerfile()
+    starts = [i for i, (op, _) in enumerate(instructions) if op == "FROM"]
+    native, build = instructions[starts[0]:starts[1]], instructions[starts[1]:starts[2]]
+    runs = " ".join(args for op, args in native if op == "RUN")
+    assert "maturin build --release --locked --out /wheels" in runs
+    maturin = tomllib.loads((REPO / "native" / "pyproject.toml").read_text())["build-system"]["requires"]
+    assert f"'{maturin[0]}'" in runs  # the same maturin range as pip install ./native
+    assert ("COPY", "--from=native /wheels /wheels") in build
+    assert any(op == "RUN" and "'.[worker]' /wheels/loopwarden_native-" in args for op, args in build)
+    assert {name: default for name, _, default, _ in SETTINGS}["engine"] == "auto"
+
+
 def test_dockerignore_keeps_what_the_dockerfile_copies() -> None:
     """Each path the build stage COPYs is let through .dockerignore (which excludes everything else)."""
     ignore = (REPO / ".dockerignore").read_text().splitlines()
     allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
-    copied = {src for op, args in dockerfile() if op == "COPY" and "--from" not in args
+    copied = {src.rstrip("/") for op, args in dockerfile() if op == "COPY" and "--from" not in args
               for src in args.split()[:-1]}
     assert copied and copied <= allowed
+    assert "native/target" not in allowed  # the build's own cargo output stays out of the context
     assert "*" in ignore
 
 
@@ -364,11 +383,13 @@ def test_the_docker_build_context_builds_the_package(tmp_path: Path) -> None:
     context.mkdir()
     for line in (REPO / ".dockerignore").read_text().splitlines():
         if line.startswith("!"):
-            source = REPO / line[1:].rstrip("/")
+            relative = line[1:].rstrip("/")
+            source, target = REPO / relative, context / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
             if source.is_dir():
-                shutil.copytree(source, context / source.name, ignore=shutil.ignore_patterns("__pycache__"))
+                shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
             else:
-                shutil.copy(source, context / source.name)
+                shutil.copy(source, target)
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--disable-pip-version-check",
                              "-w", str(tmp_path / "dist"), str(context)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

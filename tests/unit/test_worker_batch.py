@@ -2,6 +2,9 @@
 
 Batches are built the way the consumer delivers them (records with partition, offset, key, value and
 headers); stored runs are carried from one batch to the next the way the worker's table carries them.
+Every test runs on both engines (``BatchFold``, the reference, and ``NativeBatchFold``); the
+differential tests at the end fold one corpus through both and through a worker that switches engines
+batch by batch.
 """
 
 from __future__ import annotations
@@ -20,18 +23,37 @@ from stream_app.bus.wire import encode_operator, encode_telemetry
 from stream_app.core import Detector, OperatorCommand, RunTable, decode_event
 from stream_app.core.stored import FORMAT_VERSION, StateVersionError, StoredRun, decode_run, encode_run
 from stream_app.devtools.fleet_sim import simulate_fleet
-from stream_app.worker.batch import BatchFold, BatchResult, RawRecord
+from stream_app.worker.batch import BatchFold, BatchResult, NativeBatchFold, RawRecord
 
 BATCH = Path(__file__).resolve().parents[2] / "stream_app" / "worker" / "batch.py"
 NOW_MS = 1_764_000_500_000
 PARTITIONS = 4
 
 
+ENGINE = {"fold": BatchFold}
+
+
+@pytest.fixture(autouse=True, params=["python", "native"])
+def engine(request: pytest.FixtureRequest) -> str:
+    """Each test once per engine (the native one only when it is installed)."""
+    if request.param == "native":
+        pytest.importorskip("loopwarden_native")
+        ENGINE["fold"] = NativeBatchFold
+    else:
+        ENGINE["fold"] = BatchFold
+    return str(request.param)
+
+
+def make_fold(detector: Detector | None = None, **kwargs: Any) -> BatchFold:
+    """The batch function of the engine under test."""
+    return ENGINE["fold"](detector or Detector(), **kwargs)
+
+
 class Worker:
     """A worker's view of its partitions: offsets per partition and stored runs by (partition, key)."""
 
     def __init__(self, fold: BatchFold | None = None) -> None:
-        self.fold = fold or BatchFold(Detector())
+        self.fold = fold or make_fold()
         self.stored: dict[tuple[int, bytes], bytes] = {}
         self.next_offset = [0] * PARTITIONS
 
@@ -115,7 +137,7 @@ def test_a_resent_event_id_is_a_duplicate_at_a_new_offset() -> None:
 )
 def test_a_bad_record_is_a_dead_letter_with_its_reason_and_the_rest_still_folds(value: bytes | None,
                                                                                    reason: str) -> None:
-    worker = Worker(BatchFold(Detector(), max_event_bytes=1000))
+    worker = Worker(make_fold(Detector(), max_event_bytes=1000))
     records = [worker.telemetry(_failing("run-a", 0)), worker.record(b"run-b", value),
                *[worker.telemetry(_failing("run-a", n)) for n in range(1, 4)]]
     result = worker.apply(records)
@@ -140,7 +162,7 @@ def test_watermarks_are_the_newest_event_time_per_partition() -> None:
 
 @pytest.mark.parametrize("version", range(FORMAT_VERSION + 1))
 def test_records_are_written_in_the_configured_format_version(version: int) -> None:
-    worker = Worker(BatchFold(Detector(), write_version=version))
+    worker = Worker(make_fold(Detector(), write_version=version))
     result = worker.apply([worker.telemetry(_failing("run-a", 0))])
     [(key, value)] = [change for changes in result.records.values() for change in changes]
     assert key == b"run-a"
@@ -178,7 +200,7 @@ def _command(signer: Signer | None, worker: Worker, ts_ms: int = NOW_MS - 1_000,
 
 def test_a_signed_recent_operator_halt_is_applied_in_order(operator: tuple[Signer, KeyRing]) -> None:
     signer, keys = operator
-    worker = Worker(BatchFold(Detector(), operator_keys=keys))
+    worker = Worker(make_fold(Detector(), operator_keys=keys))
     result = worker.apply([worker.telemetry(_failing("run-a", 0)), _command(signer, worker),
                            *[worker.telemetry(_failing("run-a", n)) for n in range(1, 5)]])
     assert [(d.action, d.verdict) for d in result.decisions] == [("halt", "operator_halt")]
@@ -196,7 +218,7 @@ def test_a_signed_recent_operator_halt_is_applied_in_order(operator: tuple[Signe
 def test_an_operator_command_that_is_not_trusted_is_a_dead_letter(
         operator: tuple[Signer, KeyRing], signed: bool, trusted: bool, age_ms: int, reason: str) -> None:
     signer, keys = operator
-    worker = Worker(BatchFold(Detector(), operator_keys=keys if trusted else None))
+    worker = Worker(make_fold(Detector(), operator_keys=keys if trusted else None))
     result = worker.apply([_command(signer if signed else None, worker, ts_ms=NOW_MS - age_ms)])
     assert [d.reason for d in result.dead_letters] == [reason]
     assert result.decisions == []
@@ -216,3 +238,139 @@ def test_the_batch_module_imports_no_kafka_faust_or_rocksdb() -> None:
     imported |= {alias.name.split(".")[0] for node in ast.walk(ast.parse(BATCH.read_text()))
                  if isinstance(node, ast.Import) for alias in node.names}
     assert not imported & {"faust", "mode", "aiokafka", "rocksdict", "prometheus_client", "time", "os"}
+
+
+# --- the native engine against the reference -----------------------------------------------------------
+
+def _corpus(signer: Signer, seed: int) -> list[list[tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]]]:
+    """Batches of (key, value, headers) as a consumer would deliver them: the simulated fleet (with resent
+    event ids), hashed-argument events, policy digests, a few bad records, records keyed by something
+    else and operator halts and resumes; then each batch again now and then (a redelivery after a crash)."""
+    import random
+
+    rng = random.Random(seed)
+    _, stream = simulate_fleet(150, seed=seed)
+    messages: list[tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]] = []
+    for n, event in enumerate(stream):
+        event = dict(event)
+        if n % 17 == 0:  # a runtime that hashes
+            event.pop("args")
+            event["args_hash"] = f"{rng.getrandbits(64):016x}"
+        if n % 23 == 0:
+            event["policy_digest"] = "ab" * 32
+        key, value = encode_telemetry(event)
+        messages.append((key, value, []))
+        if n % 97 == 0:
+            messages.append((key, b"{not json", []))
+        if n % 89 == 0:
+            messages.append((b"agent-" + key, value, []))  # keyed by its agent, not its run
+        if n % 61 == 0:
+            action = "resume" if n % 2 else "halt"
+            command = OperatorCommand(event["run_id"], action, f"op-{n}", "alice", "on-call", NOW_MS - 1_000)  # type: ignore[arg-type]
+            key, value, headers = encode_operator(command)
+            messages.append((key, value, [*headers, *signer.headers(value)]))
+    batches = []
+    at = 0
+    while at < len(messages):
+        size = rng.choice((1, 7, 50, 200))
+        batches.append(messages[at:at + size])
+        if rng.random() < 0.1:
+            batches.append(messages[max(0, at - 30):at + size])  # redelivered from before the last commit
+        at += size
+    return batches
+
+
+class Placed:
+    """Places (key, value, headers) messages on partitions and offsets, as the topic would."""
+
+    def __init__(self) -> None:
+        self.offsets: dict[bytes | None, tuple[int, int]] = {}
+        self.next_offset = [0] * PARTITIONS
+
+    def place(self, batch: list[tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]], seen: dict[int, RawRecord]
+              ) -> list[RawRecord]:
+        records = []
+        for message in batch:
+            found = seen.get(id(message))
+            if found is None:
+                key = message[0]
+                partition = sum(key or b"") % PARTITIONS
+                found = seen[id(message)] = RawRecord(partition, self.next_offset[partition], key, message[1], message[2])
+                self.next_offset[partition] += 1
+            records.append(found)
+        return sorted(records, key=lambda r: (r.partition, r.offset))
+
+
+def _record(value: bytes) -> dict[str, Any]:
+    """A stored record decoded, its side-effect table as a list: its order is part of the state (which
+    entry an eviction picks among equals)."""
+    record = orjson.loads(value)
+    if record.get("side_effects"):
+        record["side_effects"] = list(record["side_effects"].items())
+    return record
+
+
+def _comparable(result: BatchResult) -> dict[str, Any]:
+    return {
+        "records": {(p, key): _record(value) for p, changes in result.records.items() for key, value in changes},
+        "decisions": sorted((d.run_id, d.decision_id, d.to_control()["reason"], str(d.evidence)) for d in result.decisions),
+        "dead_letters": sorted((d.index, d.reason) for d in result.dead_letters),
+        "rekeys": sorted((r.index, r.key) for r in result.rekeys),
+        "applied": {k: v for k, v in result.applied.items() if v},
+        "duplicates": result.duplicates,
+        "watermarks": result.watermarks,
+        "mismatches": dict(result.policy_mismatches),
+    }
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+def test_the_native_engine_folds_batch_by_batch_as_the_reference(engine: str, seed: int,
+                                                                  operator: tuple[Signer, KeyRing]) -> None:
+    """The corpus batch by batch (redeliveries, operator commands, bad and re-keyed records): each batch's
+    result is the same from both engines, records included (decoded: bytes may differ), and each run's
+    decisions are in the same order."""
+    if engine != "native":
+        pytest.skip("compares the two engines once")
+    signer, keys = operator
+    python, native = (Worker(cls(Detector(), operator_keys=keys)) for cls in (BatchFold, NativeBatchFold))
+    placed, seen = Placed(), {}
+    decisions: dict[str, list[list[str]]] = {"python": [], "native": []}
+    for batch in _corpus(signer, seed):
+        records = placed.place(batch, seen)
+        expected, got = python.apply(records), native.apply(records)
+        assert _comparable(got) == _comparable(expected)
+        for name, result in (("python", expected), ("native", got)):
+            decisions[name].append([d.decision_id for d in result.decisions if d.run_id == "run-000001"])
+    assert decisions["native"] == decisions["python"]
+    assert python.stored.keys() == native.stored.keys()
+    assert {k: _record(v) for k, v in python.stored.items()} == {k: _record(v) for k, v in native.stored.items()}
+
+
+@pytest.mark.parametrize("seed", [5])
+def test_each_engine_reads_the_records_the_other_wrote(engine: str, seed: int, operator: tuple[Signer, KeyRing]) -> None:
+    """A rolling switch of engines (LOOPWARDEN_ENGINE changed, or a native build missing on some workers):
+    a worker that alternates engines batch by batch decides as the reference alone does."""
+    if engine != "native":
+        pytest.skip("compares the two engines once")
+    signer, keys = operator
+    folds = [BatchFold(Detector(), operator_keys=keys), NativeBatchFold(Detector(), operator_keys=keys)]
+    reference, mixed = Worker(folds[0]), Worker(folds[1])
+    placed, seen = Placed(), {}
+    for n, batch in enumerate(_corpus(signer, seed)):
+        records = placed.place(batch, seen)
+        mixed.fold = folds[n % 2]
+        assert _comparable(mixed.apply(records)) == _comparable(reference.apply(records))
+    assert {k: _record(v) for k, v in mixed.stored.items()} == {k: _record(v) for k, v in reference.stored.items()}
+
+
+def test_the_native_engine_folds_what_it_can_and_defers_the_rest(engine: str) -> None:
+    """Not a vacuous comparison: the native engine writes the records of ordinary runs itself."""
+    if engine != "native":
+        pytest.skip("about the native engine")
+    fold = NativeBatchFold(Detector())
+    records = [RawRecord(0, n, b"run-a", orjson.dumps(_failing("run-a", n))) for n in range(4)]
+    new_records, findings, rekeys, deferred, *_ = fold._native.fold(records, [], {(0, b"run-a"): None})
+    assert [(p, k) for p, k, _ in new_records] == [(0, b"run-a")] and deferred == [] and rekeys == []
+    assert [(i, f[0]) for i, f in findings] == [(3, "recursion")]
+    bad = [*records, RawRecord(0, 4, b"run-a", b"{not json")]
+    assert fold._native.fold(bad, [], {(0, b"run-a"): None})[3] == [0, 1, 2, 3, 4]  # the run goes to the reference

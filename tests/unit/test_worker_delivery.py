@@ -1,12 +1,15 @@
-"""In-order, processed-only delivery on top of faust (stream_app.worker.delivery).
+"""Batch delivery on top of faust (stream_app.worker.delivery).
 
-The consumer tests drive the real faust consumer's bookkeeping (nothing here talks to Kafka); the
-sequencer tests give it a stand-in for the consumer's ``seek``, which is all it calls.
+The consumer tests drive the real faust consumer object and its bookkeeping (commit offsets, active and
+buffered partitions, flow, generation); nothing here talks to Kafka: the few calls that would reach the
+broker (seek, position, the fetch, the commit itself) are replaced on the instance. The sequencer tests
+give it a stand-in for the consumer's ``seek``, which is all it calls there.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -14,80 +17,339 @@ import pytest
 faust = pytest.importorskip("faust")
 
 from aiokafka.errors import IllegalStateError  # noqa: E402
-from faust.types import TP, Message  # noqa: E402
+from aiokafka.structs import ConsumerRecord, TopicPartition  # noqa: E402
+from faust.types import TP  # noqa: E402
 
+from stream_app.core.stored import StateVersionError  # noqa: E402
 from stream_app.worker import delivery  # noqa: E402
 from stream_app.worker.app import configured_app  # noqa: E402
 from stream_app.worker.settings import WorkerSettings  # noqa: E402
 
 TOPIC = "agent.telemetry"
-OTHER = "some.other.topic"
+CHANGELOG = "loopwarden-runs-changelog"
 PARTITION = TP(TOPIC, 0)
+BATCH_MAX = 100
 
 
-def _message(offset: int, topic: str = TOPIC, partition: int = 0) -> Message:
-    return Message(topic, partition, offset, 0.0, 0, None, b"run-1", b"{}", None)
+def _record(offset: int, partition: int = 0, topic: str = TOPIC) -> ConsumerRecord[bytes, bytes]:
+    return ConsumerRecord(topic, partition, offset, 0, 0, b"run-1", b"{}", None, 5, 2, ())
 
 
-def _events(*offsets: int, partition: int = 0) -> list[Any]:
-    return [SimpleNamespace(message=_message(o, partition=partition)) for o in offsets]
+def _records(*offsets: int, partition: int = 0) -> delivery.Records:
+    return {TP(TOPIC, partition): [_record(o, partition) for o in offsets]}
 
 
-def _app(tmp_path, name: str) -> faust.App:
-    settings = WorkerSettings.from_env({"LOOPWARDEN_APP_ID": name, "LOOPWARDEN_STATE_DIR": str(tmp_path),
-                                        "LOOPWARDEN_ALLOW_UNSIGNED": "true"})
-    app = configured_app(settings)
-    app.topics.acking_topics.update({TOPIC, OTHER})  # as the conductor does once agents subscribe
-    return app
+def _offsets(batch: delivery.Records) -> list[tuple[int, int]]:
+    return [(tp.partition, r.offset) for tp, records in batch.items() for r in records]
 
 
-# --- the consumer: only processed offsets, only confirmed gaps --------------------------------------
+# --- the consumer: seeded, acknowledged in bulk, in its generation ------------------------------------
 
-async def test_stock_faust_commits_past_a_skipped_message(tmp_path) -> None:
-    """The hazard itself: a stale acknowledgement of offset 108 alone makes faust commit 109, although
-    100-107 (fetched again after the rebalance) have not been processed yet."""
-    consumer = _app(tmp_path, "stock").consumer
-    consumer.ack(_message(108))
-    assert consumer._new_offset(PARTITION) == 109
+class Harness:
+    """A real app and its BatchConsumer, not started; Kafka calls replaced, flow resumed as after a
+    recovery, partition 0 assigned with offset 100 committed."""
+
+    def __init__(self, tmp_path: Any, name: str) -> None:
+        settings = WorkerSettings.from_env({"LOOPWARDEN_APP_ID": name, "LOOPWARDEN_STATE_DIR": str(tmp_path),
+                                            "LOOPWARDEN_ALLOW_UNSIGNED": "true"})
+        self.app = configured_app(settings)
+        self.app.topics.acking_topics.add(TOPIC)  # as the conductor does once the agent subscribes
+        self.stale: list[int] = []
+        self.gap_seeks: list[int] = []
+        self.sink = delivery.BatchSink(TOPIC, BATCH_MAX, self.stale.append)
+        delivery.install(self.app, [self.sink], lambda: self.gap_seeks.append(1))
+        consumer = self.app.consumer
+        assert isinstance(consumer, delivery.BatchConsumer)
+        self.consumer = consumer
+        self.seeks: list[tuple[TP, int]] = []
+        self.commits: list[int] = []
+        self.committed: dict[TP, int | None] = {PARTITION: 100}
+        self.beginning = 40  # the first offset retention left
+        consumer._thread = _Thread(self)  # the consumer thread: where every call to Kafka goes
+
+        async def commit_and_end_transactions() -> None:
+            self.commits.append(1)
+
+        consumer.commit_and_end_transactions = commit_and_end_transactions  # type: ignore[method-assign]
+        consumer._set_active_tps(set(self.committed))
+        self.app.consumer_generation_id = 1
+        self.app.flow_control.resume()
+        self.handled: list[list[int]] = []
+        self.release = asyncio.Event()
+        self.release.set()
+        self.fatal = delivery.FatalStop(stop=lambda: None)
+
+    async def handle(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> None:
+        self.handled.append([r.offset for r in records])
+        await self.release.wait()
+
+    async def seeded(self) -> Harness:
+        await self.consumer.perform_seek()  # what every assignment's recovery ends with
+        return self
+
+    def start(self) -> asyncio.Task[None]:
+        return asyncio.create_task(delivery.drain(self.app, self.sink, self.fatal, self.handle, self.stale.append))
+
+    async def settle(self) -> None:
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+    def commit_offset(self) -> int | None:
+        return self.consumer._new_offset(PARTITION)
 
 
-async def test_a_skipped_message_never_moves_the_commit(tmp_path) -> None:
-    app = _app(tmp_path, "guarded")
-    skipped: list[int] = []
-    processed = delivery.install(app, [TOPIC], lambda: skipped.append(1))
-    consumer = app.consumer
-    stale = _message(108)
-    consumer._unacked_messages.add(stale)
+class _Thread:
+    """Stands in for faust's consumer thread (aiokafka behind a thread hop), answering from the harness."""
 
-    assert consumer.ack(stale) is False
-    assert stale.acked and stale not in consumer._unacked_messages  # nothing waits for it any more
-    assert consumer._new_offset(PARTITION) is None
-    assert skipped == [1]
+    def __init__(self, h: Harness) -> None:
+        self.h = h
 
-    batch = _events(*range(100, 110))
-    processed.mark_processed(batch)
-    assert all(consumer.ack(e.message) for e in batch)
-    assert consumer._new_offset(PARTITION) == 110  # the re-fetched, processed 100-109 commit normally
-    assert skipped == [1]
+    async def seek_to_committed(self) -> dict[TopicPartition, int | None]:
+        return {TopicPartition(tp.topic, tp.partition): offset for tp, offset in self.h.committed.items()}
+
+    def seek(self, tp: Any, offset: int) -> None:
+        self.h.seeks.append((TP(tp.topic, tp.partition), offset))
+
+    async def earliest_offsets(self, *partitions: TopicPartition) -> dict[TopicPartition, int]:
+        assert all(isinstance(tp, TopicPartition) for tp in partitions)
+        return dict.fromkeys(partitions, self.h.beginning)
+
+    def assignment(self) -> set[TP]:
+        return set(self.h.committed)
+
+    def highwater(self, tp: TP) -> int:
+        return 1000
 
 
-async def test_other_topics_are_acknowledged_as_faust_does(tmp_path) -> None:
-    app = _app(tmp_path, "other")
-    delivery.install(app, [TOPIC], lambda: None)
-    assert app.consumer.ack(_message(5, topic=OTHER))
-    assert app.consumer._new_offset(TP(OTHER, 0)) == 6
+async def _stopped(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_stock_faust_commits_past_a_missing_first_message(tmp_path) -> None:
+    """The hazard: faust's _new_offset refuses a head gap of 2 or more only; committed 100, acknowledged
+    [101, 102] commits 103 (and with nothing committed, anything goes)."""
+    consumer = configured_app(WorkerSettings.from_env({
+        "LOOPWARDEN_APP_ID": "stock", "LOOPWARDEN_STATE_DIR": str(tmp_path), "LOOPWARDEN_ALLOW_UNSIGNED": "true",
+    })).consumer
+    consumer._committed_offset[PARTITION] = 100
+    consumer._acked[PARTITION].extend([101, 102])
+    assert consumer._new_offset(PARTITION) == 103
+
+
+async def test_a_missing_first_record_is_fetched_again_not_committed_past(tmp_path) -> None:
+    """Seeded from the position after the seek to the committed offset (100), the sequencer holds back
+    a batch starting at 101 and seeks back to 100; nothing is handled or acknowledged until 100 comes."""
+    h = await Harness(tmp_path, "head-gap").seeded()
+    assert h.consumer.sequencer.expected(PARTITION) == 100
+    task = h.start()
+    try:
+        h.sink.offer(1, _records(101, 102))
+        await h.settle()
+        assert h.handled == [] and h.seeks == [(PARTITION, 100)] and h.gap_seeks == [1]
+        assert h.commit_offset() is None
+        h.sink.offer(1, _records(100, 101, 102))
+        await h.settle()
+        assert h.handled == [[100, 101, 102]]
+        assert h.commit_offset() == 103
+    finally:
+        await _stopped(task)
+
+
+async def test_a_partition_with_nothing_committed_starts_at_its_first_offset(tmp_path) -> None:
+    """aiokafka leaves such a partition where the fetcher got to (past records fetched before the
+    recovery and dropped); it is sought to its first offset and the sequencer expects that offset,
+    whatever the position has moved to since."""
+    h = Harness(tmp_path, "fresh")
+    h.committed[PARTITION] = None
+    await h.consumer.perform_seek()
+    assert h.seeks == [(PARTITION, 40)] and h.consumer.sequencer.expected(PARTITION) == 40
+
+
+async def test_records_before_the_expected_offset_were_handled_already(tmp_path) -> None:
+    """After a seek back, records already handled come again: they are left out, not handled twice."""
+    h = await Harness(tmp_path, "again").seeded()
+    task = h.start()
+    try:
+        h.sink.offer(1, _records(100, 101, 102))
+        await h.settle()
+        h.sink.offer(1, _records(101, 102, 103))
+        await h.settle()
+        assert h.handled == [[100, 101, 102], [103]]
+        assert h.commit_offset() == 104
+    finally:
+        await _stopped(task)
+
+
+async def test_a_batch_of_an_older_generation_is_dropped_unacknowledged(tmp_path) -> None:
+    h = await Harness(tmp_path, "generation").seeded()
+    h.sink.offer(1, _records(100, 101))
+    h.app.consumer_generation_id = 2  # a rebalance happened after the fetch
+    task = h.start()
+    try:
+        await h.settle()
+        assert h.handled == [] and h.stale == [2] and h.commit_offset() is None
+    finally:
+        await _stopped(task)
+
+
+async def test_nothing_is_processed_until_the_rebalance_and_its_recovery_completed(tmp_path) -> None:
+    """Records fetched after a new assignment, before faust paused its partitions for recovery, must not
+    be folded on state not recovered yet."""
+    h = await Harness(tmp_path, "rebalancing").seeded()
+    h.app.rebalancing = True
+    task = h.start()
+    try:
+        h.sink.offer(1, _records(100, 101))
+        await h.settle()
+        assert h.handled == [] and h.stale == [2]
+        h.app.rebalancing = False  # on_rebalance_end: recovery completed
+        h.sink.offer(1, _records(100, 101))
+        await h.settle()
+        assert h.handled == [[100, 101]]
+    finally:
+        await _stopped(task)
+
+
+async def test_a_generation_change_while_a_batch_is_handled_leaves_it_unacknowledged(tmp_path) -> None:
+    h = await Harness(tmp_path, "generation-mid").seeded()
+    h.release.clear()
+    task = h.start()
+    try:
+        h.sink.offer(1, _records(100, 101))
+        await h.settle()
+        assert h.handled == [[100, 101]]
+        h.app.consumer_generation_id = 2
+        h.release.set()
+        await h.settle()
+        assert h.commit_offset() is None
+    finally:
+        await _stopped(task)
+
+
+async def test_a_revoke_waits_for_the_batch_in_hand_and_drops_the_pending_ones(tmp_path) -> None:
+    """As faust's App._on_partitions_revoked does it: flow stopped, flow control suspended and cleared,
+    then wait_empty. The batch being handled finishes inside wait_empty and is acknowledged (its state
+    and decisions are written, so it must be committed before the partition moves); the batch waiting
+    behind it is dropped, never handled nor acknowledged."""
+    h = await Harness(tmp_path, "revoke").seeded()
+    h.release.clear()
+    task = h.start()
+    try:
+        h.sink.offer(1, _records(*range(100, 150)))
+        await h.settle()
+        assert h.handled == [list(range(100, 150))]
+        h.sink.offer(1, _records(*range(150, 200)))
+        h.consumer.stop_flow()
+        h.app.flow_control.suspend()
+        h.app.flow_control.clear()
+        assert h.stale == [50]
+        waiting = asyncio.create_task(h.consumer.wait_empty())
+        await h.settle()
+        assert not waiting.done()  # the batch in hand is not finished
+        h.release.set()
+        await asyncio.wait_for(waiting, 2)
+        assert h.commits == [1]
+        assert h.handled == [list(range(100, 150))]
+        assert h.commit_offset() == 150
+    finally:
+        await _stopped(task)
+
+
+async def test_nothing_is_handed_over_while_flow_is_stopped(tmp_path) -> None:
+    """A fetch that returns while flow is stopped seeks back to the committed offsets (faust's rule);
+    a batch met while flow control is suspended is dropped."""
+    h = await Harness(tmp_path, "flow").seeded()
+    h.seeks.clear()
+    fetched = {TopicPartition(TOPIC, 0): [_record(100), _record(101)]}
+
+    async def wait_next_records(timeout: float) -> tuple[Any, set[TP]]:
+        return fetched, {PARTITION}
+
+    h.consumer._wait_next_records = wait_next_records  # type: ignore[method-assign]
+    h.consumer.flow_active = False
+    assert [m async for m in h.consumer.getmany(1.0)] == []
+    assert h.sink.pending() == 0 and h.consumer.sequencer.expected(PARTITION) == 100  # sought and seeded again
+    h.consumer.flow_active = True
+    assert [m async for m in h.consumer.getmany(1.0)] == []  # input records go to the sink, not to faust
+    assert h.sink.pending() == 2
+    h.app.flow_control.suspend()
+    task = h.start()
+    try:
+        await h.settle()
+        assert h.handled == [] and h.stale == [2]
+    finally:
+        await _stopped(task)
+
+
+async def test_other_topics_keep_faust_per_message_path(tmp_path) -> None:
+    h = await Harness(tmp_path, "changelog").seeded()
+    changelog = TopicPartition(CHANGELOG, 0)
+
+    async def wait_next_records(timeout: float) -> tuple[Any, set[TP]]:
+        return {changelog: [_record(7, topic=CHANGELOG)], TopicPartition(TOPIC, 0): [_record(100)]}, {
+            TP(CHANGELOG, 0), PARTITION}
+
+    h.consumer._wait_next_records = wait_next_records  # type: ignore[method-assign]
+    messages = [m async for m in h.consumer.getmany(1.0)]
+    assert [(tp.topic, m.offset) for tp, m in messages] == [(CHANGELOG, 7)]
+    assert h.sink.pending() == 1
+
+
+async def test_a_full_sink_holds_its_partitions_back_until_it_drained(tmp_path) -> None:
+    """Past 4 x batch_max pending records the partitions are marked buffered (faust fetches no more of
+    them); once the sink drained to half, they are active again, and a fetch waiting on them starts at
+    once (faust would sleep a second with no active partition)."""
+    h = await Harness(tmp_path, "pressure").seeded()
+    consumer = h.consumer
+    for start in range(0, 5 * BATCH_MAX, BATCH_MAX):
+        h.sink.offer(1, _records(*range(100 + start, 100 + start + BATCH_MAX)))
+    assert PARTITION in consumer._buffered_partitions and PARTITION not in consumer._get_active_partitions()
+    fetch = asyncio.create_task(consumer._wait_next_records(1.0))
+    await h.settle()
+    assert not fetch.done()
+    for _ in range(3):
+        await h.sink.next()
+        h.sink.done()
+    assert PARTITION in consumer._get_active_partitions() and not consumer._buffered_partitions
+    records, active = await asyncio.wait_for(fetch, 0.2)
+    assert records == {} and PARTITION in active
+
+
+async def test_pending_fetches_are_merged_up_to_batch_max(tmp_path) -> None:
+    h = await Harness(tmp_path, "merge").seeded()
+    h.sink.offer(1, _records(100, 101))
+    h.sink.offer(1, _records(10, partition=1))
+    h.sink.offer(1, _records(*range(102, 102 + BATCH_MAX)))
+    generation, batch = await h.sink.next()
+    assert generation == 1 and _offsets(batch) == [(0, 100), (0, 101), (1, 10)]
+    h.sink.done()
+    assert h.sink.pending() == BATCH_MAX
+
+
+async def test_a_failed_batch_is_fetched_again(tmp_path) -> None:
+    """The handler raised (the agent crashes; its supervisor restarts it): the sequencer expects the
+    batch's first offset again and the consumer is sought there."""
+    h = await Harness(tmp_path, "failed").seeded()
+    h.seeks.clear()
+
+    async def failing(records: Sequence[ConsumerRecord[bytes, bytes]]) -> None:
+        raise ConnectionError("broker gone")
+
+    h.sink.offer(1, _records(100, 101))
+    with pytest.raises(ConnectionError):
+        await delivery.drain(h.app, h.sink, h.fatal, failing, h.stale.append)
+    assert h.seeks == [(PARTITION, 100)] and h.consumer.sequencer.expected(PARTITION) == 100
+    assert h.commit_offset() is None
 
 
 async def test_only_confirmed_gaps_let_the_commit_pass(tmp_path) -> None:
     """faust's own gap detection (it fires on offsets it dropped itself) is ignored; a gap the sequencer
     confirmed is filled into the commit."""
-    app = _app(tmp_path, "gaps")
-    processed = delivery.install(app, [TOPIC], lambda: None)
-    consumer = app.consumer
-    done = _events(10, 11, 15)
-    processed.mark_processed(done)
-    for event in done:
-        consumer.ack(event.message)
+    h = Harness(tmp_path, "gaps")
+    consumer = h.consumer
+    consumer._committed_offset[PARTITION] = None
+    assert consumer.ack_batch(1, {PARTITION: [_record(10), _record(11), _record(15)]})
     await consumer._add_gap(PARTITION, 12, 14)  # what faust's drain loop would do
     assert consumer._new_offset(PARTITION) == 12
     await consumer.confirm_gap(PARTITION, 12, 14)
@@ -101,6 +363,7 @@ class _Consumer:
         self.seeks: list[tuple[TP, int]] = []
         self.gaps: list[tuple[TP, int, int]] = []
         self.assigned = True
+        self.sequencer: delivery.Sequencer | None = None
 
     async def seek(self, tp: TP, offset: int) -> None:
         if not self.assigned:
@@ -110,6 +373,10 @@ class _Consumer:
     async def confirm_gap(self, tp: TP, offset_from: int, offset_to: int) -> None:
         self.gaps.append((tp, offset_from, offset_to))
 
+    async def perform_seek(self) -> None:
+        assert self.sequencer is not None
+        self.sequencer.seed(PARTITION, 0)
+
 
 class _Clock:
     now = 0.0
@@ -118,64 +385,69 @@ class _Clock:
         return self.now
 
 
-def _sequencer() -> tuple[delivery.Sequencer, _Consumer, _Clock, list[int]]:
+def _sequencer(seed: int | None = 5) -> tuple[delivery.Sequencer, _Consumer, _Clock, list[int]]:
     consumer, clock, seeks = _Consumer(), _Clock(), []
-    sequencer = delivery.Sequencer(SimpleNamespace(consumer=consumer), lambda: seeks.append(1), clock)
+    sequencer = delivery.Sequencer(consumer, lambda: seeks.append(1), clock)  # type: ignore[arg-type]
+    consumer.sequencer = sequencer
+    if seed is not None:
+        sequencer.seed(PARTITION, seed)
     return sequencer, consumer, clock, seeks
 
 
-def _offsets(events: list[Any]) -> list[tuple[int, int]]:
-    return [(e.message.partition, e.message.offset) for e in events]
-
-
-async def test_messages_in_sequence_and_redeliveries_pass() -> None:
+async def test_records_in_sequence_pass() -> None:
     sequencer, consumer, _, _ = _sequencer()
-    assert _offsets(await sequencer.admit(_events(5, 6, 7))) == [(0, 5), (0, 6), (0, 7)]
-    assert _offsets(await sequencer.admit(_events(3, 4, 5, 6, 7, 8))) == [(0, o) for o in (3, 4, 5, 6, 7, 8)]
+    assert _offsets(await sequencer.admit(_records(5, 6, 7))) == [(0, 5), (0, 6), (0, 7)]
+    assert _offsets(await sequencer.admit(_records(3, 4, 5, 6, 7, 8))) == [(0, 8)]
     assert consumer.seeks == []
 
 
 async def test_a_jump_holds_the_partition_back_and_seeks_to_the_first_missing_offset() -> None:
-    """The chaos trial's case: 366 processed, then faust delivers 370 (367-369 dropped)."""
-    sequencer, consumer, _, seeks = _sequencer()
-    await sequencer.admit(_events(365, 366))
-    batch = _events(370, 371) + _events(40, 41, partition=1)
+    """The chaos trial's case: 366 processed, then 370 is delivered (367-369 dropped)."""
+    sequencer, consumer, _, seeks = _sequencer(365)
+    await sequencer.admit(_records(365, 366))
+    sequencer.seed(TP(TOPIC, 1), 40)
+    batch = _records(370, 371) | _records(40, 41, partition=1)
     assert _offsets(await sequencer.admit(batch)) == [(1, 40), (1, 41)]  # other partitions go on
     assert consumer.seeks == [(PARTITION, 367)]
-    assert _offsets(await sequencer.admit(_events(372))) == []  # stale ones fetched before the seek
+    assert _offsets(await sequencer.admit(_records(372))) == []  # stale ones fetched before the seek
     assert consumer.seeks == [(PARTITION, 367)] * 2
-    assert _offsets(await sequencer.admit(_events(367, 368, 369, 370))) == [(0, o) for o in (367, 368, 369, 370)]
+    assert _offsets(await sequencer.admit(_records(367, 368, 369, 370))) == [(0, o) for o in (367, 368, 369, 370)]
     assert len(seeks) == 2 and consumer.gaps == []
+
+
+async def test_a_jump_inside_a_fetch_admits_the_part_before_it() -> None:
+    sequencer, consumer, _, _ = _sequencer(5)
+    assert _offsets(await sequencer.admit(_records(5, 6, 9, 10))) == [(0, 5), (0, 6)]
+    assert consumer.seeks == [(PARTITION, 7)] and sequencer.expected(PARTITION) == 7
 
 
 async def test_a_jump_that_persists_is_accepted_as_a_real_gap() -> None:
     """Records deleted by retention or transaction markers: after enough seeks over enough time the
     sequencer goes on, and tells the consumer the commit may pass the gap."""
-    sequencer, consumer, clock, _ = _sequencer()
-    await sequencer.admit(_events(9))
+    sequencer, consumer, clock, _ = _sequencer(9)
+    await sequencer.admit(_records(9))
     for _ in range(delivery.GAP_CONFIRM_SEEKS):
-        assert await sequencer.admit(_events(12)) == []
+        assert await sequencer.admit(_records(12)) == {}
     clock.now = delivery.GAP_CONFIRM_S - 0.1
-    assert await sequencer.admit(_events(12)) == []  # enough seeks, not yet long enough
+    assert await sequencer.admit(_records(12)) == {}  # enough seeks, not yet long enough
     clock.now = delivery.GAP_CONFIRM_S
-    assert _offsets(await sequencer.admit(_events(12, 13))) == [(0, 12), (0, 13)]
+    assert _offsets(await sequencer.admit(_records(12, 13))) == [(0, 12), (0, 13)]
     assert consumer.gaps == [(PARTITION, 10, 11)]
 
 
-async def test_a_revoked_partition_starts_again_from_what_is_delivered() -> None:
-    sequencer, consumer, _, _ = _sequencer()
-    await sequencer.admit(_events(5))
-    sequencer.forget([PARTITION])
-    assert _offsets(await sequencer.admit(_events(50))) == [(0, 50)]
-    assert consumer.seeks == []
+async def test_an_unseeded_partition_is_sought_to_the_committed_offsets() -> None:
+    """Every assignment seeds its partitions; should records come first, nothing is taken as the start."""
+    sequencer, _, _, seeks = _sequencer(None)
+    assert await sequencer.admit(_records(50)) == {}
+    assert sequencer.expected(PARTITION) == 0 and seeks == [1]
 
 
 async def test_a_partition_revoked_before_its_seek_is_forgotten() -> None:
-    sequencer, consumer, _, _ = _sequencer()
-    await sequencer.admit(_events(5))
+    sequencer, consumer, _, _ = _sequencer(5)
+    await sequencer.admit(_records(5))
     consumer.assigned = False
-    assert await sequencer.admit(_events(9)) == []
-    assert _offsets(await sequencer.admit(_events(40))) == [(0, 40)]  # a new assignment starts afresh
+    assert await sequencer.admit(_records(9)) == {}
+    assert sequencer.expected(PARTITION) is None  # the next assignment seeds it again
 
 
 # --- the fatal stop: nothing processed after a state this release cannot read -------------------------
@@ -184,8 +456,6 @@ async def test_a_fatal_stop_stops_once_and_runs_nothing_after_it() -> None:
     """The step that meets an unreadable stored record is not counted done, the worker is stopped once,
     the error does not escape (the agent's supervisor would restart it and go on), and no later step
     runs, the expiry sweep included."""
-    from stream_app.core.stored import StateVersionError
-
     stops: list[int] = []
     fatal = delivery.FatalStop(stop=lambda: stops.append(1))
     ran: list[str] = []
@@ -201,6 +471,25 @@ async def test_a_fatal_stop_stops_once_and_runs_nothing_after_it() -> None:
     assert await fatal.run(step("sweep")) is False
     assert ran == ["first", "meets v2"] and stops == [1]
     assert isinstance(fatal.reason, StateVersionError)
+
+
+async def test_after_a_fatal_stop_batches_are_dropped_unacknowledged(tmp_path) -> None:
+    h = await Harness(tmp_path, "fatal").seeded()
+
+    async def meets_v2(records: Sequence[ConsumerRecord[bytes, bytes]]) -> None:
+        h.handled.append([r.offset for r in records])
+        raise StateVersionError("stored run record has format version 2", "upgrade this worker")
+
+    task = asyncio.create_task(delivery.drain(h.app, h.sink, h.fatal, meets_v2, h.stale.append))
+    try:
+        h.sink.offer(1, _records(100, 101))
+        await h.settle()
+        h.sink.offer(1, _records(102))
+        await h.settle()
+        assert h.handled == [[100, 101]] and h.stale == [1] and not task.done()
+        assert h.commit_offset() is None
+    finally:
+        await _stopped(task)
 
 
 async def test_an_error_that_is_not_about_stored_state_still_crashes_the_step() -> None:
