@@ -66,6 +66,8 @@ class Step:
     producer_ok: bool = True
     keeps_up: bool = False
     worker_cpu_us_per_event: float | None = None
+    #: The load generator's own CPU share over the step (1.0 = one core): near 1.0 it was the limit.
+    loadgen_cpu_share: float = 0.0
     samples: list[Sample] = field(default_factory=list)
 
     def judge(self) -> None:
@@ -107,6 +109,7 @@ async def run_load(deployment: BenchDeployment, template: Path, rate: float, dur
     step.end_backlog = max(0, final["acked"] - (processed - base))
     step.max_lag = max([s.lag for s in step.samples] + [lag])
     step.produced_per_s = final["acked"] / produced_s
+    step.loadgen_cpu_share = final.get("cpu_s", 0.0) / max(final["send_s"], 1e-9)
     step.applied_per_s = (processed - base) / produced_s
     step.producer_ok = (final["failed"] == 0 and final["send_s"] <= duration_s / MIN_PRODUCER_SHARE)
     step.judge()

@@ -5,7 +5,12 @@ Two figures every loopwarden figure is compared with, measured on the same broke
 - raw consume throughput: an aiokafka group consumer reading the fleet benchmark's telemetry messages
   with ``getmany`` and doing nothing with them (the ceiling of any Python consumer of this topic);
 - the Faust ceiling (``bench.faust_ceiling``): the worker's own Faust configuration with an agent that
-  does nothing, on the same topic (the ceiling of any Faust worker of this topic here);
+  does nothing, on the same topic, through faust's per-event path (the ceiling of a stock Faust worker
+  of this topic here), and the same through the worker's batch path with a no-op handler (the ceiling of
+  the loopwarden worker);
+- quixstreams' per-run stateful fold (``bench/quix_fold.py``, in a venv of its own: a labelled
+  comparison, not product code): what the simplest per-run fold with RocksDB state and a changelog costs
+  a Python team on quixstreams 3.28.1 (confluent-kafka) reading the same messages on the same broker;
 - produce-to-consume round trip of one message with latency-oriented settings (no linger, short
   fetch wait): the floor of any halt latency, which needs two such trips (telemetry in, decision out).
 """
@@ -66,16 +71,19 @@ async def consume_rate(bootstrap: str, topic: str, count: int) -> float:
 
 #: Events a Faust ceiling run counts (at a few thousand per second: seconds, not minutes).
 FAUST_CEILING_EVENTS = 30_000
+#: Events a batch-path ceiling run counts (hundreds of thousands per second).
+BATCH_CEILING_EVENTS = 100_000
 
 
-async def faust_ceiling(bootstrap: str, topic: str, count: int) -> float:
-    """Events per second of ``bench.faust_ceiling`` reading ``topic`` from the start (a fresh group)."""
+async def faust_ceiling(bootstrap: str, topic: str, count: int, batch_path: bool = False) -> float:
+    """Events per second of ``bench.faust_ceiling`` (``batch_path``: with ``--batch``) reading ``topic``
+    from the start (a fresh group)."""
     with tempfile.TemporaryDirectory(prefix="faust-ceiling-") as state:
         env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "LOOPWARDEN_TELEMETRY_TOPIC": topic,
                "LOOPWARDEN_APP_ID": f"ceiling-{uuid.uuid4().hex[:8]}", "LOOPWARDEN_PARTITIONS": str(PARTITIONS),
                "LOOPWARDEN_STATE_DIR": state, "LOOPWARDEN_ALLOW_UNSIGNED": "true"}  # it publishes nothing
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.faust_ceiling", str(count), env=env, cwd=Path(__file__).parent.parent,
+            sys.executable, "-m", "bench.faust_ceiling", str(count), *(["--batch"] if batch_path else []), env=env, cwd=Path(__file__).parent.parent,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
         assert process.stdout is not None
         try:
@@ -96,6 +104,60 @@ async def faust_ceiling(bootstrap: str, topic: str, count: int) -> float:
                     await process.wait()
     if not line.startswith(b"{"):
         raise RuntimeError(f"faust ceiling: no result (exit {process.returncode})")
+    return float(json.loads(line)["events_per_s"])
+
+
+#: The quixstreams comparison's own venv (``make bench`` creates it; quixstreams is no dependency of ours).
+QUIX_VERSION = "3.28.1"
+QUIX_VENV = Path(__file__).resolve().parent.parent / ".cache" / "quix-venv"
+
+
+def quix_python() -> Path | None:
+    """The quix venv's interpreter, made on first use; None when it cannot be installed (offline)."""
+    python = QUIX_VENV / "bin" / "python"
+    stamp = QUIX_VENV / f".quixstreams-{QUIX_VERSION}"
+    if not stamp.exists():
+        progress(f"limit: installing quixstreams {QUIX_VERSION} into {QUIX_VENV} (once)")
+        import subprocess
+
+        try:
+            subprocess.run([sys.executable, "-m", "venv", str(QUIX_VENV)], check=True, capture_output=True)
+            subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                            f"quixstreams=={QUIX_VERSION}"], check=True, capture_output=True)
+        except subprocess.CalledProcessError as exc:
+            progress(f"limit: quixstreams not installed ({exc.stderr.decode(errors='replace')[-300:]}); no quix row")
+            return None
+        stamp.touch()
+    return python
+
+
+async def quix_fold(bootstrap: str, topic: str, count: int) -> float:
+    """Events per second of ``bench/quix_fold.py`` folding ``topic`` from the start (a fresh group)."""
+    python = quix_python()
+    if python is None:
+        raise RuntimeError("quixstreams is not installed")
+    with tempfile.TemporaryDirectory(prefix="quix-state-") as state:
+        env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "QUIX_TOPIC": topic, "QUIX_STATE_DIR": state}
+        process = await asyncio.create_subprocess_exec(
+            str(python), str(Path(__file__).parent / "quix_fold.py"), str(count), env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        assert process.stdout is not None
+        try:
+            async with asyncio.timeout(300):
+                while (line := await process.stdout.readline()) and not line.startswith(b"{"):
+                    pass
+        except TimeoutError:
+            line = b""
+        finally:
+            if process.returncode is None:
+                process.terminate()
+                try:
+                    await asyncio.wait_for(process.wait(), 20)
+                except TimeoutError:
+                    process.kill()
+                    await process.wait()
+    if not line.startswith(b"{"):
+        raise RuntimeError(f"quix fold: no result (exit {process.returncode})")
     return float(json.loads(line)["events_per_s"])
 
 
@@ -157,6 +219,16 @@ async def measure(bootstrap: str, name: str, template: Path, messages: int, repe
     for attempt in range(repeats):
         ceilings.append(await faust_ceiling(bootstrap, raw_topic, ceiling_count))
         progress(f"limit: faust no-op agent {attempt + 1}/{repeats}: {ceilings[-1]:,.0f} events/s")
+    batch_count = min(messages, BATCH_CEILING_EVENTS)
+    batch_ceilings = []
+    for attempt in range(repeats):
+        batch_ceilings.append(await faust_ceiling(bootstrap, raw_topic, batch_count, batch_path=True))
+        progress(f"limit: batch path, no-op handler {attempt + 1}/{repeats}: {batch_ceilings[-1]:,.0f} events/s")
+    quix: list[float] = []
+    if quix_python() is not None:
+        for attempt in range(repeats):
+            quix.append(await quix_fold(bootstrap, raw_topic, batch_count))
+            progress(f"limit: quixstreams per-run fold {attempt + 1}/{repeats}: {quix[-1]:,.0f} events/s")
     rtts: list[dict[str, float]] = []
     for attempt in range(repeats):
         cuts = percentiles(await round_trips(bootstrap, rtt_topic, trips))
@@ -171,6 +243,11 @@ async def measure(bootstrap: str, name: str, template: Path, messages: int, repe
         "faust_ceiling_events": ceiling_count,
         "faust_ceiling_per_s": ceilings,
         "faust_ceiling_per_s_median": statistics.median(ceilings),
+        "batch_ceiling_events": batch_count,
+        "batch_ceiling_per_s": batch_ceilings,
+        "batch_ceiling_per_s_median": statistics.median(batch_ceilings),
+        **({"quix_fold_events": batch_count, "quix_fold_per_s": quix, "quix_fold_per_s_median": statistics.median(quix),
+            "quix_version": QUIX_VERSION} if quix else {}),
         "round_trip_ms": rtts,
         "round_trip_ms_median": {k: statistics.median(r[k] for r in rtts) for k in rtts[0]},
         "round_trips_per_repeat": trips,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ async def produce(args: argparse.Namespace) -> None:
         _emit({"ready": True, "events": count})
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
         start = time.monotonic()
+        cpu_start = _cpu_s()
         next_report = start + args.report_s
         sent = behind_max = 0
         while sent < count:
@@ -68,9 +70,15 @@ async def produce(args: argparse.Namespace) -> None:
         send_s = time.monotonic() - start
         await producer.flush()
         _emit({"t": time.time(), "done": True, "sent": sent, "acked": acked, "failed": failed,
-               "send_s": send_s, "behind_max": behind_max})
+               "send_s": send_s, "behind_max": behind_max, "cpu_s": _cpu_s() - cpu_start})
     finally:
         await producer.stop()
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process, all threads (aiokafka's sender included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _emit(obj: dict[str, Any]) -> None:

@@ -338,8 +338,8 @@ class StandbyApplier:
     written first.
     """
 
-    def __init__(self, app: faust.App) -> None:
-        self.app = app
+    def __init__(self, app: Any) -> None:
+        self.app = app  # a faust.App (typed Any: the TableManager attributes used are not in faust's types)
         self.applied = 0
 
     def apply(self, records: dict[Any, list[Record]]) -> dict[Any, list[Record]]:
