@@ -347,7 +347,7 @@ class StandbyApplier:
         tables = self.app.tables
         recovery: Any = tables.recovery
         standby_tps = recovery.standby_tps
-        if not standby_tps or not tables.changelog_queue.empty():  # type: ignore[attr-defined]
+        if not standby_tps or not tables.changelog_queue.empty():
             return records
         active_tps = recovery.active_tps
         changelogs = tables.changelog_topics
