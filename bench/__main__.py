@@ -46,7 +46,9 @@ SECTIONS = ("limit", "fleet", "halt", "overshoot", "settings")
 #: ``producer_linger_ms=1``).
 SETTINGS_TRIED: tuple[tuple[str, dict[str, object], dict[str, str]], ...] = (
     ("producer linger 10 ms: PRODUCER_LINGER_MS=10", {}, {"PRODUCER_LINGER_MS": "10"}),
-    ("batch window 20 ms: LOOPWARDEN_BATCH_WITHIN_S=0.02", {"batch_within_s": 0.02}, {}),
+    ("producer batches of 16 KiB (faust's default): PRODUCER_MAX_BATCH_SIZE=16384", {},
+     {"PRODUCER_MAX_BATCH_SIZE": "16384"}),
+    ("the Python reference folds: LOOPWARDEN_ENGINE=python", {"engine": "python"}, {}),
 )
 
 
@@ -157,7 +159,7 @@ async def fleet_section(bootstrap: str, template: Path, plan: Plan, results: Pat
             for _ in range(workers):
                 await deployment.start_worker_async()
             await fleet.warm_up(deployment, template, f"f{workers}w")
-            backlog = plan.backlog_for(capacity_one, plan.measure_s)
+            backlog = plan.backlog_for(capacity_one, plan.measure_s, margin=1.5 * workers)
             progress(f"fleet: {workers} worker(s), saturation probe ({backlog:,} events backlog)")
             probe = await fleet.capacity(deployment, template, backlog, f"f{workers}p",
                                          results / "profile-1w.txt" if workers == 1 else None, plan.warm_s,
@@ -173,6 +175,20 @@ async def fleet_section(bootstrap: str, template: Path, plan: Plan, results: Pat
         data[f"{workers}w"] = {"probe": probe, **steps, "commit_overruns": overruns, "load_before": load_before,
                                "load_after": os.getloadavg()[0]}
         progress(f"fleet: {workers} worker(s) sustain {steps['sustained_per_s']:,.0f} ev/s")
+    # The standby choice: the same two-worker probe without standby replicas (each worker then keeps no
+    # copy of the other's partitions; a failover recovers them from the changelog).
+    deployment = BenchDeployment(bootstrap, WORKDIR, settings={"standby_replicas": 0})
+    try:
+        for _ in range(2):
+            await deployment.start_worker_async()
+        await fleet.warm_up(deployment, template, "f2n")
+        probe = await fleet.capacity(deployment, template, plan.backlog_for(capacity_one, plan.measure_s, margin=3.0),
+                                     "f2np", None, plan.warm_s, plan.measure_s)
+    finally:
+        deployment.stop()
+    data["2w_no_standby"] = {"probe": probe}
+    progress(f"fleet: 2 workers without standbys apply {probe['applied_per_s']:,.0f} ev/s saturated "
+             f"({probe['worker_cpu_us_per_event']:,.0f} us worker CPU per event)")
     return data
 
 

@@ -9,6 +9,10 @@ JSON) over them with both engines: the native one (``loopwarden replay``'s defau
 the Python reference, and checks that their outputs are byte-identical. Prints the median of
 ``--repeat`` passes. The iteration ceiling is raised to 1,000 so that runs are not cut at 51 calls: a
 halted run's events are nearly free, and counting them would flatter the figure.
+
+Then the worker's batch function (``stream_app.worker.batch``) without Kafka: the fleet simulator's mix
+folded in batches of 1,000 records (8 partitions, stored runs in a dict) by both engines, with the cost
+of the stored-record codec alone (decode and encode each run a batch touches).
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from stream_app.commands.replay import Engine, replay
 from stream_app.core import Detector, Policy, RunState, RunTable, TelemetryEvent, decode_event, semantic_hash
 
 from . import naive
+
+BATCH = 1_000
+PARTITIONS = 8
 
 BENCH_POLICY = Policy.from_mapping({"defaults": {"iteration_ceiling": 1000}})
 
@@ -188,6 +195,71 @@ def cost_vs_run_length() -> list[dict[str, float]]:
     return rows
 
 
+def _batches(runs: int) -> list[list[Any]]:
+    """The fleet simulator's mix as input records, in batches of ``BATCH`` (partitioned by run id)."""
+    import zlib
+
+    from stream_app.bus.wire import encode_telemetry
+    from stream_app.devtools.fleet_sim import simulate_fleet
+    from stream_app.worker.batch import RawRecord
+
+    _, stream = simulate_fleet(runs, seed=11)
+    offsets = [0] * PARTITIONS
+    records = []
+    for event in stream:
+        key, value = encode_telemetry(event)
+        partition = zlib.crc32(key) % PARTITIONS
+        records.append(RawRecord(partition, offsets[partition], key, value))
+        offsets[partition] += 1
+    return [records[i:i + BATCH] for i in range(0, len(records), BATCH)]
+
+
+def batch_fold_costs(runs: int = 4_000, repeat: int = 3) -> dict[str, Any]:
+    """Microseconds per event of ``BatchFold.fold`` (Python) and ``NativeBatchFold.fold``, and per run
+    touched of the stored-record codec (Python: decode_run + encode_run), medians of ``repeat`` passes."""
+    from stream_app.core.stored import decode_run, encode_run
+    from stream_app.worker.batch import BatchFold, NativeBatchFold
+
+    batches = _batches(runs)
+    events = sum(map(len, batches))
+    out: dict[str, Any] = {"events": events, "batch": BATCH, "runs": runs}
+    engines: list[tuple[str, type[BatchFold]]] = [("python", BatchFold)]
+    try:
+        import loopwarden_native  # noqa: F401
+        engines.append(("native", NativeBatchFold))
+    except ImportError:
+        pass
+    for name, cls in engines:
+        passes = []
+        touched = 0
+        final: dict[tuple[int, bytes], bytes] = {}
+        for _ in range(repeat):
+            fold = cls(Detector())
+            store: dict[tuple[int, bytes], bytes] = {}
+            touched = 0
+            elapsed = 0.0
+            for batch in batches:
+                stored = {pair: store.get(pair) for pair in BatchFold.keys(batch)}
+                started = time.perf_counter()
+                result = fold.fold(batch, stored, now_ms=0)
+                elapsed += time.perf_counter() - started
+                for partition, items in result.records.items():
+                    touched += len(items)
+                    store.update(((partition, key), value) for key, value in items)
+            passes.append(elapsed / events * 1e6)
+            final = store
+        out[f"{name}_us_per_event"] = statistics.median(passes)
+        out["runs_written_per_batch"] = touched / len(batches)
+        if name == "python":
+            records = list(final.values())
+            started = time.perf_counter()
+            for raw in records:
+                encode_run(decode_run(raw))
+            out["python_codec_us_per_run"] = (time.perf_counter() - started) / len(records) * 1e6
+            out["stored_record_bytes_mean"] = sum(map(len, records)) / len(records)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=10_000)
@@ -215,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     per_run = bytes_per_run(args.runs, 30)
     print("core: cost of one call as a run grows (ours vs naive history rescan) ...", file=sys.stderr, flush=True)
     growth = cost_vs_run_length()
+    print("core: the worker's batch function, batches of 1,000 (both engines) ...", file=sys.stderr, flush=True)
+    fold_costs = batch_fold_costs(repeat=args.repeat)
     result = {
         "events": n,
         "runs": args.runs,
@@ -229,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         "bytes_per_tracked_run": native_per_run,
         "bytes_per_tracked_run_python": per_run,
         "cost_vs_run_length": growth,
+        "batch_fold": fold_costs,
     }
     print(f"core.replay_events_per_s (native engine, median of {args.repeat}, parsing included): "
           f"{result['replay_events_per_s']:,.0f}")
@@ -244,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     first, last = growth[0], growth[-1]
     print(f"core.cost_per_call_us at {first['calls']:,} -> {last['calls']:,} calls: ours {first['ours_us']:.1f} -> "
           f"{last['ours_us']:.1f}, naive {first['naive_us']:.1f} -> {last['naive_us']:.1f}")
+    print(f"core.batch_fold_us_per_event (batches of {BATCH}, python / native): "
+          f"{fold_costs['python_us_per_event']:.1f} / {fold_costs.get('native_us_per_event', float('nan')):.1f}; "
+          f"{fold_costs['runs_written_per_batch']:.0f} runs written per batch, Python codec "
+          f"{fold_costs['python_codec_us_per_run']:.1f} us per run ({fold_costs['stored_record_bytes_mean']:.0f} B)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump(result, out, indent=2)
