@@ -9,10 +9,12 @@ applies a decision id once) and raw redeliveries the SDK deduplicated (allowed: 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,8 +32,10 @@ from stream_app.client.publisher import TelemetryPublisher
 from stream_app.core import Detector, Policy, RunTable, decode_event
 from stream_app.devtools.fleet_sim import simulate_fleet
 from stream_app.devtools.harness import metric_total
+from stream_app.worker.main import ensure_topics
+from stream_app.worker.settings import WorkerSettings
 
-from ..integration.workers import Fleet, WorkerProcess, consume
+from ..integration.workers import Fleet, WorkerProcess, consume, produce
 
 Fault = Callable[[float], Awaitable[dict[str, Any]]]
 
@@ -128,6 +132,112 @@ def compare(scenario: str, trial: int, fault: dict[str, Any], stream: list[dict[
                "extra": sorted((got[i]["run_id"], got[i]["verdict"], got[i]["trigger_event_id"])
                                for i in got_halts - halts)[:10]},
     )
+
+
+async def backlog_trial(scenario: str, trial: int, fleet: Fleet, fault: Callable[[list[dict[str, Any]]], Awaitable[dict[str, Any]]],
+                        seed: int, runs: int, converge_s: float = 240.0) -> TrialResult:
+    """``fault`` publishes the corpus (raw, as fast as one producer can, so workers meet backlogs) and
+    starts, kills and restarts workers; then, as ``run_trial``, every expected decision must arrive. The
+    control topic is read back too: ``notes['published_twice']`` counts decisions published more than
+    once (allowed, at-least-once, the runtime applies one; a revoked batch must not be one of them)."""
+    _, stream = simulate_fleet(runs, seed=seed)
+    expected = replay_decisions(stream)
+    config = KafkaClientConfig(fleet.bootstrap)
+    listener = HaltListener(config, fleet.control_topic, trusted_keys=fleet.trusted_keys(), max_age_ms=None,
+                            watch_all=True, lookback_ms=3_600_000)
+    applied: list[dict[str, Any]] = []
+    listener.board.add_callback(applied.append)
+    started = time.monotonic()
+    # the workers start later: make their topics now, as they would (the listener needs the control topic)
+    await ensure_topics(WorkerSettings.from_env(fleet.worker_env(0, 0)))
+    await listener.start()
+    try:
+        fault_info = await fault(stream)
+        deadline = time.monotonic() + converge_s
+        while time.monotonic() < deadline and not expected.keys() <= {d["decision_id"] for d in applied}:
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(3.0)
+    finally:
+        await listener.stop()
+    result = compare(scenario, trial, fault_info, stream, expected, applied, listener.counters, 0,
+                     time.monotonic() - started)
+    published = Counter(orjson.loads(record.value)["decision_id"]
+                        for record in await consume(fleet.bootstrap, fleet.control_topic, len(expected), timeout=60))
+    result.notes["published"] = sum(published.values())
+    result.notes["published_twice"] = sum(n - 1 for n in published.values() if n > 1)
+    return result
+
+
+def _processed(worker: WorkerProcess) -> tuple[float, float, float]:
+    """(telemetry events applied or skipped, batches, events in those batches) by ``worker`` so far."""
+    samples = worker.metrics()
+    return (metric_total(samples, "loopwarden_events_total") + metric_total(samples, "loopwarden_duplicate_events_total"),
+            metric_total(samples, "loopwarden_batch_events_count"), metric_total(samples, "loopwarden_batch_events_sum"))
+
+
+def join_during_batch(fleet: Fleet) -> Callable[[list[dict[str, Any]]], Awaitable[dict[str, Any]]]:
+    """The whole corpus waits as a backlog; worker 0 starts on it (batches of up to 1,000 records) and a
+    second worker joins the group while worker 0 is still deep in it: the rebalance revokes partitions
+    from under a batch in flight."""
+    async def inject(stream: list[dict[str, Any]]) -> dict[str, Any]:
+        await produce(fleet.bootstrap, fleet.telemetry_topic, stream)
+        first = await asyncio.to_thread(fleet.start_worker, 0)
+        joiner = fleet.start_worker(1, wait=False)
+        at_start = await asyncio.to_thread(_processed, first)
+        await joiner.wait_ready_async()
+        at_join = await asyncio.to_thread(_processed, first)
+        stale = metric_total(await asyncio.to_thread(first.metrics), 'loopwarden_refetched_total{reason="stale"}')
+        return {"fault": "a second worker joins while the first is deep in a backlog",
+                "events": len(stream), "applied_when_join_began": int(at_start[0]),
+                "backlog_when_joined": int(len(stream) - at_join[0]),
+                "mean_batch_before_join": round(at_join[2] / max(at_join[1], 1), 1),
+                "stale_records_dropped": int(stale)}
+    return inject
+
+
+def _state_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+def crash_during_recovery(fleet: Fleet) -> Callable[[list[dict[str, Any]]], Awaitable[dict[str, Any]]]:
+    """Worker 0 folds the first half of the corpus, then is SIGKILLed; the second half waits as a backlog
+    while a new worker on empty state recovers the whole changelog, and is SIGKILLed in the middle of that
+    recovery; it is started again on what it had recovered and must catch up with everything."""
+    async def inject(stream: list[dict[str, Any]]) -> dict[str, Any]:
+        half = len(stream) // 2
+        first = await asyncio.to_thread(fleet.start_worker, 0)
+        await produce(fleet.bootstrap, fleet.telemetry_topic, stream[:half])
+        deadline = time.monotonic() + 120
+        while (await asyncio.to_thread(_processed, first))[0] < half and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        first.kill()
+        await produce(fleet.bootstrap, fleet.telemetry_topic, stream[half:])
+        state = fleet.root / "state-1"
+        recovering = fleet.start_worker(1, wait=False)
+        started = time.monotonic()
+        # the table's RocksDB files fill as the changelog is applied; ready turns 1 once it is recovered
+        while time.monotonic() - started < 120:
+            if _state_bytes(state) > 256 * 1024 or await asyncio.to_thread(recovering.is_ready):
+                break
+            await asyncio.sleep(0.05)
+        ready = await asyncio.to_thread(recovering.is_ready)
+        recovered_bytes = _state_bytes(state)
+        recovering.kill()
+        killed_after = time.monotonic() - started
+        again = await asyncio.to_thread(fleet.start_worker, 1)
+        recovery_s = None
+        with contextlib.suppress(OSError):
+            recovery_s = round(time.monotonic() - started - killed_after, 1)
+        return {"fault": "SIGKILL during the recovery of a fresh worker, a backlog waiting", "events": len(stream),
+                "killed_during_recovery": not ready, "killed_after_s": round(killed_after, 1),
+                "state_bytes_when_killed": recovered_bytes, "restarted_ready_after_s": recovery_s,
+                "restarted_pid": again.process.pid}
+    return inject
+
+
+async def no_fault(at: float) -> dict[str, Any]:
+    """Nothing breaks: the fleet must decide exactly as replay does."""
+    return {"fault": "none"}
 
 
 # --- faults -------------------------------------------------------------------------------------------

@@ -13,7 +13,11 @@ SCENARIOS = {
     "worker_crash": "Worker crash: SIGKILL at a random moment, restart (alternately on its local state and on none)",
     "rebalance": "Rebalance: two workers under load, one SIGKILLed (partitions move), restarted 2 s later",
     "broker_restart": "Broker restart: SIGTERM mid-stream, started again on the same data and port",
-    "slow_worker": "Slow worker: throttled to ~10% (SIGSTOP/SIGCONT) for 6 s below the input rate",
+    "slow_worker": "Slow worker: throttled to ~3% (SIGSTOP 0.97 s / SIGCONT 0.03 s) for 6 s below the input rate",
+    "join_during_batch": "Join during a batch: the corpus waits as a backlog, a second worker joins while the first folds it in batches of ~1,000",
+    "crash_during_recovery": "Crash during recovery: a fresh worker SIGKILLed while it recovers the changelog, a backlog waiting; restarted on its half-recovered state",
+    "parity_1w": "Replay parity, one worker, no fault",
+    "parity_2w": "Replay parity, two workers sharing the partitions, no fault",
 }
 COUNTS = ("missing_halts", "extra_halts", "missing_other", "extra_other", "wrong_content", "applied_twice",
           "publish_failed")
@@ -57,6 +61,24 @@ def render(results: list[dict[str, Any]], command: str) -> str:
                   + ", ".join(str(int(r["fault"]["max_lag"])) for r in slow)
                   + " messages and was back to "
                   + ", ".join(str(int(r["fault"]["lag_after"])) for r in slow) + " after the throttle."]
+    joins = trials.get("join_during_batch", [])
+    if joins:
+        lines += ["", "Join during a batch: the second worker became ready with "
+                  + ", ".join(f"{r['fault']['backlog_when_joined']:,}" for r in joins)
+                  + " events still unapplied by the first (mean batch before the join "
+                  + ", ".join(f"{r['fault']['mean_batch_before_join']:.0f}" for r in joins)
+                  + " records); pending batches dropped unacknowledged at the revoke: "
+                  + ", ".join(f"{r['fault']['stale_records_dropped']:,}" for r in joins)
+                  + " records; decisions published more than once on the control topic: "
+                  + ", ".join(str(r["notes"].get("published_twice", "?")) for r in joins) + "."]
+    recoveries = trials.get("crash_during_recovery", [])
+    if recoveries:
+        lines += ["", "Crash during recovery: killed "
+                  + ", ".join(f"{r['fault']['killed_after_s']} s" for r in recoveries)
+                  + " after start, before it was ready, with "
+                  + ", ".join(f"{r['fault']['state_bytes_when_killed'] / 2**20:.1f} MiB" for r in recoveries)
+                  + " of state recovered; decisions published more than once: "
+                  + ", ".join(str(r["notes"].get("published_twice", "?")) for r in recoveries) + "."]
     broker = trials.get("broker_restart", [])
     if broker:
         lines += ["", "Broker restart: the broker was down for "

@@ -61,6 +61,53 @@ def test_rebalance(kafka_bootstrap: str, tmp_path: Path, trial: int) -> None:
 
 
 @pytest.mark.parametrize("trial", range(max(1, TRIALS // 5)))
+def test_join_during_a_batch(kafka_bootstrap: str, tmp_path: Path, trial: int) -> None:
+    """A second worker joins while the first works through a backlog in batches of 1,000 records: the
+    revoke lands on a batch in flight. Nothing is lost or decided twice, and the first worker's revoked
+    batches are neither acknowledged nor published after the revoke (no decision published twice)."""
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4)
+    try:
+        result = asyncio.run(harness.backlog_trial("join_during_batch", trial, fleet, harness.join_during_batch(fleet),
+                                                   seed=7000 + trial, runs=8000))
+    finally:
+        fleet.stop()
+    _check(result)
+    assert result.fault["backlog_when_joined"] >= 1000, result.fault  # the join met a backlog, not an idle worker
+    assert result.fault["mean_batch_before_join"] >= 500, result.fault
+    assert result.notes["published_twice"] == 0, result.notes
+
+
+@pytest.mark.parametrize("trial", range(max(1, TRIALS // 5)))
+def test_crash_during_recovery(kafka_bootstrap: str, tmp_path: Path, trial: int) -> None:
+    """SIGKILL a fresh worker in the middle of recovering the changelog while a backlog waits; started
+    again on its half-recovered state it decides exactly as replay does."""
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4)
+    try:
+        result = asyncio.run(harness.backlog_trial("crash_during_recovery", trial, fleet,
+                                                   harness.crash_during_recovery(fleet), seed=8000 + trial, runs=6000))
+    finally:
+        fleet.stop()
+    _check(result)
+    assert result.fault["killed_during_recovery"], result.fault
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_replay_parity(kafka_bootstrap: str, tmp_path: Path, workers: int) -> None:
+    """No fault: one worker, or two sharing the partitions, decide exactly what `loopwarden replay` decides
+    for the same corpus (every decision, halts and the rest, with the same content)."""
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4)
+    for index in range(workers):
+        fleet.start_worker(index)
+    try:
+        result = asyncio.run(harness.run_trial(f"parity_{workers}w", 0, fleet, harness.no_fault, seed=9000 + workers,
+                                               runs=600))
+    finally:
+        fleet.stop()
+    _check(result)
+    assert result.applied_decisions == result.expected_decisions > 0
+
+
+@pytest.mark.parametrize("trial", range(max(1, TRIALS // 5)))
 def test_broker_restart(kafka_broker_factory: Any, tmp_path: Path, trial: int) -> None:
     """The broker is stopped (SIGTERM) and started again on the same data mid-stream: publisher,
     listener and worker recover on their own and no telemetry is lost."""
