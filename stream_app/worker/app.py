@@ -34,7 +34,7 @@ from ..core import Detector, Policy
 from ..sources import Decoded
 from . import delivery
 from .batch import BatchFold, NativeBatchFold
-from .effects import DeadLetters, Effects, Topics
+from .effects import DeadLetters, DecisionProducer, Effects, Topics
 from .metrics import WorkerMetrics
 from .relay import SourceRelay
 from .settings import SettingsError, WorkerSettings
@@ -114,8 +114,18 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
     fold = batch_fold(settings, Detector(policy), operator_keys)
     metrics.engine.labels(engine="native" if isinstance(fold, NativeBatchFold) else "python").set(1)
     dead_letters = DeadLetters(topics.dlq, metrics)
+    decisions = DecisionProducer(settings.kafka)
     effects = Effects(app, topics, RunStore(app, runs, settings.changelog_topic), fold, metrics, dead_letters,
-                      signer, settings.event_source, settings.evict_scan_per_sweep)
+                      signer, settings.event_source, settings.evict_scan_per_sweep, decisions)
+
+    @app.task  # type: ignore[untyped-decorator]  # faust's decorator is untyped
+    async def start_decision_producer() -> None:
+        await decisions.start()
+
+    # faust's App.on_stop stops the consumer (the batch in hand finishes, publishing), then sends this.
+    @app.on_before_shutdown.connect  # type: ignore[arg-type]  # faust's signal type wants a signal= keyword
+    async def stop_decision_producer(sender: faust.App, **_: object) -> None:
+        await decisions.stop()
 
     # Input records reach the agents in batches straight from the consumer, and offsets are committed only
     # for processed records, in sequence (see delivery's docstring).
