@@ -32,18 +32,22 @@ LAYERS: tuple[tuple[str, str], ...] = (
 
 #: (label, function names whose presence anywhere in a stack puts the sample in the stage).
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("Effects.process (whole batch path)", ("Effects.process",)),
-    ("  decode (orjson + contract)", ("BatchFold._decode",)),
-    ("  detector fold (Detector.evaluate)", ("Detector.evaluate",)),
-    ("  state read (RocksDB get + decode_run)", ("decode_run", "RunStore.get")),
-    ("  state write (RocksDB batch + changelog sends)", ("encode_run", "RunStore.write")),
+    ("Effects.process (whole batch: fold, state, decisions)", ("Effects.process",)),
+    ("  fold by the native engine (NativeBatchFold.fold)", ("NativeBatchFold.fold",)),
+    ("  fold by the Python reference (Detector.evaluate)", ("Detector.evaluate",)),
+    ("  state read (RocksDB get)", ("RunStore.get",)),
+    ("  state write (RocksDB batch + changelog sends)", ("RunStore.write",)),
     ("  publish decisions, wait for acks", ("Effects._publish",)),
     ("  expiry sweep + runs_tracked gauge", ("Effects._sweep",)),
+    ("batch delivery (BatchConsumer.getmany, sink, sequencer)", ("BatchConsumer.getmany", "BatchSink.offer",
+                                                                 "BatchSink.next", "Sequencer.admit")),
+    ("standby changelog writes (StandbyApplier)", ("StandbyApplier.apply",)),
+    ("faust per-message path (conductor, streams)", ("Consumer._drain_messages", "Stream._c_aiter",
+                                                     "Conductor._compile_message_handler")),
     ("faust producer buffer (decisions, DLQ)", ("ProducerBuffer._handle_pending", "ProducerBuffer.flush_atmost",
                                          "ProducerBuffer.wait_until_ebb")),
-    ("faust delivery to the stream (take_events)", ("Stream._c_aiter", "Stream._passive_drainer",
-                                                    "Conductor._compile_message_handler")),
     ("aiokafka producer sender", ("Sender._sender_routine", "SendProduceReqHandler.do")),
+    ("aiokafka fetcher", ("Fetcher._fetch_requests_routine", "Fetcher._proc_fetch_request")),
     ("offset commit", ("Consumer.commit", "Consumer._commit", "Consumer.maybe_wait_for_commit_to_finish")),
 )
 

@@ -40,7 +40,7 @@ SETTINGS = SettingsTable((
     ("commit_interval_s", "LOOPWARDEN_COMMIT_INTERVAL_S", "1.0", "consumer offset commit interval, seconds"),
     ("session_timeout_s", "LOOPWARDEN_SESSION_TIMEOUT_S", "10", "group session timeout: how soon a dead worker's partitions move"),
     ("heartbeat_s", "LOOPWARDEN_HEARTBEAT_S", "2", "group heartbeat interval, seconds"),
-    ("standby_replicas", "LOOPWARDEN_STANDBY_REPLICAS", "1", "standby copies of each partition's state kept by other workers, so a failover resumes from a local copy instead of replaying the changelog (written a fetch at a time: ~5 us per event on the peers, BENCHMARKS.md); 0: no copies"),
+    ("standby_replicas", "LOOPWARDEN_STANDBY_REPLICAS", "1", "standby copies of each partition's state kept by other workers, so a failover resumes from a local copy instead of replaying the changelog (written a fetch at a time: 0-6 us per event on the peers, BENCHMARKS.md); 0: no copies"),
     ("max_event_bytes", "LOOPWARDEN_MAX_EVENT_BYTES", "1048576", "larger telemetry messages go to the DLQ"),
     ("rocksdb_block_cache_mb", "LOOPWARDEN_ROCKSDB_BLOCK_CACHE_MB", "32", "RocksDB block cache per table partition, MiB"),
     ("rocksdb_write_buffer_mb", "LOOPWARDEN_ROCKSDB_WRITE_BUFFER_MB", "16", "RocksDB write buffer per table partition, MiB"),
