@@ -179,7 +179,7 @@ def batch_fold(settings: WorkerSettings, detector: Detector, operator_keys: KeyR
                                     "installed. Operator action: pip install ./native (the Docker image has it), "
                                     "or set LOOPWARDEN_ENGINE=python") from exc
             log.warning("the native engine (loopwarden_native) is not installed: telemetry is folded by the "
-                        "Python reference, about 4x the CPU per event; pip install ./native")
+                        "Python reference (about 1.6x the worker CPU per event, BENCHMARKS.md); pip install ./native")
         else:
             log.info("telemetry is folded by the native engine")
             return fold

@@ -18,7 +18,8 @@ agents' topics: telemetry, OTLP) skip it:
   ``broker_max_poll_records``; pending fetches are merged up to ``LOOPWARDEN_BATCH_MAX``), no batch
   window. A batch of an older consumer generation, or one met while faust's flow control is suspended
   (revoke, stop) or a rebalance is in progress (until the state's recovery completed), is dropped
-  unacknowledged: it is fetched again.
+  unacknowledged, and its partitions are sought back to their next expected offsets: it is fetched again
+  (without the seek, records dropped at the tail of a partition were never fetched again).
 * ``Sequencer`` admits each partition's records only in sequence from the consumer's position, seeded
   when faust seeks to the committed offsets (every assignment ends with that seek; a partition with
   nothing committed is sought to its beginning, as a new group's consumer starts). A jump past the next
@@ -187,6 +188,13 @@ class Sequencer:
                 admitted[tp] = run
                 self._next[tp] = expected
         return admitted
+
+    async def refetch(self, batch: Records) -> None:
+        """``batch`` was dropped before admission: seek its partitions back to their expected offsets."""
+        for tp in batch:
+            expected = self._next.get(tp)
+            if expected is not None:
+                await self._seek(tp, expected)
 
     async def rewind(self, batch: Records) -> None:
         """``batch`` was admitted but not processed (its handler failed): expect and fetch it again."""
@@ -525,14 +533,23 @@ async def drain(app: faust.App, sink: BatchSink, fatal: FatalStop, handle: Handl
         generation, batch = await sink.next()
         admitted: Records = {}
         try:
-            if fatal.reason is not None or not _current(app, generation):
+            if fatal.reason is not None:
                 on_stale(sum(map(len, batch.values())))
+                continue
+            if not _current(app, generation):
+                # Dropped, so fetched again: the consumer's position is past these records, and if nothing
+                # follows them in their partition no gap would ever show (the partition would sit idle,
+                # its tail unprocessed, until a restart). A new assignment's seek re-seeds anyway.
+                on_stale(sum(map(len, batch.values())))
+                await sequencer.refetch(batch)
                 continue
             admitted = await sequencer.admit(batch)
             if not admitted:
                 continue
             if not _current(app, generation):  # a rebalance began while the sequencer sought
                 on_stale(sum(map(len, admitted.values())))
+                await sequencer.rewind(admitted)  # admitted but not processed: expected and fetched again
+                admitted = {}
                 continue
             now = time.monotonic()
             for tp in admitted:
