@@ -82,29 +82,10 @@ async def faust_ceiling(bootstrap: str, topic: str, count: int, batch_path: bool
         env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "LOOPWARDEN_TELEMETRY_TOPIC": topic,
                "LOOPWARDEN_APP_ID": f"ceiling-{uuid.uuid4().hex[:8]}", "LOOPWARDEN_PARTITIONS": str(PARTITIONS),
                "LOOPWARDEN_STATE_DIR": state, "LOOPWARDEN_ALLOW_UNSIGNED": "true"}  # it publishes nothing
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.faust_ceiling", str(count), *(["--batch"] if batch_path else []), env=env, cwd=Path(__file__).parent.parent,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-        assert process.stdout is not None
-        try:
-            # The result is the first JSON line; the worker then stops itself, but faust's shutdown can
-            # hang after the agent has returned, so the process is not waited for beyond a grace period.
-            async with asyncio.timeout(300):
-                while (line := await process.stdout.readline()) and not line.startswith(b"{"):
-                    pass
-        except TimeoutError:
-            line = b""
-        finally:
-            if process.returncode is None:
-                process.terminate()
-                try:
-                    await asyncio.wait_for(process.wait(), 10)
-                except TimeoutError:
-                    process.kill()
-                    await process.wait()
-    if not line.startswith(b"{"):
-        raise RuntimeError(f"faust ceiling: no result (exit {process.returncode})")
-    return float(json.loads(line)["events_per_s"])
+        # The worker stops itself after printing, but faust's shutdown can hang after the agent has
+        # returned, so the process is not waited for beyond a grace period.
+        return await _events_per_s("faust ceiling", [sys.executable, "-m", "bench.faust_ceiling", str(count),
+                                                     *(["--batch"] if batch_path else [])], env, grace_s=10)
 
 
 #: The quixstreams comparison's own venv (``make bench`` creates it; quixstreams is no dependency of ours).
@@ -138,26 +119,32 @@ async def quix_fold(bootstrap: str, topic: str, count: int) -> float:
         raise RuntimeError("quixstreams is not installed")
     with tempfile.TemporaryDirectory(prefix="quix-state-") as state:
         env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "QUIX_TOPIC": topic, "QUIX_STATE_DIR": state}
-        process = await asyncio.create_subprocess_exec(
-            str(python), str(Path(__file__).parent / "quix_fold.py"), str(count), env=env,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-        assert process.stdout is not None
-        try:
-            async with asyncio.timeout(300):
-                while (line := await process.stdout.readline()) and not line.startswith(b"{"):
-                    pass
-        except TimeoutError:
-            line = b""
-        finally:
-            if process.returncode is None:
-                process.terminate()
-                try:
-                    await asyncio.wait_for(process.wait(), 20)
-                except TimeoutError:
-                    process.kill()
-                    await process.wait()
+        return await _events_per_s("quix fold", [str(python), str(Path(__file__).parent / "quix_fold.py"), str(count)],
+                                   env, grace_s=20)
+
+
+async def _events_per_s(name: str, command: list[str], env: dict[str, str], grace_s: float) -> float:
+    """Run ``command`` and return ``events_per_s`` from the first JSON line it prints (within 300 s); the
+    process is then terminated, and killed after ``grace_s``."""
+    process = await asyncio.create_subprocess_exec(*command, env=env, cwd=Path(__file__).parent.parent,
+                                                   stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    assert process.stdout is not None
+    try:
+        async with asyncio.timeout(300):
+            while (line := await process.stdout.readline()) and not line.startswith(b"{"):
+                pass
+    except TimeoutError:
+        line = b""
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            try:
+                await asyncio.wait_for(process.wait(), grace_s)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
     if not line.startswith(b"{"):
-        raise RuntimeError(f"quix fold: no result (exit {process.returncode})")
+        raise RuntimeError(f"{name}: no result (exit {process.returncode})")
     return float(json.loads(line)["events_per_s"])
 
 

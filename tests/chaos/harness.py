@@ -70,6 +70,24 @@ def replay_decisions(stream: list[dict[str, Any]], policy: Policy | None = None)
     return {d.decision_id: d.to_control() for raw in stream for d in table.observe(decode_event(raw)).decisions}
 
 
+def _listener(fleet: Fleet) -> tuple[HaltListener, list[dict[str, Any]]]:
+    """A runtime's halt listener on the fleet's control topic, and the decisions it applies, in order.
+    The corpus's event times are synthetic, so the listener's age check (a replay defence) is off."""
+    listener = HaltListener(KafkaClientConfig(fleet.bootstrap), fleet.control_topic, trusted_keys=fleet.trusted_keys(),
+                            max_age_ms=None, watch_all=True, lookback_ms=3_600_000)
+    applied: list[dict[str, Any]] = []
+    listener.board.add_callback(applied.append)
+    return listener, applied
+
+
+async def _converge(expected: dict[str, dict[str, Any]], applied: list[dict[str, Any]], within_s: float) -> None:
+    """Wait until every expected decision was applied (or ``within_s``), then 3 s more for extras."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and not expected.keys() <= {d["decision_id"] for d in applied}:
+        await asyncio.sleep(0.5)
+    await asyncio.sleep(3.0)  # anything extra arrives now
+
+
 async def run_trial(scenario: str, trial: int, fleet: Fleet, fault: Fault, seed: int,
                     runs: int = 150, duration_s: float = 6.0, converge_s: float = 120.0) -> TrialResult:
     """Publish a corpus at a steady pace over ``duration_s`` through the SDK publisher, fire ``fault`` at a
@@ -79,11 +97,7 @@ async def run_trial(scenario: str, trial: int, fleet: Fleet, fault: Fault, seed:
     _, stream = simulate_fleet(runs, seed=seed)
     expected = replay_decisions(stream)
     config = KafkaClientConfig(fleet.bootstrap)
-    # The corpus's event times are synthetic, so the listener's age check (a replay defence) is off.
-    listener = HaltListener(config, fleet.control_topic, trusted_keys=fleet.trusted_keys(), max_age_ms=None,
-                            watch_all=True, lookback_ms=3_600_000)
-    applied: list[dict[str, Any]] = []
-    listener.board.add_callback(applied.append)
+    listener, applied = _listener(fleet)
     started = time.monotonic()
     await listener.start()
     publisher = TelemetryPublisher(config, fleet.telemetry_topic)
@@ -97,10 +111,7 @@ async def run_trial(scenario: str, trial: int, fleet: Fleet, fault: Fault, seed:
                 await publisher.publish(event)
             await asyncio.sleep(pause)
         fault_info = await fault_task
-        deadline = time.monotonic() + converge_s
-        while time.monotonic() < deadline and not expected.keys() <= {d["decision_id"] for d in applied}:
-            await asyncio.sleep(0.5)
-        await asyncio.sleep(3.0)  # anything extra arrives now
+        await _converge(expected, applied, converge_s)
     finally:
         await publisher.stop()
         await listener.stop()
@@ -142,21 +153,14 @@ async def backlog_trial(scenario: str, trial: int, fleet: Fleet, fault: Callable
     once (allowed, at-least-once, the runtime applies one; a revoked batch must not be one of them)."""
     _, stream = simulate_fleet(runs, seed=seed)
     expected = replay_decisions(stream)
-    config = KafkaClientConfig(fleet.bootstrap)
-    listener = HaltListener(config, fleet.control_topic, trusted_keys=fleet.trusted_keys(), max_age_ms=None,
-                            watch_all=True, lookback_ms=3_600_000)
-    applied: list[dict[str, Any]] = []
-    listener.board.add_callback(applied.append)
+    listener, applied = _listener(fleet)
     started = time.monotonic()
     # the workers start later: make their topics now, as they would (the listener needs the control topic)
     await ensure_topics(WorkerSettings.from_env(fleet.worker_env(0, 0)))
     await listener.start()
     try:
         fault_info = await fault(stream)
-        deadline = time.monotonic() + converge_s
-        while time.monotonic() < deadline and not expected.keys() <= {d["decision_id"] for d in applied}:
-            await asyncio.sleep(0.5)
-        await asyncio.sleep(3.0)
+        await _converge(expected, applied, converge_s)
     finally:
         await listener.stop()
     result = compare(scenario, trial, fault_info, stream, expected, applied, listener.counters, 0,
