@@ -323,14 +323,13 @@ def _comparable(result: BatchResult) -> dict[str, Any]:
     }
 
 
+@pytest.mark.parametrize("engine", ["native"], indirect=True)  # both engines compared in one run
 @pytest.mark.parametrize("seed", [3, 11])
 def test_the_native_engine_folds_batch_by_batch_as_the_reference(engine: str, seed: int,
                                                                   operator: tuple[Signer, KeyRing]) -> None:
     """The corpus batch by batch (redeliveries, operator commands, bad and re-keyed records): each batch's
     result is the same from both engines, records included (decoded: bytes may differ), and each run's
     decisions are in the same order."""
-    if engine != "native":
-        pytest.skip("compares the two engines once")
     signer, keys = operator
     python, native = (Worker(cls(Detector(), operator_keys=keys)) for cls in (BatchFold, NativeBatchFold))
     placed, seen = Placed(), {}
@@ -346,12 +345,11 @@ def test_the_native_engine_folds_batch_by_batch_as_the_reference(engine: str, se
     assert {k: _record(v) for k, v in python.stored.items()} == {k: _record(v) for k, v in native.stored.items()}
 
 
+@pytest.mark.parametrize("engine", ["native"], indirect=True)  # both engines compared in one run
 @pytest.mark.parametrize("seed", [5])
 def test_each_engine_reads_the_records_the_other_wrote(engine: str, seed: int, operator: tuple[Signer, KeyRing]) -> None:
     """A rolling switch of engines (LOOPWARDEN_ENGINE changed, or a native build missing on some workers):
     a worker that alternates engines batch by batch decides as the reference alone does."""
-    if engine != "native":
-        pytest.skip("compares the two engines once")
     signer, keys = operator
     folds = [BatchFold(Detector(), operator_keys=keys), NativeBatchFold(Detector(), operator_keys=keys)]
     reference, mixed = Worker(folds[0]), Worker(folds[1])
@@ -363,10 +361,9 @@ def test_each_engine_reads_the_records_the_other_wrote(engine: str, seed: int, o
     assert {k: _record(v) for k, v in mixed.stored.items()} == {k: _record(v) for k, v in reference.stored.items()}
 
 
+@pytest.mark.parametrize("engine", ["native"], indirect=True)
 def test_the_native_engine_folds_what_it_can_and_defers_the_rest(engine: str) -> None:
     """Not a vacuous comparison: the native engine writes the records of ordinary runs itself."""
-    if engine != "native":
-        pytest.skip("about the native engine")
     fold = NativeBatchFold(Detector())
     records = [RawRecord(0, n, b"run-a", orjson.dumps(_failing("run-a", n))) for n in range(4)]
     new_records, findings, rekeys, deferred, *_ = fold._native.fold(records, [], {(0, b"run-a"): None})
