@@ -28,6 +28,11 @@ pub struct Call<'a> {
     pub outcome: u8,
     pub args: Hashed<'a>,
     pub result: Hashed<'a>,
+    /// The raw result when the event has one (it may also carry a `result_hash`): the fingerprint
+    /// masks it.
+    pub raw_result: Option<&'a Value>,
+    /// The fingerprint the runtime sent (`result_fp`).
+    pub result_fp: Option<&'a str>,
     pub retry_budget: Option<i64>,
     pub plan_step: Option<i64>,
     pub side_effect: Option<bool>,
@@ -66,6 +71,8 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
         outcome,
         args,
         result,
+        raw_result: obj.get("result"),
+        result_fp: None,
         retry_budget: None,
         plan_step: None,
         side_effect: None,
@@ -83,6 +90,8 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
                 identifier(Some(value), false)?;
             }
             "policy_digest" => call.policy_digest = Some(identifier(Some(value), false)?),
+            "result_fp" if is_hash(value) => call.result_fp = value.as_str(),
+            "result_fp" => return None,
             "error_head" if value.as_str()?.len() > MAX_ERROR_HEAD_BYTES => return None,
             "error_head" => {}
             "seq" => {

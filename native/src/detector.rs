@@ -100,6 +100,10 @@ pub struct RunState {
     streak_ts: VecDeque<i64>,
     streak_first_event_id: String,
     streak_alerted: bool,
+    /// Streak key of the last call's fingerprint (failing calls only), and whether a member joined the
+    /// streak by fingerprint alone.
+    streak_fp: Option<StreakKey>,
+    streak_fuzzy: bool,
     recent_sigs: VecDeque<StepSig>,
     recent_ts: VecDeque<i64>,
     /// Bit i set = the call i steps back failed, for as many calls as `recent_sigs` can hold (only the
@@ -126,6 +130,8 @@ pub struct Step<'a> {
     pub outcome: u8,
     pub call: Digest,
     pub result: Digest,
+    /// The result fingerprint's digest, for a failing call.
+    pub fp: Option<Digest>,
     pub tool: [u8; 4],
     pub retry_budget: Option<i64>,
     pub side_effect: Option<bool>,
@@ -138,6 +144,8 @@ pub struct Finding {
     pub budget: i64,
     pub period: i64,
     pub first_event_id: String,
+    /// The streak matched on fingerprints (some member's exact hash differed).
+    pub fuzzy: bool,
 }
 
 impl RunState {
@@ -186,7 +194,12 @@ impl RunState {
         key[..8].copy_from_slice(&step.result);
         key[8] = OUTCOME_CODE[step.outcome as usize];
         key[9..].copy_from_slice(&step.tool);
-        let (count, budget) = self.streak(step, key, thresholds);
+        let fp_key = step.fp.map(|fp| {
+            let mut fp_key = key;
+            fp_key[..8].copy_from_slice(&fp);
+            fp_key
+        });
+        let (count, budget) = self.streak(step, key, fp_key, thresholds);
         let mut sig = [0u8; 21];
         sig[..8].copy_from_slice(&step.call);
         sig[8..].copy_from_slice(&key);
@@ -222,6 +235,7 @@ impl RunState {
                 budget: 0,
                 period: 0,
                 first_event_id: String::new(),
+                fuzzy: false,
             });
         } else if !failing && !self.streak_varied && !self.streak_alerted {
             self.streak_alerted = true;
@@ -231,6 +245,7 @@ impl RunState {
                 budget: 0,
                 period: 0,
                 first_event_id: self.streak_first_event_id.clone(),
+                fuzzy: false,
             });
         } else {
             return None;
@@ -241,6 +256,7 @@ impl RunState {
             budget,
             period,
             first_event_id: self.streak_first_event_id.clone(),
+            fuzzy: self.streak_fuzzy,
         };
         if thresholds.shadow {
             self.resume(); // as if halted and resumed at once
@@ -262,6 +278,8 @@ impl RunState {
         self.streak_call = [0; 8];
         self.streak_varied = false;
         self.streak_alerted = false;
+        self.streak_fp = None;
+        self.streak_fuzzy = false;
         self.streak_ts.clear();
         self.streak_first_event_id.clear();
         self.recent_sigs.clear();
@@ -303,8 +321,18 @@ impl RunState {
         1
     }
 
-    fn streak(&mut self, step: &Step, key: StreakKey, thresholds: &Thresholds) -> (i64, i64) {
-        if self.streak_key == Some(key) {
+    fn streak(
+        &mut self,
+        step: &Step,
+        key: StreakKey,
+        fp_key: Option<StreakKey>,
+        thresholds: &Thresholds,
+    ) -> (i64, i64) {
+        if self.streak_key == Some(key) || (fp_key.is_some() && fp_key == self.streak_fp) {
+            if self.streak_key != Some(key) {
+                self.streak_key = Some(key);
+                self.streak_fuzzy = true;
+            }
             if step.call != self.streak_call {
                 self.streak_varied = true;
             }
@@ -313,10 +341,12 @@ impl RunState {
             self.streak_call = step.call;
             self.streak_varied = false;
             self.streak_alerted = false;
+            self.streak_fuzzy = false;
             self.streak_ts.clear();
             self.streak_first_event_id.clear();
             self.streak_first_event_id.push_str(step.event_id);
         }
+        self.streak_fp = fp_key;
         let budget = step.retry_budget.unwrap_or(thresholds.retry_budget);
         let times = &mut self.streak_ts;
         times.push_back(step.ts_ms);
@@ -385,10 +415,10 @@ impl RunState {
 pub const MAX_STORED_CYCLE_OCCURRENCES: i64 = 21;
 
 /// The stored record's format versions this engine reads (the reference's `core/stored.py`).
-pub const FORMAT_VERSION: i64 = 1;
+pub const FORMAT_VERSION: i64 = 2;
 
 impl RunState {
-    /// The state and offset of a stored record (`core/stored.py`, versions 0 and 1), or None for
+    /// The state and offset of a stored record (`core/stored.py`, versions 0 to 2), or None for
     /// anything else (another version, a damaged record): the reference then reads it and says what is
     /// wrong.
     pub fn from_record(record: &Map<String, Value>, raw: &[u8]) -> Option<(RunState, i64)> {
@@ -421,6 +451,18 @@ impl RunState {
             (Some(_), call) => call.try_into().ok()?,
             (None, _) => return None,
         };
+        // Version 2's fingerprint streak; absent before (the streak goes on by exact hashes).
+        let streak_fp: Option<StreakKey> = match record.get("streak_fp") {
+            None => None,
+            Some(value) => match unhex(value.as_str()?)?.as_slice() {
+                [] => None,
+                key => Some(key.try_into().ok()?),
+            },
+        };
+        let streak_fuzzy = match record.get("streak_fuzzy") {
+            None => false,
+            Some(value) => value.as_bool()?,
+        };
         let side_effects = match record.get("side_effects")? {
             Value::Null => Vec::new(),
             // The table's order is its insertion order (which entry an eviction picks among equals):
@@ -449,6 +491,8 @@ impl RunState {
             streak_ts: times("streak_ts")?,
             streak_first_event_id: text("streak_first_event_id")?.to_owned(),
             streak_alerted: flag("streak_alerted")?,
+            streak_fp,
+            streak_fuzzy,
             recent_sigs: chunks(&unhex(text("recent_sigs")?)?)?,
             recent_ts: times("recent_ts")?,
             recent_failing: record.get("recent_failing")?.as_u64()?,
@@ -461,7 +505,7 @@ impl RunState {
         Some((state, offset))
     }
 
-    /// The stored record of this state and `offset` in format `version` (0 or 1): the reference's
+    /// The stored record of this state and `offset` in format `version` (0 to 2): the reference's
     /// `encode_run`, key for key.
     pub fn write_record(&self, offset: i64, version: i64, out: &mut Vec<u8>) {
         use std::io::Write;
@@ -528,9 +572,14 @@ impl RunState {
             }
             out.push(b'}');
         }
+        if version >= 2 {
+            out.extend_from_slice(b",\"streak_fp\":");
+            hex_of(out, &mut self.streak_fp.iter().map(|k| k.as_slice()));
+            write!(out, ",\"streak_fuzzy\":{}", self.streak_fuzzy).expect("writing to a Vec cannot fail");
+        }
         write!(out, ",\"offset\":{offset}").expect("writing to a Vec cannot fail");
-        if version == 1 {
-            out.extend_from_slice(b",\"v\":1");
+        if version >= 1 {
+            write!(out, ",\"v\":{version}").expect("writing to a Vec cannot fail");
         }
         out.push(b'}');
     }

@@ -34,18 +34,37 @@ const FIELD_CACHE_LIMIT: usize = 4096;
 const POLICY_CACHE_LIMIT: usize = 10_000;
 
 /// A finding as the reference's `Finding` fields: verdict, count, budget, period, first_event_id,
-/// args_hash, args_verified, result_hash.
-type FindingTuple = (&'static str, i64, i64, i64, String, String, bool, String);
+/// args_hash, args_verified, result_hash, result_fp, fuzzy.
+type FindingTuple = (&'static str, i64, i64, i64, String, String, bool, String, String, bool);
+
+/// Compiled masks, one per pattern text (a policy has few).
+type Masks = HashMap<String, Rc<fancy_regex::Regex>>;
 
 /// The thresholds of one (agent, tool) pair and its field filter.
 struct CallPolicy {
     thresholds: Thresholds,
     tool: [u8; 4],
     fields: FieldFilter,
+    /// The volatile-token mask of failing results (None: masking off for this call).
+    mask: Option<Rc<fancy_regex::Regex>>,
 }
 
 impl CallPolicy {
-    fn from_reference(resolved: &Bound<'_, PyAny>, tool: &str) -> PyResult<Self> {
+    fn from_reference(resolved: &Bound<'_, PyAny>, tool: &str, masks: &mut Masks) -> PyResult<Self> {
+        let mask = resolved.getattr("mask")?;
+        let mask = if mask.is_none() {
+            None
+        } else {
+            let text: String = mask.getattr("pattern")?.extract()?;
+            Some(match masks.get(&text) {
+                Some(regex) => regex.clone(),
+                None => {
+                    let regex = Rc::new(compile_mask(&text)?);
+                    masks.insert(text, regex.clone());
+                    regex
+                }
+            })
+        };
         let s = resolved.getattr("thresholds")?;
         let int = |name: &str| -> PyResult<i64> { s.getattr(name)?.extract() };
         let flag = |name: &str| -> PyResult<bool> { s.getattr(name)?.extract() };
@@ -67,6 +86,7 @@ impl CallPolicy {
             },
             tool: tool_digest(tool),
             fields: FieldFilter::new(resolved.getattr("fields")?.unbind()),
+            mask,
         })
     }
 
@@ -130,6 +150,7 @@ impl FieldFilter {
 }
 
 /// An argument or result hash: computed here, given by the runtime, or impossible (fail closed).
+#[derive(Clone)]
 enum HashOf<'a> {
     Computed([u8; 32]),
     Given(&'a str),
@@ -160,6 +181,7 @@ struct Resolver {
     policy: Py<PyAny>,
     policies: HashMap<String, Rc<CallPolicy>>,
     policy_key: String,
+    masks: Masks,
     scratch: Vec<u8>,
 }
 
@@ -169,6 +191,7 @@ impl Resolver {
             policy,
             policies: HashMap::new(),
             policy_key: String::new(),
+            masks: HashMap::new(),
             scratch: Vec::with_capacity(1024),
         }
     }
@@ -197,7 +220,7 @@ impl Resolver {
             .policy
             .bind(py)
             .call_method1("resolve", (agent_id, tool))?;
-        let policy = Rc::new(CallPolicy::from_reference(&resolved, tool)?);
+        let policy = Rc::new(CallPolicy::from_reference(&resolved, tool, &mut self.masks)?);
         if self.policies.len() >= POLICY_CACHE_LIMIT {
             self.policies.clear();
         }
@@ -214,10 +237,11 @@ impl Resolver {
         state: &mut RunState,
         policy: &CallPolicy,
         call: &Call,
-        given: Option<(HashOf, bool, HashOf)>,
+        given: Option<(HashOf, bool, HashOf, Option<HashOf>)>,
     ) -> PyResult<Option<FindingTuple>> {
         let thresholds = &policy.thresholds;
-        let (args, verified, result) = match given {
+        let failing = call.outcome != 0;
+        let (args, verified, result, fp) = match given {
             Some(hashes) => hashes,
             None => {
                 let (args, verified) = match call.args {
@@ -234,7 +258,21 @@ impl Resolver {
                     },
                     Hashed::Hash(text) => HashOf::Given(text),
                 };
-                (args, verified, result)
+                // The fingerprint (the reference's ``_result_fp``): the masked raw result, else the one
+                // sent, else the result hash itself (also when masking is off).
+                let fp = match (&policy.mask, call.raw_result) {
+                    _ if !failing => None,
+                    (None, _) => Some(result.clone()),
+                    (Some(mask), Some(value)) => {
+                        let masked = mask_value(mask, value)?;
+                        Some(match policy.hash(py, &masked, &mut self.scratch)? {
+                            Some(sha) => HashOf::Computed(sha),
+                            None => HashOf::Missing,
+                        })
+                    }
+                    (Some(_), None) => Some(call.result_fp.map_or_else(|| result.clone(), HashOf::Given)),
+                };
+                (args, verified, result, fp)
             }
         };
         let step = Step {
@@ -244,6 +282,7 @@ impl Resolver {
             outcome: call.outcome,
             call: if verified { args.digest("") } else { short("") },
             result: result.digest("unhashable"),
+            fp: fp.as_ref().map(|fp| fp.digest("unhashable")),
             tool: policy.tool,
             retry_budget: call.retry_budget,
             side_effect: call.side_effect,
@@ -258,6 +297,8 @@ impl Resolver {
                 args.text(""),
                 verified,
                 result.text("unhashable"),
+                fp.as_ref().map_or_else(String::new, |fp| fp.text("unhashable")),
+                f.fuzzy,
             )
         }))
     }
@@ -349,7 +390,7 @@ impl Replayer {
     /// ``(duplicate, finding or None)``.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (run_id, event_id, tool, agent_id, ts_ms, outcome, args_hash, args_verified,
-                        result_hash, retry_budget, plan_step, side_effect))]
+                        result_hash, result_fp, retry_budget, plan_step, side_effect))]
     fn observe(
         &mut self,
         py: Python<'_>,
@@ -362,6 +403,7 @@ impl Replayer {
         args_hash: &str,
         args_verified: bool,
         result_hash: &str,
+        result_fp: &str,
         retry_budget: Option<i64>,
         plan_step: Option<i64>,
         side_effect: Option<bool>,
@@ -379,6 +421,8 @@ impl Replayer {
             outcome,
             args: Hashed::Hash(args_hash),
             result: Hashed::Hash(result_hash),
+            raw_result: None,
+            result_fp: None,
             retry_budget,
             plan_step,
             side_effect,
@@ -389,6 +433,7 @@ impl Replayer {
             HashOf::Given(args_hash),
             args_verified,
             HashOf::Given(result_hash),
+            (outcome != 0).then_some(HashOf::Given(result_fp)),
         );
         let finding = self.fold_call(py, &call, Some(given))?;
         Ok((self.duplicates > duplicates, finding))
@@ -413,7 +458,7 @@ impl Replayer {
         &mut self,
         py: Python<'_>,
         call: &Call,
-        given: Option<(HashOf, bool, HashOf)>,
+        given: Option<(HashOf, bool, HashOf, Option<HashOf>)>,
     ) -> PyResult<Option<FindingTuple>> {
         self.events += 1;
         if !self.runs_seen.contains(call.run_id) {
@@ -748,6 +793,79 @@ fn semantic_hash(
         .map(|sha| hex(&sha)))
 }
 
+/// The volatile-token mask of a reference pattern text (`stream_app/core/volatile.py`).
+fn compile_mask(text: &str) -> PyResult<fancy_regex::Regex> {
+    fancy_regex::Regex::new(text).map_err(|e| {
+        pyo3::exceptions::PyValueError::new_err(format!("volatile-token pattern does not compile: {e}"))
+    })
+}
+
+/// The marker of each group `g0`..`g9`, as the reference's `MARKERS`.
+const MARKERS: [&str; 10] = [
+    "<id>", "<n>", "<uuid>", "<datetime>", "<datetime>", "<hex>", "<hex>", "<num>", "<time>", "<duration>",
+];
+
+/// `text` with its volatile tokens replaced by their markers (the reference's `VolatileMask.text`).
+fn mask_text(mask: &fancy_regex::Regex, text: &str) -> PyResult<String> {
+    let mut out = String::with_capacity(text.len());
+    let mut last = 0;
+    for captures in mask.captures_iter(text) {
+        let captures = captures.map_err(|e| {
+            pyo3::exceptions::PyRuntimeError::new_err(format!("volatile-token mask failed: {e}"))
+        })?;
+        let whole = captures.get(0).expect("group 0 is the match");
+        let (group, volatile) = (1..captures.len())
+            .find_map(|i| captures.get(i).map(|m| (i - 1, m)))
+            .expect("every alternative is one named group");
+        out.push_str(&text[last..volatile.start()]);
+        out.push_str(MARKERS[group]);
+        last = whole.end();
+    }
+    out.push_str(&text[last..]);
+    Ok(out)
+}
+
+/// A copy of `value` with every string masked (keys are left alone).
+fn mask_value(mask: &fancy_regex::Regex, value: &Value) -> PyResult<Value> {
+    Ok(match value {
+        Value::String(text) => Value::String(mask_text(mask, text)?),
+        Value::Array(items) => Value::Array(items.iter().map(|v| mask_value(mask, v)).collect::<PyResult<_>>()?),
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .map(|(k, v)| Ok((k.clone(), mask_value(mask, v)?)))
+                .collect::<PyResult<_>>()?,
+        ),
+        other => other.clone(),
+    })
+}
+
+/// The volatile-token mask of `text` under reference pattern `pattern`: the differential tests compare
+/// it with ``VolatileMask.text``.
+#[pyfunction]
+#[pyo3(name = "mask_text")]
+fn mask_text_py(pattern: &str, text: &str) -> PyResult<String> {
+    mask_text(&compile_mask(pattern)?, text)
+}
+
+/// The result fingerprint of a JSON document (masked, then hashed under a reference ``FieldFilter``),
+/// or None when it has no canonical form.
+#[pyfunction]
+fn result_fingerprint(
+    py: Python<'_>,
+    json: &[u8],
+    fields: Py<PyAny>,
+    collapse_whitespace: bool,
+    pattern: &str,
+) -> PyResult<Option<String>> {
+    let value: Value = serde_json::from_slice(json)
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("not JSON: {e}")))?;
+    let masked = mask_value(&compile_mask(pattern)?, &value)?;
+    let fields = FieldFilter::new(fields);
+    Ok(fields
+        .hash(py, &masked, collapse_whitespace, &mut Vec::new())?
+        .map(|sha| hex(&sha)))
+}
+
 /// Bytes this extension holds on the heap now (requested sizes, as tracemalloc counts Python's): the
 /// benchmark's memory per tracked run.
 #[pyfunction]
@@ -761,5 +879,7 @@ fn loopwarden_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<BatchFolder>()?;
     m.add_function(wrap_pyfunction!(semantic_hash, m)?)?;
     m.add_function(wrap_pyfunction!(heap_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(mask_text_py, m)?)?;
+    m.add_function(wrap_pyfunction!(result_fingerprint, m)?)?;
     Ok(())
 }

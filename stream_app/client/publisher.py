@@ -4,7 +4,10 @@ Arguments and results are hashed here, on the runtime, by default: the detector 
 so it needs their semantic hashes, not their content, and customer data in tool arguments then never
 crosses the bus. A tool is opted in to raw ``args``/``result`` (``raw_tools``) when the worker must see
 them, e.g. for a ``strict_args`` policy. Either way the value is first put in the exact JSON form it
-would travel in, so a client-side hash equals the one the worker would compute from the raw event.
+would travel in, so a client-side hash equals the one the worker would compute from the raw event. A
+failing call's result also gets its fingerprint here (``result_fp``: the hash with volatile tokens such
+as request ids and durations masked, ``core/volatile.py``), so the fleet matches repeated failures whose
+text differs only in those without ever seeing the text.
 
 Secrets are removed before anything else: fields named like a password, a token, a key, a cookie or an
 e-mail body (``redact``, default ``DEFAULT_REDACTED_FIELDS``) are dropped at any depth from arguments,
@@ -138,7 +141,12 @@ class TelemetryBuilder:
         else:
             self._warn_if_strict(call.agent_id, call.tool)
             event["args_hash"] = args_hash or self.args_hash(call.agent_id, call.tool, call.args)
-            event["result_hash"] = self._hashed(call.agent_id, call.tool, call.result, "result")[0]
+            result_hash, form = self._hashed(call.agent_id, call.tool, call.result, "result")
+            event["result_hash"] = result_hash
+            if call.outcome != "success" and form is not _NO_FORM:
+                result_fp = self._fingerprint(call.agent_id, call.tool, form)
+                if result_fp is not None:
+                    event["result_fp"] = result_fp
         event["latency_ms"] = round(max(call.latency_ms, 0.0), 3)
         event["policy_digest"] = self.policy.digest
         if call.error_message and self.policy.resolve(call.agent_id, call.tool).thresholds.send_error_head:
@@ -163,6 +171,15 @@ class TelemetryBuilder:
         except NormalisationError as exc:
             logger.debug("value of tool %s has no canonical form: %s", tool, exc, extra={"tool": tool})
             return UNHASHABLE, _NO_FORM
+
+    def _fingerprint(self, agent_id: str | None, tool: str, form: Any) -> str | None:
+        """The failing result's fingerprint (its redacted form with volatile tokens masked), as the
+        detector computes it from a raw result; None when masking is off for the tool (the result hash
+        is then the fingerprint)."""
+        call_policy = self.policy.resolve(agent_id, tool)
+        if call_policy.mask is None:
+            return None
+        return call_policy.mask.fingerprint(form, call_policy.fields, call_policy.thresholds.collapse_whitespace)
 
     def _redacted(self, tool: str, part: str, value: Any) -> Any:
         """``value`` without the secret fields, at any depth; what was removed is logged by name only."""

@@ -216,10 +216,10 @@ def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer, engi
 
 def _observe(engine: Any, event: TelemetryEvent, policy: Policy) -> tuple[Any, ...] | None:
     """Fold an event the reference decoded into the native engine, with the reference's hashes."""
-    args_hash, args_verified, result_hash = event_hashes(event, policy.resolve(event.agent_id, event.tool))
+    args_hash, args_verified, result_hash, result_fp = event_hashes(event, policy.resolve(event.agent_id, event.tool))
     finding: tuple[Any, ...] | None = engine.observe(
         event.run_id, event.event_id, event.tool, event.agent_id, event.ts_ms, event.outcome, args_hash,
-        args_verified, result_hash, event.retry_budget, event.plan_step, event.side_effect)[1]
+        args_verified, result_hash, result_fp, event.retry_budget, event.plan_step, event.side_effect)[1]
     return finding
 
 

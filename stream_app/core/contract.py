@@ -71,6 +71,9 @@ class TelemetryEvent:
     error_head: str | None = None
     #: SHA-256 of the runtime's policy (``Policy.digest``): workers count events of a policy not theirs.
     policy_digest: str | None = None
+    #: The failing result's fingerprint (its hash with volatile tokens masked, ``core/volatile.py``), sent
+    #: by runtimes that hash results on the client; a raw ``result`` overrides it.
+    result_fp: str | None = None
 
 
 #: Longest accepted ``error_head``, in UTF-8 bytes.
@@ -148,6 +151,8 @@ def _check_optional(obj: dict[str, Any], name: str) -> None:
             raise InvalidEvent(name, f"must be a string, got {_json_type(value)}")
         if len(value.encode()) > MAX_ERROR_HEAD_BYTES:
             raise InvalidEvent(name, f"longer than {MAX_ERROR_HEAD_BYTES} bytes")
+    elif name == "result_fp":
+        _hash_string(obj, name)
     elif name == "side_effect":
         if type(value) is not bool:
             raise InvalidEvent(name, f"must be a boolean, got {_json_type(value)}")
@@ -220,7 +225,7 @@ def decode_event(obj: Any) -> TelemetryEvent:
         run_id, event_id, tool, ts_ms, outcome, args, args_hash, get("result"), has_result, result_hash,
         get("agent_id"), get("tenant"), get("seq"), get("trace_id"), get("span_id"), get("parent_span_id"),
         get("retry_budget"), get("plan_step"), get("side_effect"), get("error_class"), get("error_head"),
-        get("policy_digest"),
+        get("policy_digest"), get("result_fp"),
     )
 
 

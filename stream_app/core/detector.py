@@ -9,8 +9,10 @@ The rules, in the order they win when several fire on one event (at most one dec
 1. ``iteration_ceiling`` halt: the run made more calls than its ceiling, whatever they were.
 2. ``circuit_open`` halt: a side-effecting call repeated ``circuit_open_at`` times within its window.
 3. ``recursion`` / ``semantic_loop`` halt: the same tool failed with the identical outcome and result
-   hash more times in a row than the retry budget allows; ``recursion`` when the (normalised) arguments
-   were identical too, ``semantic_loop`` when they mutated.
+   more times in a row than the retry budget allows; ``recursion`` when the (normalised) arguments
+   were identical too, ``semantic_loop`` when they mutated. Two failing results are identical when their
+   hashes are, or failing that their fingerprints (the hash with volatile tokens masked,
+   ``core/volatile.py``): ``evidence.match`` says which.
 4. ``cycle`` halt: a sequence of 2 or 3 calls with identical outcomes, one failing, repeated.
 5. ``duplicate_call`` suppress: a side-effecting call repeated within its window (hand back the
    earlier result instead of acting again).
@@ -94,6 +96,10 @@ class RunState:
     streak_ts: array[int] = field(default_factory=lambda: array("q"))
     streak_first_event_id: str = ""
     streak_alerted: bool = False
+    #: Streak key of the last call's fingerprint (failing calls only; b"" otherwise), and whether a member
+    #: joined the streak by fingerprint alone.
+    streak_fp: bytes = b""
+    streak_fuzzy: bool = False
     #: Step signatures and times of the last few calls (cycle detection), oldest first.
     recent_sigs: bytes = b""
     recent_ts: array[int] = field(default_factory=lambda: array("q"))
@@ -104,8 +110,8 @@ class RunState:
 
     def reset_streaks(self) -> None:
         """Forget repetition evidence (progress was made, or an operator resumed the run)."""
-        self.streak_key = self.streak_call = b""
-        self.streak_varied = self.streak_alerted = False
+        self.streak_key = self.streak_call = self.streak_fp = b""
+        self.streak_varied = self.streak_alerted = self.streak_fuzzy = False
         self.streak_ts = array("q")
         self.streak_first_event_id = ""
         self.recent_sigs = b""
@@ -117,7 +123,8 @@ class RunState:
         return RunState(
             self.calls, self.last_ts_ms, self.halted_by, self.plan_step, self.seen_ids, self.streak_key,
             self.streak_call, self.streak_varied, array("q", self.streak_ts), self.streak_first_event_id,
-            self.streak_alerted, self.recent_sigs, array("q", self.recent_ts), self.recent_failing,
+            self.streak_alerted, self.streak_fp, self.streak_fuzzy, self.recent_sigs, array("q", self.recent_ts),
+            self.recent_failing,
             {k: list(v) for k, v in self.side_effects.items()} if self.side_effects is not None else None,
         )
 
@@ -171,8 +178,11 @@ class Detector:
         failing = event.outcome != "success"
 
         occurrences = self._side_effect_occurrence(state, event, call + tool_sum, thresholds)
-        key = _short(result_hash) + _OUTCOME_CODE[event.outcome] + tool_sum
-        count, budget = self._streak(state, event, call, key, thresholds)
+        code = _OUTCOME_CODE[event.outcome]
+        key = _short(result_hash) + code + tool_sum
+        result_fp = _result_fp(event, call_policy, result_hash) if failing else ""
+        count, budget = self._streak(state, event, call, key, _short(result_fp) + code + tool_sum if result_fp else b"",
+                                     thresholds)
         period = self._cycle(state, call + key, failing, event.ts_ms, thresholds)
 
         if not (state.calls > thresholds.iteration_ceiling or occurrences >= 2 or (failing and count > budget)
@@ -182,7 +192,7 @@ class Detector:
         if finding is None:
             return _NOTHING
         return Evaluation(False, (explain(event, thresholds, finding._replace(
-            args_hash=args_hash, args_verified=args_verified, result_hash=result_hash)),))
+            args_hash=args_hash, args_verified=args_verified, result_hash=result_hash, result_fp=result_fp)),))
 
     def _judge(self, state: RunState, event: TelemetryEvent, thresholds: Thresholds, failing: bool,
                occurrences: int, count: int, budget: int, period: int) -> Finding | None:
@@ -203,7 +213,7 @@ class Detector:
             return Finding("polling", count, first_event_id=state.streak_first_event_id)
         else:
             return None
-        finding = Finding(verdict, count, budget, period, state.streak_first_event_id)
+        finding = Finding(verdict, count, budget, period, state.streak_first_event_id, fuzzy=state.streak_fuzzy)
         if thresholds.shadow:
             self.resume(state)  # as if halted and resumed at once: a loop must fill a whole budget again
         else:
@@ -271,19 +281,24 @@ class Detector:
         return 1
 
     @staticmethod
-    def _streak(state: RunState, event: TelemetryEvent, call: bytes, key: bytes,
+    def _streak(state: RunState, event: TelemetryEvent, call: bytes, key: bytes, fp_key: bytes,
                 thresholds: Thresholds) -> tuple[int, int]:
-        """Extend or restart the streak of calls with this (tool, outcome, result) key; return the
-        number of its calls within the window, and the budget that applies."""
-        if key == state.streak_key:
+        """Extend or restart the streak of calls with this (tool, outcome, result) key, or failing that
+        the same fingerprint key as the previous call; return the number of its calls within the window,
+        and the budget that applies."""
+        if key == state.streak_key or (fp_key and fp_key == state.streak_fp):
+            if key != state.streak_key:
+                state.streak_key = key
+                state.streak_fuzzy = True
             if call != state.streak_call:
                 state.streak_varied = True
         else:
             state.streak_key = key
             state.streak_call = call
-            state.streak_varied = state.streak_alerted = False
+            state.streak_varied = state.streak_alerted = state.streak_fuzzy = False
             del state.streak_ts[:]
             state.streak_first_event_id = event.event_id
+        state.streak_fp = fp_key
         budget = event.retry_budget if event.retry_budget is not None else thresholds.retry_budget
         times = state.streak_ts
         ts_ms = event.ts_ms
@@ -347,6 +362,10 @@ class Finding(NamedTuple):
     args_hash: str = ""
     args_verified: bool = True
     result_hash: str = ""
+    #: The triggering call's result fingerprint ("" for a successful call), and whether the streak
+    #: matched on fingerprints (some member's exact hash differed).
+    result_fp: str = ""
+    fuzzy: bool = False
 
 
 _ACTIONS: dict[str, Action] = {"duplicate_call": "suppress", "polling": "alert"}
@@ -374,11 +393,17 @@ def explain(event: TelemetryEvent, thresholds: Thresholds, finding: Finding) -> 
                   f"{thresholds.side_effect_window_ms // 1000} s; circuit opened")
     elif verdict in ("recursion", "semantic_loop"):
         evidence.update(count=count, budget=finding.budget, window_ms=thresholds.window_ms,
-                        window_calls=thresholds.window_calls, first_event_id=finding.first_event_id)
+                        window_calls=thresholds.window_calls, first_event_id=finding.first_event_id,
+                        match="fingerprint" if finding.fuzzy else "exact")
         same = "with mutating arguments" if verdict == "semantic_loop" else "with identical arguments"
-        reason = (f"{event.tool} {same} returned the identical {event.outcome} result "
-                  f"{finding.result_hash[:12]} {count} times in a row within {thresholds.window_ms // 1000} s; "
-                  f"retry budget is {finding.budget}")
+        if finding.fuzzy:
+            evidence["result_fp"] = finding.result_fp
+            result = (f"the same {event.outcome} result up to volatile tokens (fingerprint "
+                      f"{finding.result_fp[:12]})")
+        else:
+            result = f"the identical {event.outcome} result {finding.result_hash[:12]}"
+        reason = (f"{event.tool} {same} returned {result} {count} times in a row within "
+                  f"{thresholds.window_ms // 1000} s; retry budget is {finding.budget}")
         failure = _failure(event, evidence)
         if failure:
             reason = f"{reason}; it failed with {failure}"
@@ -426,11 +451,14 @@ def _failure(event: TelemetryEvent, evidence: dict[str, Any]) -> str:
     return ": ".join(part for part in (event.error_class, event.error_head) if part)
 
 
-def event_hashes(event: TelemetryEvent, call_policy: CallPolicy) -> tuple[str, bool, str]:
-    """The call's argument hash, whether it was verified here, and its result hash (what the native
-    engine is given for events only the reference decoder accepts)."""
+def event_hashes(event: TelemetryEvent, call_policy: CallPolicy) -> tuple[str, bool, str, str]:
+    """The call's argument hash, whether it was verified here, its result hash and its result fingerprint
+    ("" for a successful call): what the native engine is given for events only the reference decoder
+    accepts."""
     args_hash, args_verified = _args_hash(event, call_policy)
-    return args_hash, args_verified, _result_hash(event, call_policy)
+    result_hash = _result_hash(event, call_policy)
+    result_fp = _result_fp(event, call_policy, result_hash) if event.outcome != "success" else ""
+    return args_hash, args_verified, result_hash, result_fp
 
 
 def _args_hash(event: TelemetryEvent, call_policy: CallPolicy) -> tuple[str, bool]:
@@ -447,6 +475,20 @@ def _args_hash(event: TelemetryEvent, call_policy: CallPolicy) -> tuple[str, boo
             return _UNVERIFIED, False
     assert event.args_hash is not None  # the contract guarantees one of the two
     return event.args_hash, not thresholds.strict_args
+
+
+def _result_fp(event: TelemetryEvent, call_policy: CallPolicy, result_hash: str) -> str:
+    """The failing call's result fingerprint: the semantic hash of its raw result with volatile tokens
+    masked, else the fingerprint the runtime sent, else the result hash (also when masking is off)."""
+    mask = call_policy.mask
+    if mask is None:
+        return result_hash
+    if event.has_result:
+        try:
+            return mask.fingerprint(event.result, call_policy.fields, call_policy.thresholds.collapse_whitespace)
+        except NormalisationError:
+            return "unhashable"
+    return event.result_fp if event.result_fp is not None else result_hash
 
 
 def _result_hash(event: TelemetryEvent, call_policy: CallPolicy) -> str:

@@ -19,8 +19,10 @@ from dataclasses import dataclass, fields, replace
 from fnmatch import fnmatchcase
 from typing import Any
 
+from . import volatile
 from .errors import PolicyError
 from .normalize import DEFAULT_IGNORED_FIELDS, FieldFilter, canonical_json
+from .volatile import VolatileMask, check_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,13 @@ class Thresholds:
     #: The SDK sends the start of a failing call's error message (``error_head``, secrets masked) so
     #: halts can quote it; off by default, since results are hashed for privacy.
     send_error_head: bool = False
+    #: Fingerprint failing results with their volatile tokens (ids, times, durations...) masked, so that
+    #: streaks match failures that differ only in them (``core/volatile.py`` has the table).
+    mask_volatile: bool = True
+    #: Extra prefixes whose following id is volatile (``trace-``), added to ``req_`` and ``id=``.
+    volatile_prefixes: tuple[str, ...] = ()
+    #: Extra words whose following number is volatile (``worker``), added to pid, tid, attempt, retry.
+    volatile_keywords: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("retry_budget", "window_calls", "iteration_ceiling", "poll_alert_after"):
@@ -73,6 +82,8 @@ class Thresholds:
         _check_int("cycle_occurrences", self.cycle_occurrences, 2)
         _check_int("circuit_open_at", self.circuit_open_at, 2)
         _check_int("dedupe_window", self.dedupe_window, 1)
+        check_tokens("volatile_prefixes", self.volatile_prefixes)
+        check_tokens("volatile_keywords", self.volatile_keywords)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -91,6 +102,8 @@ class CallPolicy:
     fields: FieldFilter
     #: 4 stable bytes naming the tool inside the detector's digests (crc32 of the name).
     tool_digest: bytes
+    #: Masks a failing result's volatile tokens for its fingerprint; None when ``mask_volatile`` is off.
+    mask: VolatileMask | None = None
 
 
 class Policy:
@@ -156,11 +169,26 @@ class Policy:
             if tool_overrides:
                 thresholds = replace(thresholds, **tool_overrides)
             filter_ = FieldFilter(DEFAULT_IGNORED_FIELDS + thresholds.ignore_fields, thresholds.keep_fields)
-            hit = CallPolicy(thresholds, filter_, zlib.crc32(tool.encode()).to_bytes(4, "big"))
+            hit = CallPolicy(thresholds, filter_, zlib.crc32(tool.encode()).to_bytes(4, "big"),
+                             _mask(thresholds) if thresholds.mask_volatile else None)
             if len(self._cache) >= self._CACHE_LIMIT:
                 self._cache.clear()
             self._cache[key] = hit
         return hit
+
+
+_MASKS: dict[tuple[tuple[str, ...], tuple[str, ...]], VolatileMask] = {}
+
+
+def _mask(thresholds: Thresholds) -> VolatileMask:
+    """The mask of these prefixes and keywords, compiled once per process for every policy."""
+    key = (thresholds.volatile_prefixes, thresholds.volatile_keywords)
+    mask = _MASKS.get(key)
+    if mask is None:
+        if len(_MASKS) >= 256:
+            _MASKS.clear()
+        mask = _MASKS[key] = VolatileMask(volatile.pattern(*key))
+    return mask
 
 
 def _match(entries: list[tuple[str, dict[str, Any]]], name: str) -> dict[str, Any] | None:
@@ -183,7 +211,7 @@ def _overrides(path: str, raw: Any) -> dict[str, Any]:
             raise PolicyError(f"{path}.{name}: unknown setting; known: {', '.join(sorted(_SETTING_TYPES))}")
         if expected is tuple:
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise PolicyError(f"{path}.{name}: must be a list of field-name patterns")
+                raise PolicyError(f"{path}.{name}: must be a list of strings")
             value = tuple(value)
         elif type(value) is not expected:
             raise PolicyError(f"{path}.{name}: must be {expected.__name__}, got {value!r}")

@@ -10,7 +10,9 @@ catches runtimes that publish the same event twice).
 Versions:
 
 - 0: the records of every release before versioning (no ``v`` key);
-- 1: version 0 plus ``v``.
+- 1: version 0 plus ``v``;
+- 2: version 1 plus ``streak_fp`` (hex) and ``streak_fuzzy`` (the fingerprint streak, ``core/volatile.py``).
+  Written as version 0 or 1 they are left out: the run's current streak then goes on by exact hashes only.
 
 A reader decodes every version up to ``FORMAT_VERSION``, and a worker writes the version its operator
 sets (``LOOPWARDEN_STATE_WRITE_VERSION``, default ``FORMAT_VERSION``), so a rolling upgrade rolls the
@@ -34,7 +36,7 @@ from .detector import RunState
 from .errors import LoopwardenError
 
 #: The version this release writes by default, and the newest it reads.
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2
 #: The key of the version in a record; absent in version 0.
 VERSION_KEY: Final = "v"
 
@@ -64,13 +66,17 @@ class StoredRun:
 
 
 def encode_run(run: StoredRun, version: int = FORMAT_VERSION) -> bytes:
-    """The record of ``run`` in format ``version`` (0 or 1)."""
-    record = _record_of(run.state)
-    record["offset"] = run.offset
-    if version == 1:
-        record[VERSION_KEY] = 1
-    elif version != 0:
+    """The record of ``run`` in format ``version`` (0 to ``FORMAT_VERSION``)."""
+    if type(version) is not int or not 0 <= version <= FORMAT_VERSION:
         raise StateVersionError(version, f"set LOOPWARDEN_STATE_WRITE_VERSION to 0..{FORMAT_VERSION}")
+    state = run.state
+    record = _record_of(state)
+    if version >= 2:
+        record["streak_fp"] = state.streak_fp.hex()
+        record["streak_fuzzy"] = state.streak_fuzzy
+    record["offset"] = run.offset
+    if version >= 1:
+        record[VERSION_KEY] = version
     return orjson.dumps(record)
 
 
@@ -149,6 +155,8 @@ def _state_of(record: dict[str, Any]) -> RunState:
         recent_sigs=bytes.fromhex(record["recent_sigs"]),
         recent_ts=array("q", record["recent_ts"]),
         recent_failing=record["recent_failing"],
+        streak_fp=bytes.fromhex(record["streak_fp"]) if "streak_fp" in record else b"",
+        streak_fuzzy=record.get("streak_fuzzy", False),
         side_effects=(
             {bytes.fromhex(k): list(v) for k, v in side_effects.items()} if side_effects else None
         ),

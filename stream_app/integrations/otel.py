@@ -160,4 +160,7 @@ class LoopwardenSpanProcessor(SpanProcessor):
         if not call.has_result:
             event.pop("result", None)
             event["result_hash"] = call.result_hash
+            event.pop("result_fp", None)  # the builder's would be of the missing result
+            if call.result_fp is not None:
+                event["result_fp"] = call.result_fp
         return event

@@ -22,7 +22,9 @@ The mapping (``tool_call``), shared by both:
   kept as ``{"arguments": value}``;
 - ``result`` is the opt-in ``gen_ai.tool.call.result`` (JSON, or kept as the string), else our
   ``dev.loopwarden.result_hash``, else, for an error, ``{"error_type": error.type, "message": the
-  status description}`` (so a retry whose error changes is a retry), else null;
+  status description}`` (so a retry whose error changes is a retry), else null; ``result_fp`` is our
+  ``dev.loopwarden.result_fp`` (a failing result's fingerprint, computed where the result was: a raw
+  result overrides it);
 - ``run_id``: ``gen_ai.conversation.id`` where the span has it, else the trace id (``run_id_from=
   "conversation"``, the default), or always the trace id (``"trace"``). A conversation spans many
   traces (one per turn), so a loop across turns is only seen by conversation; but the conventions put
@@ -77,6 +79,7 @@ PLAN_STEP: Final = PREFIX + "plan_step"
 SIDE_EFFECT: Final = PREFIX + "side_effect"
 ARGS_HASH: Final = PREFIX + "args_hash"
 RESULT_HASH: Final = PREFIX + "result_hash"
+RESULT_FP: Final = PREFIX + "result_fp"
 OUTCOME: Final = PREFIX + "outcome"
 
 _SPAN_FIELDS: Final = ("traceId", "spanId", "parentSpanId", "startTimeUnixNano", "endTimeUnixNano",
@@ -108,6 +111,7 @@ class ToolCall:
     plan_step: int | None
     side_effect: bool | None
     error_class: str | None
+    result_fp: str | None = None
 
     def telemetry(self) -> dict[str, Any]:
         """The telemetry v1 object of this call, arguments and result as the span carried them."""
@@ -130,7 +134,8 @@ class ToolCall:
             event["result"] = self.result
         else:
             event["result_hash"] = self.result_hash
-        for name in ("parent_span_id", "agent_id", "retry_budget", "plan_step", "side_effect", "error_class"):
+        for name in ("parent_span_id", "agent_id", "retry_budget", "plan_step", "side_effect", "error_class",
+                     "result_fp"):
             value = getattr(self, name)
             if value is not None:
                 event[name] = value
@@ -221,6 +226,7 @@ def tool_call(
         plan_step=_integer(attributes, PLAN_STEP, where),
         side_effect=_boolean(attributes, SIDE_EFFECT, where),
         error_class=error_class,
+        result_fp=_string(attributes, RESULT_FP, where),
     )
 
 

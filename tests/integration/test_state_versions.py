@@ -65,14 +65,17 @@ AFTER = [
 ]
 
 
-def test_a_worker_recovers_the_state_written_before_versioning(kafka_bootstrap: str, tmp_path: Path) -> None:
-    """The changelog and telemetry of the release before versioning (format 0), restored on a fresh
-    deployment: the new worker recovers every run from the changelog, re-reads the old telemetry as
-    redeliveries (no decision made twice), and the calls after the upgrade are decided on the
-    recovered streaks, cycles, side effects, halts and event ids, exactly as replay decides them."""
-    fixture = FIXTURES / "v0"
+@pytest.mark.parametrize("version", [0, 1])
+def test_a_worker_recovers_the_state_of_an_earlier_format(kafka_bootstrap: str, tmp_path: Path,
+                                                          version: int) -> None:
+    """The changelog and telemetry of an earlier release (format 0: before versioning; format 1: before
+    fingerprint streaks), restored on a fresh deployment: the new worker recovers every run from the
+    changelog, re-reads the old telemetry as redeliveries (no decision made twice), and the calls after
+    the upgrade are decided on the recovered streaks, cycles, side effects, halts and event ids, exactly
+    as replay decides them."""
+    fixture = FIXTURES / f"v{version}"
     telemetry, changelog = _jsonl(fixture / "telemetry.jsonl"), _jsonl(fixture / "changelog.jsonl")
-    assert all("v" not in orjson.loads(r["value"]) for r in changelog)  # really version 0
+    assert all(orjson.loads(r["value"]).get("v", 0) == version for r in changelog)  # really that version
     fleet = Fleet(kafka_bootstrap, tmp_path, partitions=PARTITIONS)
     _topics(fleet)
     run(_produce_at(kafka_bootstrap, fleet.changelog_topic, changelog))

@@ -40,6 +40,8 @@ def _validator(name: str) -> Draft202012Validator:
         ({"retry_budget": -2}, "retry_budget", "must be >= 0"),
         ({"retry_budget": 10**6}, "retry_budget", "must be <="),
         ({"side_effect": "yes"}, "side_effect", "must be a boolean"),
+        ({"result_fp": 7}, "result_fp", "must be a non-empty string"),
+        ({"result_fp": ""}, "result_fp", "must be a non-empty string"),
         ({"latency_ms": "fast"}, "latency_ms", "must be a number"),
         ({"schema_version": "2"}, "schema_version", "unsupported version"),
         ({"tool": "x" * 600}, "tool", "longer than 512"),

@@ -92,7 +92,9 @@ POLICIES = [
                                       "cycle_occurrences": 2, "window_calls": 5, "dedupe_window": 3},
                          "tools": {"send": {"side_effect": True, "circuit_open_at": 3},
                                    "code": {"collapse_whitespace": False, "strict_args": True},
-                                   "lo*": {"shadow": True, "ignore_fields": ["page"]}}}),
+                                   "lo*": {"shadow": True, "ignore_fields": ["page"]},
+                                   "fetch": {"mask_volatile": False},
+                                   "search": {"volatile_keywords": ["after"], "volatile_prefixes": ["(pid "]}}}),
     Policy.from_mapping({"defaults": {"window_ms": 50, "side_effect_window_ms": 30, "run_ttl_ms": 200,
                                       "shadow": True},
                          "agents": {"b*": {"shadow": False, "retry_budget": 0}}}),
@@ -102,7 +104,9 @@ tools = st.sampled_from(["search", "send", "code", "log", "fetch"])
 outcomes = st.sampled_from(["success", "error", "empty", "noop"])
 small_args = st.sampled_from([{"q": "a"}, {"q": "a", "attempt": 2}, {"q": " a  "}, {"page": 1}, {"page": 2},
                               {"q": [1, 2.0]}, {}])
-results = st.sampled_from(["503", "ok", None, {"e": 1}, 1.5, "  503 "])
+results = st.sampled_from(["503", "ok", None, {"e": 1}, 1.5, "  503 "]) | st.builds(
+    lambda ms, pid, rid: {"error": f"timeout after {ms}ms (pid {pid}, req_{rid:x})"},
+    st.sampled_from([5, 812]), st.sampled_from([1, 42]), st.sampled_from([0xa1, 0xb2]))
 
 
 @st.composite
@@ -123,7 +127,9 @@ def telemetry_lines(draw) -> list[bytes]:
         if draw(st.integers(0, 4)):
             event["result"] = draw(results)
         else:
-            event["result_hash"] = draw(st.sampled_from(["f" * 64, "x"]))
+            event["result_hash"] = draw(st.sampled_from(["f" * 64, "x", "e" * 64]))
+        if draw(st.integers(0, 3)) == 0:
+            event["result_fp"] = draw(st.sampled_from(["c" * 64, "fp"]))
         for name, values in (("agent_id", st.sampled_from(["a1", "bot", ""])),
                              ("retry_budget", st.integers(0, 4)), ("plan_step", st.integers(0, 3)),
                              ("side_effect", st.booleans()), ("seq", st.integers(-3, 3)),
@@ -181,7 +187,7 @@ field_values = st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.flo
 field_names = st.sampled_from(["run_id", "event_id", "tool", "ts_ms", "outcome", "args", "args_hash", "result",
                                "result_hash", "agent_id", "tenant", "seq", "plan_step", "retry_budget",
                                "side_effect", "latency_ms", "tokens", "cost_usd", "attrs", "schema_version",
-                               "trace_id", "span_id", "parent_span_id", "error_class", "other"])
+                               "trace_id", "span_id", "parent_span_id", "error_class", "result_fp", "other"])
 
 
 @given(st.dictionaries(field_names, field_values, max_size=3))

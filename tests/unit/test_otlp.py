@@ -117,10 +117,13 @@ def test_our_attributes_carry_what_has_no_convention() -> None:
     recorder = Recorder()
     recorder.tool("send_email", end_ms=T0, **{
         "dev.loopwarden.retry_budget": 5, "dev.loopwarden.plan_step": 2, "dev.loopwarden.side_effect": True,
-        "dev.loopwarden.args_hash": "a" * 64, "dev.loopwarden.result_hash": "b" * 64})
+        "dev.loopwarden.args_hash": "a" * 64, "dev.loopwarden.result_hash": "b" * 64,
+        "dev.loopwarden.result_fp": "c" * 64})
     event = only_call(recorder).telemetry()
-    assert {k: event.get(k) for k in ("retry_budget", "plan_step", "side_effect", "args_hash", "result_hash")} == {
-        "retry_budget": 5, "plan_step": 2, "side_effect": True, "args_hash": "a" * 64, "result_hash": "b" * 64}
+    assert {k: event.get(k) for k in ("retry_budget", "plan_step", "side_effect", "args_hash", "result_hash",
+                                      "result_fp")} == {
+        "retry_budget": 5, "plan_step": 2, "side_effect": True, "args_hash": "a" * 64, "result_hash": "b" * 64,
+        "result_fp": "c" * 64}
     assert "args" not in event and "result" not in event
     decode_event(event)
 
@@ -136,6 +139,7 @@ def test_our_attributes_carry_what_has_no_convention() -> None:
         ({"dev.loopwarden.plan_step": 1.5}, "dev.loopwarden.plan_step"),
         ({"dev.loopwarden.outcome": "maybe"}, "dev.loopwarden.outcome"),
         ({"dev.loopwarden.args_hash": 7}, "dev.loopwarden.args_hash"),
+        ({"dev.loopwarden.result_fp": 7}, "dev.loopwarden.result_fp"),
         ({"gen_ai.conversation.id": 42}, "gen_ai.conversation.id"),
     ],
 )

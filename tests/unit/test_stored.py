@@ -1,7 +1,8 @@
 """The stored run format (stream_app.core.stored): versions, the fixtures of earlier releases, errors.
 
 ``tests/fixtures/state/v0`` is the runs-table changelog exactly as the worker at a25ae47 (the last
-release before versioning) wrote it; the integration tier recovers a worker from it.
+release before versioning) wrote it, ``v1`` as the worker at 2e9ea20 (the last release writing format 1)
+wrote it; the integration tier recovers a worker from each.
 """
 
 from __future__ import annotations
@@ -46,6 +47,29 @@ def test_version_1_is_version_0_with_its_version(raw: bytes) -> None:
     v1 = encode_run(decode_run(raw), version=1)
     assert orjson.loads(v1) == {**orjson.loads(raw), "v": 1}
     assert decode_run(v1) == decode_run(raw)
+
+
+@pytest.mark.parametrize("raw", _fixture(1), ids=lambda raw: orjson.loads(raw)["streak_first_event_id"])
+def test_version_1_records_read_and_write_back_byte_for_byte(raw: bytes) -> None:
+    assert orjson.loads(raw)["v"] == 1
+    assert encode_run(decode_run(raw), version=1) == raw
+
+
+@pytest.mark.parametrize("raw", _fixture(1))
+def test_version_2_is_version_1_with_the_fingerprint_streak(raw: bytes) -> None:
+    """Read from version 1, a run has no fingerprint streak yet (it goes on by exact hashes)."""
+    v2 = encode_run(decode_run(raw), version=2)
+    assert orjson.loads(v2) == {**orjson.loads(raw), "v": 2, "streak_fp": "", "streak_fuzzy": False}
+    assert decode_run(v2) == decode_run(raw)
+
+
+def test_a_fingerprint_streak_survives_version_2_and_is_dropped_by_version_1(run: Run) -> None:
+    failures = [event(ts_ms=i, outcome="error", result={"error": f"timeout after {100 + i}ms"}) for i in range(2)]
+    run.feed_all(failures)
+    assert run.state.streak_fuzzy and run.state.streak_fp
+    assert decode_run(encode_run(StoredRun(run.state), version=2)).state == run.state
+    older = decode_run(encode_run(StoredRun(run.state), version=1)).state
+    assert (older.streak_fp, older.streak_fuzzy) == (b"", False)
 
 
 def test_the_default_write_version_is_the_newest() -> None:
