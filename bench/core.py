@@ -61,6 +61,12 @@ def _run_calls(rng: random.Random, kind: str, calls: int) -> Iterator[dict[str, 
         elif kind == "runaway":
             yield {"tool": "search", "outcome": "error", "args": {"query": "q3 report"},
                    "result": {"error": "index unavailable"}}
+        elif kind == "volatile":  # the same failure with a fresh duration, request id and time each call
+            yield {"tool": "search_docs", "outcome": "error", "args": {"query": "refund policy"},
+                   "result": {"error": f"upstream timeout after {rng.randrange(30_000, 31_000)}ms (request "
+                                       f"req_{rng.getrandbits(40):010x}) at 2026-12-01T15:{i % 60:02d}:"
+                                       f"{rng.randrange(60):02d}.{rng.randrange(1000):03d}Z",
+                              "status": 504}}
         elif kind == "mutating":
             yield {"tool": "search", "outcome": "error", "args": {"query": "refund", "token": f"{rng.getrandbits(48):x}"},
                    "result": {"error": "rate limited"}}
@@ -72,13 +78,18 @@ def _run_calls(rng: random.Random, kind: str, calls: int) -> Iterator[dict[str, 
 
 KINDS = ("healthy", "flaky", "polling", "runaway", "mutating", "side_effect")
 WEIGHTS = (50, 15, 10, 10, 10, 5)
+#: The detection-round-2 corpus: a tenth of the runs fail the same way with volatile tokens in the error.
+KINDS_VOLATILE = (*KINDS, "volatile")
+WEIGHTS_VOLATILE = (45, 15, 10, 5, 10, 5, 10)
 
 
-def generate_lines(runs: int, calls: int, seed: int = 1, hashed: bool = False) -> list[bytes]:
+def generate_lines(runs: int, calls: int, seed: int = 1, hashed: bool = False, volatile: bool = False) -> list[bytes]:
     """All events as JSONL lines, interleaved call by call across runs (every run active at once).
-    ``hashed``: arguments and results travel as hashes, as the SDK sends them by default."""
+    ``hashed``: arguments and results travel as hashes, as the SDK sends them by default. ``volatile``:
+    the round-2 mix, with runs whose identical failures differ only in volatile tokens."""
     rng = random.Random(seed)
-    plans = [(f"run-{r:06d}", _run_calls(rng, rng.choices(KINDS, WEIGHTS)[0], calls)) for r in range(runs)]
+    kinds, weights = (KINDS_VOLATILE, WEIGHTS_VOLATILE) if volatile else (KINDS, WEIGHTS)
+    plans = [(f"run-{r:06d}", _run_calls(rng, rng.choices(kinds, weights)[0], calls)) for r in range(runs)]
     lines = []
     ts = 1_764_000_000_000
     for i in range(calls):
@@ -278,6 +289,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  native and python decisions byte-identical: {identical}", file=sys.stderr, flush=True)
     core_rate = n / time_core_only(lines)
     del lines
+    print("core: the round-2 mix (identical failures with volatile tokens) ...", file=sys.stderr, flush=True)
+    volatile_lines = generate_lines(args.runs, args.calls, volatile=True)
+    volatile_rates, volatile_out = replay_rates(volatile_lines, "native", args.repeat, "native, volatile")
+    volatile_python_rates, volatile_python_out = replay_rates(volatile_lines, "python", args.repeat,
+                                                              "python, volatile")
+    volatile_identical = volatile_out == volatile_python_out
+    volatile_halts = volatile_out.count(b'"match":"fingerprint"')
+    del volatile_lines
     print("core: the same events with client-side hashes (the SDK's default) ...", file=sys.stderr, flush=True)
     hashed_lines = generate_lines(args.runs, args.calls, hashed=True)
     hashed_rates, _ = replay_rates(hashed_lines, "native", args.repeat, "native, hashed")
@@ -297,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
         "replay_python_events_per_s": statistics.median(python_rates),
         "replay_python_passes": python_rates,
         "engines_identical": identical,
+        "replay_volatile_events_per_s": statistics.median(volatile_rates),
+        "replay_volatile_passes": volatile_rates,
+        "replay_volatile_python_events_per_s": statistics.median(volatile_python_rates),
+        "volatile_engines_identical": volatile_identical,
+        "volatile_fingerprint_decisions": volatile_halts,
         "replay_hashed_events_per_s": statistics.median(hashed_rates),
         "replay_hashed_python_events_per_s": statistics.median(hashed_python_rates),
         "detector_only_events_per_s": core_rate,
@@ -310,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"core.replay_python_events_per_s (reference engine, median of {args.repeat}): "
           f"{result['replay_python_events_per_s']:,.0f} (native/python {result['replay_events_per_s'] / result['replay_python_events_per_s']:.1f}x)")
     print(f"core.engines_identical (decisions byte for byte): {identical}")
+    print(f"core.replay_volatile_events_per_s (round-2 mix, native / python, median of {args.repeat}): "
+          f"{result['replay_volatile_events_per_s']:,.0f} / {result['replay_volatile_python_events_per_s']:,.0f}; "
+          f"{volatile_halts:,} decisions matched on fingerprints; engines identical: {volatile_identical}")
     print(f"core.replay_hashed_events_per_s (args/results as hashes, native / python): "
           f"{result['replay_hashed_events_per_s']:,.0f} / {result['replay_hashed_python_events_per_s']:,.0f}")
     print(f"core.detector_only_events_per_s (reference, pre-decoded events): {core_rate:,.0f}")

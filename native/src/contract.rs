@@ -10,6 +10,10 @@ const MAX_RETRY_BUDGET: i64 = 10_000;
 const MAX_ERROR_HEAD_BYTES: usize = 256;
 
 pub const OUTCOMES: [&str; 4] = ["success", "error", "empty", "noop"];
+/// Tool classes, in the reference's `TOOL_CLASSES` order.
+pub const TOOL_CLASSES: [&str; 6] = ["read", "write", "poll", "spawn", "handoff", "other"];
+pub const READ: u8 = 0;
+pub const WRITE: u8 = 1;
 
 /// Where a call's arguments or result come from: the raw JSON, or a hash the runtime computed.
 pub enum Hashed<'a> {
@@ -33,6 +37,10 @@ pub struct Call<'a> {
     pub raw_result: Option<&'a Value>,
     /// The fingerprint the runtime sent (`result_fp`).
     pub result_fp: Option<&'a str>,
+    /// Index into `TOOL_CLASSES`, when the event says.
+    pub tool_class: Option<u8>,
+    pub target: Option<&'a str>,
+    pub state_hash: Option<&'a str>,
     pub retry_budget: Option<i64>,
     pub plan_step: Option<i64>,
     pub side_effect: Option<bool>,
@@ -73,6 +81,9 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
         result,
         raw_result: obj.get("result"),
         result_fp: None,
+        tool_class: None,
+        target: None,
+        state_hash: None,
         retry_budget: None,
         plan_step: None,
         side_effect: None,
@@ -92,6 +103,13 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
             "policy_digest" => call.policy_digest = Some(identifier(Some(value), false)?),
             "result_fp" if is_hash(value) => call.result_fp = value.as_str(),
             "result_fp" => return None,
+            "tool_class" => {
+                let class = value.as_str()?;
+                call.tool_class = Some(TOOL_CLASSES.iter().position(|c| *c == class)? as u8)
+            }
+            "target" => call.target = Some(identifier(Some(value), false)?),
+            "state_hash" if is_hash(value) => call.state_hash = value.as_str(),
+            "state_hash" => return None,
             "error_head" if value.as_str()?.len() > MAX_ERROR_HEAD_BYTES => return None,
             "error_head" => {}
             "seq" => {

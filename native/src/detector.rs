@@ -23,12 +23,20 @@ pub struct Thresholds {
     pub strict_args: bool,
     pub dedupe_window: i64,
     pub shadow: bool,
+    /// Index into `contract::TOOL_CLASSES`.
+    pub tool_class: u8,
+    pub no_progress_at: i64,
+    pub oscillation_revisits: i64,
 }
 
 /// Outcome codes inside streak keys, in `contract::OUTCOMES` order.
 const OUTCOME_CODE: [u8; 4] = [b's', b'e', b'0', b'n'];
 const SUCCESS: u8 = 0;
 const SIDE_EFFECT_SLOTS: usize = 32;
+const READ_SLOTS: usize = 16;
+const TARGET_SLOTS: usize = 8;
+const STATE_SLOTS: usize = 8;
+const NOOP: u8 = 3;
 const CYCLE_PERIODS: [usize; 2] = [2, 3];
 
 type Digest = [u8; 8];
@@ -41,7 +49,11 @@ type SideEffectKey = [u8; 12];
 
 /// 8 stable bytes for an id or name: crc32 and adler32 of its UTF-8, as the reference's `_checksum`.
 pub fn checksum(text: &str) -> Digest {
-    let bytes = text.as_bytes();
+    checksum_bytes(text.as_bytes())
+}
+
+/// `checksum` of raw bytes (the reference's `_checksum_bytes`).
+pub fn checksum_bytes(bytes: &[u8]) -> Digest {
     let (mut a, mut b) = (1u32, 0u32);
     for chunk in bytes.chunks(5552) {
         for &byte in chunk {
@@ -111,6 +123,10 @@ pub struct RunState {
     recent_failing: u64,
     /// (call, first ts, occurrences) in insertion order, as the reference's dict.
     side_effects: Vec<(SideEffectKey, i64, i64)>,
+    /// Successful reads since the last successful write: (digest, occurrences), least recently seen first.
+    reads: Vec<(Digest, i64)>,
+    /// Written targets, least recently written first: (target, after-states oldest first, revisits).
+    targets: Vec<(Digest, VecDeque<Digest>, i64)>,
 }
 
 /// What to do with an event before any hashing.
@@ -135,6 +151,10 @@ pub struct Step<'a> {
     pub tool: [u8; 4],
     pub retry_budget: Option<i64>,
     pub side_effect: Option<bool>,
+    /// Index into `contract::TOOL_CLASSES` (the event's, else the policy's).
+    pub tool_class: u8,
+    /// A write's (target, after-state) digests, when it has both.
+    pub write: Option<(Digest, Digest)>,
 }
 
 /// The rule that fired and the numbers its decision reports (the reference's `Finding`).
@@ -146,6 +166,8 @@ pub struct Finding {
     pub first_event_id: String,
     /// The streak matched on fingerprints (some member's exact hash differed).
     pub fuzzy: bool,
+    /// The outcome the rules saw (index into `OUTCOMES`): a write that changed nothing is a noop.
+    pub outcome: u8,
 }
 
 impl RunState {
@@ -185,14 +207,35 @@ impl RunState {
 
     /// Fold an admitted, counted call; the finding of the rule that fires, if one does.
     pub fn fold(&mut self, step: &Step, thresholds: &Thresholds) -> Option<Finding> {
-        let failing = step.outcome != SUCCESS;
+        let mut outcome = step.outcome;
+        let mut revisit = 0;
+        if step.tool_class == crate::contract::WRITE {
+            if let Some((target, after)) = step.write {
+                let (revisits, unchanged) = self.write(target, after);
+                revisit = revisits;
+                if unchanged {
+                    outcome = NOOP;
+                }
+            }
+        }
+        let failing = outcome != SUCCESS;
+        let mut reads = 0;
+        if step.tool_class == crate::contract::READ && !failing {
+            let mut raw = [0u8; 20];
+            raw[..8].copy_from_slice(&step.call);
+            raw[8..16].copy_from_slice(&step.result);
+            raw[16..].copy_from_slice(&step.tool);
+            reads = self.read(checksum_bytes(&raw));
+        } else if step.tool_class == crate::contract::WRITE && !failing {
+            self.reads.clear();
+        }
         let mut side_key = [0u8; 12];
         side_key[..8].copy_from_slice(&step.call);
         side_key[8..].copy_from_slice(&step.tool);
         let occurrences = self.side_effect_occurrence(step, side_key, thresholds);
         let mut key = [0u8; 13];
         key[..8].copy_from_slice(&step.result);
-        key[8] = OUTCOME_CODE[step.outcome as usize];
+        key[8] = OUTCOME_CODE[outcome as usize];
         key[9..].copy_from_slice(&step.tool);
         let fp_key = step.fp.map(|fp| {
             let mut fp_key = key;
@@ -204,11 +247,16 @@ impl RunState {
         sig[..8].copy_from_slice(&step.call);
         sig[8..].copy_from_slice(&key);
         let period = self.cycle(sig, failing, step.ts_ms, thresholds);
+        let stuck = 0 < thresholds.no_progress_at && thresholds.no_progress_at <= reads;
+        let oscillating =
+            0 < thresholds.oscillation_revisits && thresholds.oscillation_revisits <= revisit;
 
         if !(self.calls > thresholds.iteration_ceiling
             || occurrences >= 2
             || (failing && count > budget)
             || period > 0
+            || stuck
+            || oscillating
             || (!failing && 0 < thresholds.poll_alert_after && thresholds.poll_alert_after <= count))
         {
             return None;
@@ -228,6 +276,10 @@ impl RunState {
             )
         } else if period > 0 {
             ("cycle", count)
+        } else if stuck {
+            ("no_progress", reads)
+        } else if oscillating {
+            ("oscillation", revisit)
         } else if occurrences >= 2 {
             return Some(Finding {
                 verdict: "duplicate_call",
@@ -236,6 +288,7 @@ impl RunState {
                 period: 0,
                 first_event_id: String::new(),
                 fuzzy: false,
+                outcome,
             });
         } else if !failing && !self.streak_varied && !self.streak_alerted {
             self.streak_alerted = true;
@@ -246,6 +299,7 @@ impl RunState {
                 period: 0,
                 first_event_id: self.streak_first_event_id.clone(),
                 fuzzy: false,
+                outcome,
             });
         } else {
             return None;
@@ -257,6 +311,7 @@ impl RunState {
             period,
             first_event_id: self.streak_first_event_id.clone(),
             fuzzy: self.streak_fuzzy,
+            outcome,
         };
         if thresholds.shadow {
             self.resume(); // as if halted and resumed at once
@@ -285,6 +340,51 @@ impl RunState {
         self.recent_sigs.clear();
         self.recent_ts.clear();
         self.recent_failing = 0;
+        self.reads.clear();
+        self.targets.clear();
+    }
+
+    /// Count a successful read of this digest; its occurrences since the last successful write.
+    fn read(&mut self, digest: Digest) -> i64 {
+        let seen = match self.reads.iter().position(|e| e.0 == digest) {
+            Some(at) => self.reads.remove(at).1 + 1,
+            None => 1,
+        };
+        if self.reads.len() >= READ_SLOTS {
+            self.reads.remove(0);
+        }
+        self.reads.push((digest, seen));
+        seen
+    }
+
+    /// Record a write's after-state of `target`: (the revisit count if it revisited an earlier state,
+    /// else 0; whether it left the target as it was).
+    fn write(&mut self, target: Digest, after: Digest) -> (i64, bool) {
+        let mut entry = match self.targets.iter().position(|e| e.0 == target) {
+            Some(at) => self.targets.remove(at),
+            None => {
+                if self.targets.len() >= TARGET_SLOTS {
+                    self.targets.remove(0);
+                }
+                (target, VecDeque::new(), 0)
+            }
+        };
+        let unchanged = entry.1.back() == Some(&after);
+        let mut revisited = false;
+        if !unchanged {
+            if let Some(at) = entry.1.iter().position(|s| *s == after) {
+                entry.1.remove(at);
+                entry.2 += 1;
+                revisited = true;
+            }
+            entry.1.push_back(after);
+            while entry.1.len() > STATE_SLOTS {
+                entry.1.pop_front();
+            }
+        }
+        let revisits = if revisited { entry.2 } else { 0 };
+        self.targets.push(entry);
+        (revisits, unchanged)
     }
 
     fn side_effect_occurrence(
@@ -463,6 +563,32 @@ impl RunState {
             None => false,
             Some(value) => value.as_bool()?,
         };
+        let reads = match record.get("reads") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(value) => value
+                .as_array()?
+                .iter()
+                .map(|entry| match entry.as_array()?.as_slice() {
+                    [key, n] => Some((unhex(key.as_str()?)?.as_slice().try_into().ok()?, n.as_i64()?)),
+                    _ => None,
+                })
+                .collect::<Option<Vec<_>>>()?,
+        };
+        let targets = match record.get("targets") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(value) => value
+                .as_array()?
+                .iter()
+                .map(|entry| match entry.as_array()?.as_slice() {
+                    [key, states, revisits] => Some((
+                        unhex(key.as_str()?)?.as_slice().try_into().ok()?,
+                        chunks(&unhex(states.as_str()?)?)?,
+                        revisits.as_i64()?,
+                    )),
+                    _ => None,
+                })
+                .collect::<Option<Vec<_>>>()?,
+        };
         let side_effects = match record.get("side_effects")? {
             Value::Null => Vec::new(),
             // The table's order is its insertion order (which entry an eviction picks among equals):
@@ -493,6 +619,8 @@ impl RunState {
             streak_alerted: flag("streak_alerted")?,
             streak_fp,
             streak_fuzzy,
+            reads,
+            targets,
             recent_sigs: chunks(&unhex(text("recent_sigs")?)?)?,
             recent_ts: times("recent_ts")?,
             recent_failing: record.get("recent_failing")?.as_u64()?,
@@ -575,7 +703,39 @@ impl RunState {
         if version >= 2 {
             out.extend_from_slice(b",\"streak_fp\":");
             hex_of(out, &mut self.streak_fp.iter().map(|k| k.as_slice()));
-            write!(out, ",\"streak_fuzzy\":{}", self.streak_fuzzy).expect("writing to a Vec cannot fail");
+            write!(out, ",\"streak_fuzzy\":{},\"reads\":", self.streak_fuzzy)
+                .expect("writing to a Vec cannot fail");
+            if self.reads.is_empty() {
+                out.extend_from_slice(b"null");
+            } else {
+                out.push(b'[');
+                for (i, (key, n)) in self.reads.iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    out.push(b'[');
+                    hex_of(out, &mut std::iter::once(key.as_slice()));
+                    write!(out, ",{n}]").expect("writing to a Vec cannot fail");
+                }
+                out.push(b']');
+            }
+            out.extend_from_slice(b",\"targets\":");
+            if self.targets.is_empty() {
+                out.extend_from_slice(b"null");
+            } else {
+                out.push(b'[');
+                for (i, (key, states, revisits)) in self.targets.iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    out.push(b'[');
+                    hex_of(out, &mut std::iter::once(key.as_slice()));
+                    out.push(b',');
+                    hex_of(out, &mut states.iter().map(|s| s.as_slice()));
+                    write!(out, ",{revisits}]").expect("writing to a Vec cannot fail");
+                }
+                out.push(b']');
+            }
         }
         write!(out, ",\"offset\":{offset}").expect("writing to a Vec cannot fail");
         if version >= 1 {

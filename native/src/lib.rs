@@ -24,8 +24,8 @@ use pyo3::intern;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use serde_json::Value;
 
-use contract::{Call, Hashed, OUTCOMES};
-use detector::{short, tool_digest, Admission, RunState, Thresholds, Step};
+use contract::{Call, Hashed, OUTCOMES, TOOL_CLASSES};
+use detector::{checksum, short, tool_digest, Admission, RunState, Thresholds, Step};
 use normalize::{hex, semantic_hash as hash_value, HashError};
 
 /// Cached key decisions per field filter (the reference caches as many).
@@ -34,8 +34,8 @@ const FIELD_CACHE_LIMIT: usize = 4096;
 const POLICY_CACHE_LIMIT: usize = 10_000;
 
 /// A finding as the reference's `Finding` fields: verdict, count, budget, period, first_event_id,
-/// args_hash, args_verified, result_hash, result_fp, fuzzy.
-type FindingTuple = (&'static str, i64, i64, i64, String, String, bool, String, String, bool);
+/// args_hash, args_verified, result_hash, result_fp, fuzzy, effective_outcome.
+type FindingTuple = (&'static str, i64, i64, i64, String, String, bool, String, String, bool, &'static str);
 
 /// Compiled masks, one per pattern text (a policy has few).
 type Masks = HashMap<String, Rc<fancy_regex::Regex>>;
@@ -83,6 +83,14 @@ impl CallPolicy {
                 strict_args: flag("strict_args")?,
                 dedupe_window: int("dedupe_window")?,
                 shadow: flag("shadow")?,
+                tool_class: {
+                    let class: String = s.getattr("tool_class")?.extract()?;
+                    TOOL_CLASSES.iter().position(|c| *c == class).ok_or_else(|| {
+                        pyo3::exceptions::PyValueError::new_err(format!("unknown tool class {class:?}"))
+                    })? as u8
+                },
+                no_progress_at: int("no_progress_at")?,
+                oscillation_revisits: int("oscillation_revisits")?,
             },
             tool: tool_digest(tool),
             fields: FieldFilter::new(resolved.getattr("fields")?.unbind()),
@@ -286,6 +294,11 @@ impl Resolver {
             tool: policy.tool,
             retry_budget: call.retry_budget,
             side_effect: call.side_effect,
+            tool_class: call.tool_class.unwrap_or(thresholds.tool_class),
+            write: match (call.target, call.state_hash) {
+                (Some(target), Some(after)) => Some((checksum(target), short(after))),
+                _ => None,
+            },
         };
         Ok(state.fold(&step, thresholds).map(|f| {
             (
@@ -299,6 +312,7 @@ impl Resolver {
                 result.text("unhashable"),
                 fp.as_ref().map_or_else(String::new, |fp| fp.text("unhashable")),
                 f.fuzzy,
+                OUTCOMES[f.outcome as usize],
             )
         }))
     }
@@ -390,7 +404,8 @@ impl Replayer {
     /// ``(duplicate, finding or None)``.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (run_id, event_id, tool, agent_id, ts_ms, outcome, args_hash, args_verified,
-                        result_hash, result_fp, retry_budget, plan_step, side_effect))]
+                        result_hash, result_fp, retry_budget, plan_step, side_effect, tool_class,
+                        target, state_hash))]
     fn observe(
         &mut self,
         py: Python<'_>,
@@ -407,7 +422,16 @@ impl Replayer {
         retry_budget: Option<i64>,
         plan_step: Option<i64>,
         side_effect: Option<bool>,
+        tool_class: Option<&str>,
+        target: Option<&str>,
+        state_hash: Option<&str>,
     ) -> PyResult<(bool, Option<FindingTuple>)> {
+        let tool_class = match tool_class {
+            None => None,
+            Some(class) => Some(TOOL_CLASSES.iter().position(|c| *c == class).ok_or_else(|| {
+                pyo3::exceptions::PyValueError::new_err(format!("unknown tool class {class:?}"))
+            })? as u8),
+        };
         let outcome = OUTCOMES.iter().position(|o| *o == outcome).ok_or_else(|| {
             pyo3::exceptions::PyValueError::new_err(format!("unknown outcome {outcome:?}"))
         })? as u8;
@@ -423,6 +447,9 @@ impl Replayer {
             result: Hashed::Hash(result_hash),
             raw_result: None,
             result_fp: None,
+            tool_class,
+            target,
+            state_hash,
             retry_budget,
             plan_step,
             side_effect,

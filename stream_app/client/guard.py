@@ -51,7 +51,7 @@ from ..core import (
     RunTable,
     decode_event,
 )
-from ..core.contract import MAX_ID_LENGTH, MAX_RETRY_BUDGET
+from ..core.contract import MAX_ID_LENGTH, MAX_RETRY_BUDGET, TOOL_CLASSES
 from .errors import InvalidCall, RunHalted, UsageError
 from .lifecycle import StartStop
 from .listener import ControlBoard, DecisionCallback, HaltListener
@@ -74,10 +74,13 @@ _EMPTY_TYPES: Final = (str, bytes, list, tuple, dict, set, frozenset)
 @dataclass(frozen=True, slots=True)
 class ToolOutcome:
     """Returned by a tool to state its outcome explicitly, e.g. ``ToolOutcome("noop", result)`` for a
-    call that changed nothing. The caller of ``GuardedRun.call`` receives ``result``."""
+    call that changed nothing, or a write's after-state (``state_hash``: the target's content hash after
+    it, so that edits undone and redone, and writes that change nothing, are seen). The caller of
+    ``GuardedRun.call`` receives ``result``."""
 
     outcome: Outcome
     result: Any = None
+    state_hash: str | None = None
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:
@@ -109,6 +112,7 @@ class _Earlier:
     body: Any
     error_class: str | None
     expires_ms: int
+    state_hash: str | None = None
 
     def replay(self) -> Any:
         if self.error is not None:
@@ -398,6 +402,8 @@ class GuardedRun:
         retry_budget: int | None = None,
         plan_step: int | None = None,
         ids: CallIds | None = None,
+        tool_class: str | None = None,
+        target: str | None = None,
     ) -> Any:
         """Run ``fn(**args)`` (sync or async) as tool ``tool`` and return its result, unless the run is
         halted (``RunHalted``) or the call is a suppressed duplicate (the earlier result, or the earlier
@@ -407,10 +413,13 @@ class GuardedRun:
         ``retry_budget``: identical failures this call may repeat; None leaves it to the policy.
         ``plan_step``: progress marker; an advance resets repetition evidence.
         ``ids``: the framework's ids of this call, for its telemetry.
+        ``tool_class``: what the call does (read, write, poll, spawn, handoff, other); None leaves it to
+        the policy. ``target``: the resource it reads or writes; a write's tool may return
+        ``ToolOutcome(..., state_hash=)`` with the target's content hash after it.
         Sync tools run on the event loop's thread; wrap a blocking one in ``asyncio.to_thread``.
         """
         pending = await self.begin(tool, args, side_effect=side_effect, retry_budget=retry_budget,
-                                   plan_step=plan_step, ids=ids)
+                                   plan_step=plan_step, ids=ids, tool_class=tool_class, target=target)
         if pending.earlier is not None:
             return pending.earlier.replay()
         started = time.perf_counter()
@@ -436,13 +445,15 @@ class GuardedRun:
         retry_budget: int | None = None,
         plan_step: int | None = None,
         ids: CallIds | None = None,
+        tool_class: str | None = None,
+        target: str | None = None,
     ) -> PendingCall:
         """The first half of ``call``, for frameworks that report a tool call in two hooks (before it
         runs, after it ran): raises ``RunHalted`` if the run is halted; returns a ``PendingCall`` whose
         ``earlier`` is set when the call is a suppressed duplicate (hand ``earlier.replay()`` back
         instead of running the tool; it is already reported). Otherwise run the tool and ``finish``."""
         ids = ids or _NO_IDS
-        _check_call(tool, retry_budget, plan_step, ids)
+        _check_call(tool, retry_budget, plan_step, ids, tool_class, target)
         if not self._guard.ready():
             raise UsageError(
                 "the fleet guard is not started: use 'async with guard' or await guard.start()"
@@ -457,6 +468,8 @@ class GuardedRun:
             retry_budget,
             plan_step,
             ids,
+            tool_class,
+            target,
         )
         thresholds = self._builder.policy.resolve(self.agent_id, tool).thresholds
         side_effecting = side_effect if side_effect is not None else thresholds.side_effect
@@ -480,18 +493,23 @@ class GuardedRun:
         return PendingCall(spec, side_effecting, thresholds.side_effect_window_ms, None)
 
     async def finish(self, pending: PendingCall, result: Any = None, *, error: Exception | None = None,
-                     latency_ms: float = 0.0) -> Any:
+                     latency_ms: float = 0.0, state_hash: str | None = None) -> Any:
         """The second half of ``call``: report the tool's ``result`` (or its ``error``) and return what
-        the caller gets (a ``ToolOutcome``'s result, or ``result`` itself)."""
+        the caller gets (a ``ToolOutcome``'s result, or ``result`` itself). ``state_hash``: a write's
+        after-state, when the tool did not return it in a ``ToolOutcome``."""
         if error is not None:
             outcome: Outcome = "error"
             value: Any = None
             body: Any = {"error_class": type(error).__name__, "message": str(error)}
         else:
             outcome, value, body = _classify(result)
+            if isinstance(result, ToolOutcome) and result.state_hash is not None:
+                state_hash = result.state_hash
+        if state_hash is not None and (not isinstance(state_hash, str) or not 0 < len(state_hash) <= MAX_ID_LENGTH):
+            raise InvalidCall(f"state_hash: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
         end_ms = self._clock()
         done = _Earlier(outcome, value, error, body, type(error).__name__ if error else None,
-                        end_ms + pending.window_ms)
+                        end_ms + pending.window_ms, state_hash)
         if pending.side_effecting:
             self._remember(pending.spec.key, done)
         await self._record(self._event(pending.spec, done, end_ms, latency_ms))
@@ -527,6 +545,9 @@ class GuardedRun:
                 span_id=spec.ids.span_id,
                 parent_span_id=spec.ids.parent_span_id,
                 attrs=attrs,
+                tool_class=spec.tool_class,
+                target=spec.target,
+                state_hash=done.state_hash,
             ),
             args_hash=spec.args_hash,
         )
@@ -583,6 +604,8 @@ class _CallSpec:
     retry_budget: int | None
     plan_step: int | None
     ids: CallIds
+    tool_class: str | None = None
+    target: str | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -598,8 +621,13 @@ def _classify(value: Any) -> tuple[Outcome, Any, Any]:
     return "success", value, value
 
 
-def _check_call(tool: str, retry_budget: int | None, plan_step: int | None, ids: CallIds) -> None:
+def _check_call(tool: str, retry_budget: int | None, plan_step: int | None, ids: CallIds,
+                tool_class: str | None = None, target: str | None = None) -> None:
     """Refuse, before the tool runs, what the telemetry contract would refuse after it."""
+    if tool_class is not None and tool_class not in TOOL_CLASSES:
+        raise InvalidCall(f"tool_class: must be one of {', '.join(TOOL_CLASSES)}; got {tool_class!r}")
+    if target is not None and (not isinstance(target, str) or len(target) > MAX_ID_LENGTH):
+        raise InvalidCall(f"target: must be a string of at most {MAX_ID_LENGTH} characters")
     if not isinstance(tool, str) or not 0 < len(tool) <= MAX_ID_LENGTH:
         raise InvalidCall(f"tool: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
     if retry_budget is not None and (

@@ -94,6 +94,9 @@ class FinishedCall:
     span_id: str | None = None
     parent_span_id: str | None = None
     attrs: Mapping[str, Any] | None = None
+    tool_class: str | None = None
+    target: str | None = None
+    state_hash: str | None = None
 
 
 class TelemetryBuilder:
@@ -152,7 +155,7 @@ class TelemetryBuilder:
         if call.error_message and self.policy.resolve(call.agent_id, call.tool).thresholds.send_error_head:
             event["error_head"] = error_head(call.error_message)
         for name in ("seq", "agent_id", "tenant", "side_effect", "retry_budget", "plan_step", "error_class",
-                     "trace_id", "span_id", "parent_span_id"):
+                     "trace_id", "span_id", "parent_span_id", "tool_class", "target", "state_hash"):
             value = getattr(call, name)
             if value is not None:
                 event[name] = value

@@ -219,7 +219,8 @@ def _observe(engine: Any, event: TelemetryEvent, policy: Policy) -> tuple[Any, .
     args_hash, args_verified, result_hash, result_fp = event_hashes(event, policy.resolve(event.agent_id, event.tool))
     finding: tuple[Any, ...] | None = engine.observe(
         event.run_id, event.event_id, event.tool, event.agent_id, event.ts_ms, event.outcome, args_hash,
-        args_verified, result_hash, result_fp, event.retry_budget, event.plan_step, event.side_effect)[1]
+        args_verified, result_hash, result_fp, event.retry_budget, event.plan_step, event.side_effect,
+        event.tool_class, event.target, event.state_hash)[1]
     return finding
 
 

@@ -23,12 +23,16 @@ Verdict = Literal[
     "duplicate_call",
     "circuit_open",
     "polling",
+    "no_progress",
+    "oscillation",
     "operator_halt",
     "operator_resume",
 ]
 OperatorAction = Literal["halt", "resume"]
 
 OUTCOMES: Final = frozenset(("success", "error", "empty", "noop"))
+#: Tool classes (``tool_class``): what a call does, for the rules that need it; ``other`` by default.
+TOOL_CLASSES: Final = ("read", "write", "poll", "spawn", "handoff", "other")
 FAILING_OUTCOMES: Final = frozenset(("error", "empty", "noop"))
 SCHEMA_VERSION: Final = "1"
 
@@ -74,13 +78,19 @@ class TelemetryEvent:
     #: The failing result's fingerprint (its hash with volatile tokens masked, ``core/volatile.py``), sent
     #: by runtimes that hash results on the client; a raw ``result`` overrides it.
     result_fp: str | None = None
+    #: What the call does (``TOOL_CLASSES``); None leaves it to the tool's policy.
+    tool_class: str | None = None
+    #: The resource the call reads or writes (a path, a URL, a record id).
+    target: str | None = None
+    #: The target's content hash after a write-class call.
+    state_hash: str | None = None
 
 
 #: Longest accepted ``error_head``, in UTF-8 bytes.
 MAX_ERROR_HEAD_BYTES: Final = 256
 
 _OPTIONAL_STRINGS: Final = frozenset(
-    ("agent_id", "tenant", "trace_id", "span_id", "parent_span_id", "error_class", "policy_digest")
+    ("agent_id", "tenant", "trace_id", "span_id", "parent_span_id", "error_class", "policy_digest", "target")
 )
 _OPTIONAL_NUMBERS: Final = frozenset(("latency_ms", "tokens", "cost_usd"))
 _CHECKED_ELSEWHERE: Final = frozenset(
@@ -151,8 +161,11 @@ def _check_optional(obj: dict[str, Any], name: str) -> None:
             raise InvalidEvent(name, f"must be a string, got {_json_type(value)}")
         if len(value.encode()) > MAX_ERROR_HEAD_BYTES:
             raise InvalidEvent(name, f"longer than {MAX_ERROR_HEAD_BYTES} bytes")
-    elif name == "result_fp":
+    elif name == "result_fp" or name == "state_hash":
         _hash_string(obj, name)
+    elif name == "tool_class":
+        if value not in TOOL_CLASSES:
+            raise InvalidEvent(name, f"must be one of {', '.join(TOOL_CLASSES)}; got {value!r}"[:200])
     elif name == "side_effect":
         if type(value) is not bool:
             raise InvalidEvent(name, f"must be a boolean, got {_json_type(value)}")
@@ -225,7 +238,7 @@ def decode_event(obj: Any) -> TelemetryEvent:
         run_id, event_id, tool, ts_ms, outcome, args, args_hash, get("result"), has_result, result_hash,
         get("agent_id"), get("tenant"), get("seq"), get("trace_id"), get("span_id"), get("parent_span_id"),
         get("retry_budget"), get("plan_step"), get("side_effect"), get("error_class"), get("error_head"),
-        get("policy_digest"), get("result_fp"),
+        get("policy_digest"), get("result_fp"), get("tool_class"), get("target"), get("state_hash"),
     )
 
 

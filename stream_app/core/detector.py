@@ -14,9 +14,20 @@ The rules, in the order they win when several fire on one event (at most one dec
    hashes are, or failing that their fingerprints (the hash with volatile tokens masked,
    ``core/volatile.py``): ``evidence.match`` says which.
 4. ``cycle`` halt: a sequence of 2 or 3 calls with identical outcomes, one failing, repeated.
-5. ``duplicate_call`` suppress: a side-effecting call repeated within its window (hand back the
+5. ``no_progress`` halt (``evidence.rule: reads``): a successful read-class call returned the same
+   result to the same call for the ``no_progress_at``-th time with no successful write-class call and
+   no ``plan_step`` advance since (not necessarily in a row; poll-class calls are exempt).
+6. ``oscillation`` halt: a write-class call's after-state (``state_hash`` of its ``target``) revisited
+   an earlier state of that target, other than the immediately previous one, for the
+   ``oscillation_revisits``-th time (S1, S0, S1, S0, S1 halts at the 5th write).
+7. ``duplicate_call`` suppress: a side-effecting call repeated within its window (hand back the
    earlier result instead of acting again).
-6. ``polling`` alert: the same call succeeded with the same result many times in a row (advisory).
+8. ``polling`` alert: the same call succeeded with the same result many times in a row (advisory).
+
+A write whose ``state_hash`` equals its target's previous one changed nothing: the rules see its outcome
+as ``noop`` (so repeating it halts by recursion); the evidence keeps the reported ``outcome`` beside the
+``effective_outcome``. Tool classes (``read``, ``write``, ``poll``, ``spawn``, ``handoff``, ``other``)
+come from the event, else the tool's policy; ``other`` is the behaviour of every release before them.
 
 In shadow mode (a policy setting, per agent or tool) rules 1-5 publish an ``alert`` instead, and the run
 carries on as if halted and resumed at once. ``Detector.operate`` applies an operator's (verified) halt
@@ -50,11 +61,17 @@ _CYCLE_PERIODS = (2, 3)
 _SIDE_EFFECT_SLOTS = 32  # distinct side-effecting calls remembered per run within their window
 _UNVERIFIED = ""  # args hash of a call whose arguments could not be normalised: compared by tool only
 _OUTCOME_CODE = {"success": b"s", "error": b"e", "empty": b"0", "noop": b"n"}
+_READ_SLOTS = 16  # distinct (call, result) digests of successful reads remembered per run
+_TARGET_SLOTS = 8  # written targets remembered per run...
+_STATE_SLOTS = 8  # ...and after-states per target
 
 
 def _checksum(text: str) -> bytes:
     """8 stable bytes for an id or name (crc32 + adler32: cheap, and stable across processes)."""
-    raw = text.encode()
+    return _checksum_bytes(text.encode())
+
+
+def _checksum_bytes(raw: bytes) -> bytes:
     return ((zlib.crc32(raw) << 32) | zlib.adler32(raw)).to_bytes(8, "big")
 
 
@@ -107,6 +124,12 @@ class RunState:
     recent_failing: int = 0
     #: Side-effecting call digest -> [first_ts_ms, occurrences] within its window.
     side_effects: dict[bytes, list[int]] | None = None
+    #: Successful reads since the last successful write: (call, result, tool) digest -> occurrences,
+    #: least recently seen first.
+    reads: dict[bytes, int] | None = None
+    #: Written targets, least recently written first: target digest -> [after-state digests (oldest
+    #: first, each once, the previous one last), revisits].
+    targets: dict[bytes, list[Any]] | None = None
 
     def reset_streaks(self) -> None:
         """Forget repetition evidence (progress was made, or an operator resumed the run)."""
@@ -117,6 +140,7 @@ class RunState:
         self.recent_sigs = b""
         self.recent_ts = array("q")
         self.recent_failing = 0
+        self.reads = self.targets = None
 
     def copy(self) -> RunState:
         """An independent copy (a scratch state to ask "what would this event decide?")."""
@@ -126,6 +150,8 @@ class RunState:
             self.streak_alerted, self.streak_fp, self.streak_fuzzy, self.recent_sigs, array("q", self.recent_ts),
             self.recent_failing,
             {k: list(v) for k, v in self.side_effects.items()} if self.side_effects is not None else None,
+            dict(self.reads) if self.reads is not None else None,
+            {k: list(v) for k, v in self.targets.items()} if self.targets is not None else None,
         )
 
 
@@ -175,27 +201,43 @@ class Detector:
         result_hash = _result_hash(event, call_policy)
         call = _short(args_hash) if args_verified else _short(_UNVERIFIED)
         tool_sum = call_policy.tool_digest
-        failing = event.outcome != "success"
+        tool_class = event.tool_class or thresholds.tool_class
+        outcome = event.outcome
+        revisit = 0
+        if tool_class == "write" and event.target is not None and event.state_hash is not None:
+            revisit, unchanged = self._write(state, _checksum(event.target), _short(event.state_hash))
+            if unchanged:
+                outcome = "noop"  # the write changed nothing
+        failing = outcome != "success"
+        reads = 0
+        if tool_class == "read" and not failing:
+            reads = self._read(state, _checksum_bytes(call + _short(result_hash) + tool_sum))
+        elif tool_class == "write" and not failing:
+            state.reads = None  # a successful write is progress
 
         occurrences = self._side_effect_occurrence(state, event, call + tool_sum, thresholds)
-        code = _OUTCOME_CODE[event.outcome]
+        code = _OUTCOME_CODE[outcome]
         key = _short(result_hash) + code + tool_sum
         result_fp = _result_fp(event, call_policy, result_hash) if failing else ""
         count, budget = self._streak(state, event, call, key, _short(result_fp) + code + tool_sum if result_fp else b"",
                                      thresholds)
         period = self._cycle(state, call + key, failing, event.ts_ms, thresholds)
 
+        stuck = 0 < thresholds.no_progress_at <= reads
+        oscillating = 0 < thresholds.oscillation_revisits <= revisit
         if not (state.calls > thresholds.iteration_ceiling or occurrences >= 2 or (failing and count > budget)
-                or period or (not failing and 0 < thresholds.poll_alert_after <= count)):
+                or period or stuck or oscillating or (not failing and 0 < thresholds.poll_alert_after <= count)):
             return _NOTHING  # the common case: nothing to decide, no evidence to build
-        finding = self._judge(state, event, thresholds, failing, occurrences, count, budget, period)
+        finding = self._judge(state, event, thresholds, failing, occurrences, count, budget, period,
+                              reads if stuck else 0, revisit if oscillating else 0)
         if finding is None:
             return _NOTHING
         return Evaluation(False, (explain(event, thresholds, finding._replace(
-            args_hash=args_hash, args_verified=args_verified, result_hash=result_hash, result_fp=result_fp)),))
+            args_hash=args_hash, args_verified=args_verified, result_hash=result_hash, result_fp=result_fp,
+            effective_outcome=outcome)),))
 
     def _judge(self, state: RunState, event: TelemetryEvent, thresholds: Thresholds, failing: bool,
-               occurrences: int, count: int, budget: int, period: int) -> Finding | None:
+               occurrences: int, count: int, budget: int, period: int, reads: int, revisits: int) -> Finding | None:
         """Pick the rule that wins (module docstring order) and apply its effect on the run."""
         verdict: Verdict
         if state.calls > thresholds.iteration_ceiling:
@@ -206,6 +248,10 @@ class Detector:
             verdict = "semantic_loop" if state.streak_varied else "recursion"
         elif period:
             verdict = "cycle"
+        elif reads:
+            verdict, count = "no_progress", reads
+        elif revisits:
+            verdict, count = "oscillation", revisits
         elif occurrences >= 2:
             return Finding("duplicate_call", occurrences)
         elif not failing and not state.streak_varied and not state.streak_alerted:
@@ -279,6 +325,43 @@ class Detector:
             del table[min(table, key=lambda k: table[k][0])]
         table[call] = [event.ts_ms, 1]
         return 1
+
+    @staticmethod
+    def _read(state: RunState, digest: bytes) -> int:
+        """Count a successful read of this (call, result, tool); return its occurrences since the last
+        successful write (the table keeps the most recently seen ``_READ_SLOTS``)."""
+        table = state.reads
+        if table is None:
+            table = state.reads = {}
+        seen = table.pop(digest, 0) + 1  # popped and put back: the most recently seen go last
+        if len(table) >= _READ_SLOTS:
+            del table[next(iter(table))]
+        table[digest] = seen
+        return seen
+
+    @staticmethod
+    def _write(state: RunState, target: bytes, after: bytes) -> tuple[int, bool]:
+        """Record a write's after-state of ``target``: (the target's revisit count if this write revisited
+        an earlier state, else 0; whether it left the target as it was)."""
+        table = state.targets
+        if table is None:
+            table = state.targets = {}
+        entry = table.pop(target, None)  # popped and put back: the most recently written go last
+        if entry is None:
+            if len(table) >= _TARGET_SLOTS:
+                del table[next(iter(table))]
+            entry = [b"", 0]
+        states: bytes = entry[0]
+        table[target] = entry
+        if states[-_DIGEST:] == after:
+            return 0, True
+        revisited = _contains(states, after)
+        if revisited:
+            at = next(i for i in range(0, len(states), _DIGEST) if states[i : i + _DIGEST] == after)
+            states = states[:at] + states[at + _DIGEST :]
+            entry[1] += 1
+        entry[0] = (states + after)[-_DIGEST * _STATE_SLOTS :]
+        return (entry[1] if revisited else 0), False
 
     @staticmethod
     def _streak(state: RunState, event: TelemetryEvent, call: bytes, key: bytes, fp_key: bytes,
@@ -366,6 +449,8 @@ class Finding(NamedTuple):
     #: matched on fingerprints (some member's exact hash differed).
     result_fp: str = ""
     fuzzy: bool = False
+    #: The outcome the rules saw: the reported one, or ``noop`` for a write that changed nothing.
+    effective_outcome: str = ""
 
 
 _ACTIONS: dict[str, Action] = {"duplicate_call": "suppress", "polling": "alert"}
@@ -381,6 +466,9 @@ def explain(event: TelemetryEvent, thresholds: Thresholds, finding: Finding) -> 
         "outcome": event.outcome,
         "result_hash": finding.result_hash,
     }
+    outcome = finding.effective_outcome or event.outcome
+    if outcome != event.outcome:
+        evidence["effective_outcome"] = outcome  # a write that changed nothing
     if event.seq is not None:
         evidence["seq"] = event.seq  # lets a runtime tell which of its calls triggered the decision
     count = finding.tally
@@ -398,10 +486,10 @@ def explain(event: TelemetryEvent, thresholds: Thresholds, finding: Finding) -> 
         same = "with mutating arguments" if verdict == "semantic_loop" else "with identical arguments"
         if finding.fuzzy:
             evidence["result_fp"] = finding.result_fp
-            result = (f"the same {event.outcome} result up to volatile tokens (fingerprint "
+            result = (f"the same {outcome} result up to volatile tokens (fingerprint "
                       f"{finding.result_fp[:12]})")
         else:
-            result = f"the identical {event.outcome} result {finding.result_hash[:12]}"
+            result = f"the identical {outcome} result {finding.result_hash[:12]}"
         reason = (f"{event.tool} {same} returned {result} {count} times in a row within "
                   f"{thresholds.window_ms // 1000} s; retry budget is {finding.budget}")
         failure = _failure(event, evidence)
@@ -411,6 +499,18 @@ def explain(event: TelemetryEvent, thresholds: Thresholds, finding: Finding) -> 
         evidence.update(count=thresholds.cycle_occurrences, period=finding.period, window_ms=thresholds.window_ms)
         reason = (f"a {finding.period}-call cycle ending in {event.tool} repeated "
                   f"{thresholds.cycle_occurrences} times with identical outcomes")
+    elif verdict == "no_progress":
+        evidence.update(rule="reads", count=count, no_progress_at=thresholds.no_progress_at)
+        if event.target is not None:
+            evidence["target"] = event.target
+        reason = (f"{event.tool} read the same result for the same call {count} times with no successful write "
+                  "or plan step between: no progress")
+    elif verdict == "oscillation":
+        assert event.target is not None  # only a write with a target revisits
+        evidence.update(count=count, oscillation_revisits=thresholds.oscillation_revisits, target=event.target,
+                        state_hash=event.state_hash)
+        reason = (f"{event.tool} put {event.target[:80]} back into an earlier state for the {count}th time "
+                  "(edits undone and redone)")
     elif verdict == "duplicate_call":
         evidence.update(count=count, window_ms=thresholds.side_effect_window_ms)
         reason = (f"side-effecting call {event.tool} is a duplicate (occurrence {count} within "

@@ -20,6 +20,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from . import volatile
+from .contract import TOOL_CLASSES
 from .errors import PolicyError
 from .normalize import DEFAULT_IGNORED_FIELDS, FieldFilter, canonical_json
 from .volatile import VolatileMask, check_tokens
@@ -73,15 +74,26 @@ class Thresholds:
     volatile_prefixes: tuple[str, ...] = ()
     #: Extra words whose following number is volatile (``worker``), added to pid, tid, attempt, retry.
     volatile_keywords: tuple[str, ...] = ()
+    #: What the tool's calls do when the event does not say: read, write, poll, spawn, handoff, other.
+    tool_class: str = "other"
+    #: The successful read returning the same result to the same call this many times with no successful
+    #: write or plan step between halts (``no_progress``); 0 disables.
+    no_progress_at: int = 4
+    #: A write's after-state revisiting an earlier state of its target this many times halts
+    #: (``oscillation``); 0 disables.
+    oscillation_revisits: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("retry_budget", "window_calls", "iteration_ceiling", "poll_alert_after"):
+        for name in ("retry_budget", "window_calls", "iteration_ceiling", "poll_alert_after", "no_progress_at",
+                     "oscillation_revisits"):
             _check_int(name, getattr(self, name), 0)
         for name in ("window_ms", "side_effect_window_ms", "run_ttl_ms"):
             _check_int(name, getattr(self, name), 1)
         _check_int("cycle_occurrences", self.cycle_occurrences, 2)
         _check_int("circuit_open_at", self.circuit_open_at, 2)
         _check_int("dedupe_window", self.dedupe_window, 1)
+        if self.tool_class not in TOOL_CLASSES:
+            raise PolicyError(f"tool_class: must be one of {', '.join(TOOL_CLASSES)}, got {self.tool_class!r}")
         check_tokens("volatile_prefixes", self.volatile_prefixes)
         check_tokens("volatile_keywords", self.volatile_keywords)
 

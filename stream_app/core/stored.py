@@ -11,8 +11,11 @@ Versions:
 
 - 0: the records of every release before versioning (no ``v`` key);
 - 1: version 0 plus ``v``;
-- 2: version 1 plus ``streak_fp`` (hex) and ``streak_fuzzy`` (the fingerprint streak, ``core/volatile.py``).
-  Written as version 0 or 1 they are left out: the run's current streak then goes on by exact hashes only.
+- 2: version 1 plus ``streak_fp`` (hex) and ``streak_fuzzy`` (the fingerprint streak, ``core/volatile.py``),
+  ``reads`` (null, or ``[[digest hex, occurrences], ...]`` least recently seen first) and ``targets``
+  (null, or ``[[target digest hex, after-states hex, revisits], ...]`` least recently written first).
+  Written as version 0 or 1 they are left out: the run's current streak then goes on by exact hashes only,
+  and its read and write history starts again.
 
 A reader decodes every version up to ``FORMAT_VERSION``, and a worker writes the version its operator
 sets (``LOOPWARDEN_STATE_WRITE_VERSION``, default ``FORMAT_VERSION``), so a rolling upgrade rolls the
@@ -74,6 +77,9 @@ def encode_run(run: StoredRun, version: int = FORMAT_VERSION) -> bytes:
     if version >= 2:
         record["streak_fp"] = state.streak_fp.hex()
         record["streak_fuzzy"] = state.streak_fuzzy
+        record["reads"] = [[k.hex(), n] for k, n in state.reads.items()] if state.reads else None
+        record["targets"] = ([[k.hex(), states.hex(), revisits] for k, (states, revisits) in state.targets.items()]
+                             if state.targets else None)
     record["offset"] = run.offset
     if version >= 1:
         record[VERSION_KEY] = version
@@ -157,6 +163,9 @@ def _state_of(record: dict[str, Any]) -> RunState:
         recent_failing=record["recent_failing"],
         streak_fp=bytes.fromhex(record["streak_fp"]) if "streak_fp" in record else b"",
         streak_fuzzy=record.get("streak_fuzzy", False),
+        reads={bytes.fromhex(k): n for k, n in reads} if (reads := record.get("reads")) else None,
+        targets=({bytes.fromhex(k): [bytes.fromhex(states), revisits] for k, states, revisits in targets}
+                 if (targets := record.get("targets")) else None),
         side_effects=(
             {bytes.fromhex(k): list(v) for k, v in side_effects.items()} if side_effects else None
         ),

@@ -218,6 +218,35 @@ async def test_local_rules_off_leaves_the_run_to_the_fleet(fleet: Fleet, local_r
             assert refused_at >= 5 and guard.counters["local"] == 0 and guard.counters["fleet_only"] == 1
 
 
+@pytest.mark.parametrize("local_rules", [True, False])
+async def test_failures_differing_in_volatile_tokens_are_halted_on_their_fingerprint(fleet: Fleet,
+                                                                                  local_rules: bool) -> None:
+    """Each failure carries a fresh duration, request id and time, so no two result hashes are equal. The
+    runtime sends the fingerprint it computed (never the text): its own fold and the fleet's halt the
+    4th call alike (evidence.match fingerprint); without local rules the fleet does it alone."""
+    async with _guard(fleet) as guard:
+        run = guard.run(f"volatile-{local_rules}-{time.monotonic_ns()}", local_rules=local_rules)
+        errors = iter(TimeoutError(f"upstream timeout after {30412 + 7 * n}ms (request req_{n:08x}) at "
+                                   f"2026-12-01T15:25:{n:02d}Z") for n in range(100))
+
+        def search_docs(**_: Any) -> None:
+            raise next(errors)
+
+        async def call(n: int) -> None:
+            with contextlib.suppress(TimeoutError):
+                await run.call("search_docs", search_docs, {"query": "refund policy"})
+
+        refused_at = await _paced(20, call)
+        assert run.decision is not None
+        assert (run.decision["verdict"], run.decision["evidence"]["seq"], run.decision["evidence"]["match"]) == (
+            "recursion", 3, "fingerprint")
+        if local_rules:
+            assert refused_at == 5
+            await _confirmed(guard, run)
+        else:
+            assert refused_at >= 5 and guard.counters["local"] == 0 and guard.counters["fleet_only"] == 1
+
+
 async def test_workers_count_telemetry_of_another_policy(fleet: Fleet) -> None:
     """Telemetry carries the runtime's policy digest; a worker with another policy counts the events by
     agent and warns once per digest."""

@@ -1,4 +1,5 @@
-"""The README's worker configuration table is the settings list itself, not a copy that drifts."""
+"""The README against the code: the worker configuration table is the settings list itself, not a copy
+that drifts, and the policy example loads as its comments say."""
 
 from __future__ import annotations
 
@@ -38,3 +39,17 @@ def test_defaults_build_valid_settings() -> None:
 def test_bad_settings_name_the_variable(env: dict[str, str], message: str) -> None:
     with pytest.raises(SettingsError, match=message):
         WorkerSettings.from_env(env)
+
+
+def test_the_readme_policy_example_loads_as_it_says() -> None:
+    """The policy YAML under "## Policy" is a valid policy, and its comments hold for the tools named."""
+    import yaml
+
+    from stream_app.core import Policy
+    from tests.readme_examples import blocks
+
+    [(_, text)] = [b for b in blocks("## Policy") if b[0] == "yaml"]
+    policy = Policy.from_mapping(yaml.safe_load(text))
+    assert policy.resolve(None, "search_docs").thresholds.volatile_prefixes == ("trace-",)
+    assert policy.resolve(None, "run_tests").mask is None
+    assert policy.resolve("coding-bot", "x").thresholds.iteration_ceiling == 500

@@ -23,6 +23,7 @@ from stream_app.client import (
     FinishedCall,
     Guard,
     GuardedRun,
+    InvalidCall,
     KafkaClientConfig,
     KafkaConfigError,
     RunHalted,
@@ -710,3 +711,60 @@ def test_public_names_are_exactly_all() -> None:
         "publisher",
     }
     assert sorted(client.__all__) == sorted(exported)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tool classes, targets and after-states through the SDK
+
+
+async def test_a_fresh_error_text_each_time_is_still_the_same_failure() -> None:
+    """The detection-round-2 example: fresh request ids and durations in every error; the 5th call is
+    refused before it runs."""
+    run = Guard.in_process().run("run-volatile")
+    attempts = iter(range(100))
+
+    def search_docs(**_: Any) -> None:
+        n = next(attempts)
+        raise TimeoutError(f"upstream timeout after {30412 + n}ms (request req_{n:08x})")
+
+    for _ in range(4):
+        with pytest.raises(TimeoutError):
+            await run.call("search_docs", search_docs, {"query": "refund"})
+    with pytest.raises(RunHalted) as halted:
+        await run.call("search_docs", search_docs, {"query": "refund"})
+    assert next(attempts) == 4  # the 5th never ran
+    assert halted.value.verdict == "recursion" and run.decision is not None
+    assert run.decision["evidence"]["match"] == "fingerprint"
+
+
+async def test_rereading_an_unchanged_file_is_refused_at_the_5th_read() -> None:
+    run = Guard.in_process().run("run-reads")
+    read_file = Counted("def f(): ...")
+    for _ in range(4):
+        await run.call("read_file", read_file, {"path": "/a.py"}, tool_class="read", target="/a.py")
+    with pytest.raises(RunHalted) as halted:
+        await run.call("read_file", read_file, {"path": "/a.py"}, tool_class="read", target="/a.py")
+    assert (read_file.calls, halted.value.verdict) == (4, "no_progress")
+
+
+async def test_edits_undone_and_redone_are_refused_after_the_5th_write() -> None:
+    """The tool returns its after-state in a ToolOutcome: S1, S0, S1, S0, S1 halts at the 5th write."""
+    run = Guard.in_process().run("run-edits")
+    writes = iter("10101010")
+
+    def apply_patch(**_: Any) -> ToolOutcome:
+        return ToolOutcome("success", {"ok": True}, state_hash=next(writes) * 64)
+
+    for _ in range(5):
+        await run.call("apply_patch", apply_patch, {"path": "/a.py"}, tool_class="write", target="/a.py")
+    with pytest.raises(RunHalted) as halted:
+        await run.call("apply_patch", apply_patch, {"path": "/a.py"}, tool_class="write", target="/a.py")
+    assert halted.value.verdict == "oscillation"
+
+
+async def test_a_bad_tool_class_is_refused_before_the_tool_runs() -> None:
+    run = Guard.in_process().run("run-bad-class")
+    tool = Counted("x")
+    with pytest.raises(InvalidCall, match="tool_class"):
+        await run.call("read_file", tool, {}, tool_class="reader")
+    assert tool.calls == 0

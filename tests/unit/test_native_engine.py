@@ -93,7 +93,8 @@ POLICIES = [
                          "tools": {"send": {"side_effect": True, "circuit_open_at": 3},
                                    "code": {"collapse_whitespace": False, "strict_args": True},
                                    "lo*": {"shadow": True, "ignore_fields": ["page"]},
-                                   "fetch": {"mask_volatile": False},
+                                   "fetch": {"mask_volatile": False, "tool_class": "read", "no_progress_at": 2},
+                                   "log": {"tool_class": "write", "oscillation_revisits": 1},
                                    "search": {"volatile_keywords": ["after"], "volatile_prefixes": ["(pid "]}}}),
     Policy.from_mapping({"defaults": {"window_ms": 50, "side_effect_window_ms": 30, "run_ttl_ms": 200,
                                       "shadow": True},
@@ -130,6 +131,12 @@ def telemetry_lines(draw) -> list[bytes]:
             event["result_hash"] = draw(st.sampled_from(["f" * 64, "x", "e" * 64]))
         if draw(st.integers(0, 3)) == 0:
             event["result_fp"] = draw(st.sampled_from(["c" * 64, "fp"]))
+        if draw(st.integers(0, 2)) == 0:  # tool classes: reads that repeat, writes that revisit states
+            event["tool_class"] = draw(st.sampled_from(["read", "write", "write", "poll", "other"]))
+            if draw(st.integers(0, 3)):
+                event["target"] = draw(st.sampled_from(["/a", "/b", ""]))
+            if draw(st.integers(0, 3)):
+                event["state_hash"] = draw(st.sampled_from(["1" * 64, "0" * 64, "2" * 64, "s1"]))
         for name, values in (("agent_id", st.sampled_from(["a1", "bot", ""])),
                              ("retry_budget", st.integers(0, 4)), ("plan_step", st.integers(0, 3)),
                              ("side_effect", st.booleans()), ("seq", st.integers(-3, 3)),
@@ -183,11 +190,12 @@ def test_the_golden_fleet_exercises_every_verdict_identically() -> None:
 field_values = st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.floats(allow_nan=False) \
     | st.text(max_size=3) | st.just({}) | st.just([]) | st.sampled_from(
         ["success", "error", "1", "", "r", "x" * 512, "x" * 513, "é" * 512, "é" * 513, 10_000, 10_001, -1, 0,
-         2**63 - 1, 2**63, -(2**63), 0.0, -0.5, 1.0])
+         2**63 - 1, 2**63, -(2**63), 0.0, -0.5, 1.0, "read", "write", "poll", "Read"])
 field_names = st.sampled_from(["run_id", "event_id", "tool", "ts_ms", "outcome", "args", "args_hash", "result",
                                "result_hash", "agent_id", "tenant", "seq", "plan_step", "retry_budget",
                                "side_effect", "latency_ms", "tokens", "cost_usd", "attrs", "schema_version",
-                               "trace_id", "span_id", "parent_span_id", "error_class", "result_fp", "other"])
+                               "trace_id", "span_id", "parent_span_id", "error_class", "result_fp", "tool_class",
+                               "target", "state_hash", "other"])
 
 
 @given(st.dictionaries(field_names, field_values, max_size=3))
