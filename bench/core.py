@@ -67,6 +67,18 @@ def _run_calls(rng: random.Random, kind: str, calls: int) -> Iterator[dict[str, 
                                        f"req_{rng.getrandbits(40):010x}) at 2026-12-01T15:{i % 60:02d}:"
                                        f"{rng.randrange(60):02d}.{rng.randrange(1000):03d}Z",
                               "status": 504}}
+        elif kind == "rereads":  # tool classes: reads of files that never change, an edit now and then
+            if i % 7 == 6:
+                yield {"tool": "apply_patch", "outcome": "success", "tool_class": "write", "target": "/src/app.py",
+                       "state_hash": f"{i:064x}", "args": {"path": "/src/app.py", "patch": f"p{i}"}, "result": "ok"}
+            else:
+                path = f"/src/{i % 3}.py"
+                yield {"tool": "read_file", "outcome": "success", "tool_class": "read", "target": path,
+                       "args": {"path": path}, "result": {"text": f"contents of {path}"}}
+        elif kind == "edits":  # tool classes: an edit undone and redone
+            yield {"tool": "apply_patch", "outcome": "success", "tool_class": "write", "target": "/src/app.py",
+                   "state_hash": f"{i % 2:064x}", "args": {"path": "/src/app.py", "patch": f"p{i % 2}"},
+                   "result": "ok"}
         elif kind == "mutating":
             yield {"tool": "search", "outcome": "error", "args": {"query": "refund", "token": f"{rng.getrandbits(48):x}"},
                    "result": {"error": "rate limited"}}
@@ -78,9 +90,10 @@ def _run_calls(rng: random.Random, kind: str, calls: int) -> Iterator[dict[str, 
 
 KINDS = ("healthy", "flaky", "polling", "runaway", "mutating", "side_effect")
 WEIGHTS = (50, 15, 10, 10, 10, 5)
-#: The detection-round-2 corpus: a tenth of the runs fail the same way with volatile tokens in the error.
-KINDS_VOLATILE = (*KINDS, "volatile")
-WEIGHTS_VOLATILE = (45, 15, 10, 5, 10, 5, 10)
+#: The detection-round-2 corpus: a tenth of the runs fail the same way with volatile tokens in the error,
+#: a tenth read and write with tool classes (some rereading unchanged files, some undoing edits).
+KINDS_VOLATILE = (*KINDS, "volatile", "rereads", "edits")
+WEIGHTS_VOLATILE = (40, 10, 10, 5, 10, 5, 10, 7, 3)
 
 
 def generate_lines(runs: int, calls: int, seed: int = 1, hashed: bool = False, volatile: bool = False) -> list[bytes]:
@@ -136,12 +149,12 @@ def time_core_only(lines: list[bytes]) -> float:
     return time.perf_counter() - start
 
 
-def native_bytes_per_run(runs: int, calls: int) -> float:
+def native_bytes_per_run(runs: int, calls: int, volatile: bool = False) -> float:
     """Heap bytes the native engine holds per tracked run (states, digests, table entry, run-id keys),
     counted by its allocator as tracemalloc counts Python's."""
     from loopwarden_native import Replayer, heap_bytes
 
-    lines = generate_lines(runs, calls, seed=2)
+    lines = generate_lines(runs, calls, seed=2, volatile=volatile)
     before = heap_bytes()
     engine = Replayer(BENCH_POLICY, runs, 1 << 20)
     engine.feed(lines, 0)
@@ -150,9 +163,9 @@ def native_bytes_per_run(runs: int, calls: int) -> float:
     return held / runs
 
 
-def bytes_per_run(runs: int, calls: int) -> float:
+def bytes_per_run(runs: int, calls: int, volatile: bool = False) -> float:
     """Traced heap bytes held per tracked run (states, digests, table entry, run-id key)."""
-    lines = generate_lines(runs, calls, seed=2)
+    lines = generate_lines(runs, calls, seed=2, volatile=volatile)
     events = [decode_event(orjson.loads(line)) for line in lines]
     gc.collect()
     tracemalloc.start()
@@ -289,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  native and python decisions byte-identical: {identical}", file=sys.stderr, flush=True)
     core_rate = n / time_core_only(lines)
     del lines
-    print("core: the round-2 mix (identical failures with volatile tokens) ...", file=sys.stderr, flush=True)
+    print("core: the round-2 mix (volatile tokens in failures, tool classes) ...", file=sys.stderr, flush=True)
     volatile_lines = generate_lines(args.runs, args.calls, volatile=True)
     volatile_rates, volatile_out = replay_rates(volatile_lines, "native", args.repeat, "native, volatile")
     volatile_python_rates, volatile_python_out = replay_rates(volatile_lines, "python", args.repeat,
@@ -304,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     del hashed_lines
     native_per_run = native_bytes_per_run(args.runs, 30)
     per_run = bytes_per_run(args.runs, 30)
+    native_per_run_volatile = native_bytes_per_run(args.runs, 30, volatile=True)
+    per_run_volatile = bytes_per_run(args.runs, 30, volatile=True)
     print("core: cost of one call as a run grows (ours vs naive history rescan) ...", file=sys.stderr, flush=True)
     growth = cost_vs_run_length()
     print("core: the worker's batch function, batches of 1,000 (both engines) ...", file=sys.stderr, flush=True)
@@ -326,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         "detector_only_events_per_s": core_rate,
         "bytes_per_tracked_run": native_per_run,
         "bytes_per_tracked_run_python": per_run,
+        "bytes_per_tracked_run_volatile": native_per_run_volatile,
+        "bytes_per_tracked_run_volatile_python": per_run_volatile,
         "cost_vs_run_length": growth,
         "batch_fold": fold_costs,
     }
@@ -343,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"core.bytes_per_tracked_run (native, {args.runs:,} runs x 30 calls, its allocator's count): "
           f"{native_per_run:,.0f}")
     print(f"core.bytes_per_tracked_run_python ({args.runs:,} runs x 30 calls, tracemalloc): {per_run:,.0f}")
+    print(f"core.bytes_per_tracked_run on the round-2 mix (native / python): {native_per_run_volatile:,.0f} / "
+          f"{per_run_volatile:,.0f}")
     first, last = growth[0], growth[-1]
     print(f"core.cost_per_call_us at {first['calls']:,} -> {last['calls']:,} calls: ours {first['ours_us']:.1f} -> "
           f"{last['ours_us']:.1f}, naive {first['naive_us']:.1f} -> {last['naive_us']:.1f}")

@@ -21,6 +21,32 @@ pub enum Hashed<'a> {
     Hash(&'a str),
 }
 
+/// Sums saturate here (the reference's `SPEND_CAP`): both engines agree past any real budget.
+pub const SPEND_CAP: i64 = 1 << 62;
+
+/// A cost in USD (a JSON number >= 0) as integer micro-USD, as the reference's `micro_usd`.
+pub fn micro_usd(value: &Value) -> i64 {
+    match value.as_u64() {
+        Some(whole) => whole.saturating_mul(1_000_000).min(SPEND_CAP as u64) as i64,
+        None => clamp_float((value.as_f64().unwrap_or(0.0) * 1_000_000.0 + 0.5).floor()),
+    }
+}
+
+/// A token count (a JSON number >= 0) as an integer, as the reference's `token_count`.
+pub fn token_count(value: &Value) -> i64 {
+    match value.as_u64() {
+        Some(whole) => whole.min(SPEND_CAP as u64) as i64,
+        None => clamp_float(value.as_f64().unwrap_or(0.0).floor()),
+    }
+}
+
+fn clamp_float(f: f64) -> i64 {
+    if f >= SPEND_CAP as f64 {
+        SPEND_CAP
+    } else {
+        f.max(0.0) as i64
+    }
+}
 /// The fields of one telemetry event the detector reads.
 pub struct Call<'a> {
     pub run_id: &'a str,
@@ -46,6 +72,11 @@ pub struct Call<'a> {
     pub side_effect: Option<bool>,
     /// The runtime's policy digest, when it folded the call locally.
     pub policy_digest: Option<&'a str>,
+    /// `kind: model_call`: an inference, not a tool call.
+    pub model_call: bool,
+    /// `tokens` and `cost_usd` (numbers >= 0) as integers: tokens and micro-USD.
+    pub tokens: i64,
+    pub cost_micro: i64,
 }
 
 /// The call in `obj`, or None when the reference decoder must look at it.
@@ -58,17 +89,27 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
         Value::String(s) => OUTCOMES.iter().position(|o| o == s)? as u8,
         _ => return None,
     };
+    let model_call = match present(obj.get("kind")) {
+        None => false,
+        Some(Value::String(kind)) if kind == "tool_call" => false,
+        Some(Value::String(kind)) if kind == "model_call" => true,
+        Some(_) => return None,
+    };
+    // A model call needs neither arguments nor a result; a tool call needs both.
     let args = match (present(obj.get("args")), present(obj.get("args_hash"))) {
         (_, Some(hash)) if !is_hash(hash) => return None,
         (Some(args @ Value::Object(_)), _) => Hashed::Raw(args),
         (Some(_), _) => return None,
         (None, Some(Value::String(hash))) => Hashed::Hash(hash),
+        (None, _) if model_call => Hashed::Hash(""),
         (None, _) => return None,
     };
-    let result = match present(obj.get("result_hash")) {
-        Some(Value::String(hash)) if is_hash_text(hash) => Hashed::Hash(hash),
-        Some(_) => return None,
-        None => Hashed::Raw(obj.get("result")?), // a JSON null result is a result; an absent one is not
+    let result = match (present(obj.get("result_hash")), obj.get("result")) {
+        (Some(Value::String(hash)), _) if is_hash_text(hash) => Hashed::Hash(hash),
+        (Some(_), _) => return None,
+        (None, Some(result)) => Hashed::Raw(result), // a JSON null result is a result; an absent one is not
+        (None, None) if model_call => Hashed::Hash(""),
+        (None, None) => return None,
     };
     let mut call = Call {
         run_id,
@@ -84,6 +125,9 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
         tool_class: None,
         target: None,
         state_hash: None,
+        model_call,
+        tokens: 0,
+        cost_micro: 0,
         retry_budget: None,
         plan_step: None,
         side_effect: None,
@@ -122,7 +166,9 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
             }
             "side_effect" => call.side_effect = Some(value.as_bool()?),
             "latency_ms" | "tokens" | "cost_usd" if value.as_f64()? < 0.0 => return None,
-            "latency_ms" | "tokens" | "cost_usd" => {}
+            "tokens" => call.tokens = token_count(value),
+            "cost_usd" => call.cost_micro = micro_usd(value),
+            "latency_ms" | "kind" => {}
             "attrs" => {
                 value.as_object()?;
             }

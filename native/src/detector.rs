@@ -27,7 +27,16 @@ pub struct Thresholds {
     pub tool_class: u8,
     pub no_progress_at: i64,
     pub oscillation_revisits: i64,
+    /// Run budgets (0: none): cost in micro-USD, tokens; calls per tool; model calls in a row.
+    pub max_cost_micro: i64,
+    pub max_tokens: i64,
+    pub max_calls: i64,
+    pub max_model_calls_without_tool: i64,
 }
+
+use crate::contract::SPEND_CAP;
+
+
 
 /// Outcome codes inside streak keys, in `contract::OUTCOMES` order.
 const OUTCOME_CODE: [u8; 4] = [b's', b'e', b'0', b'n'];
@@ -37,6 +46,7 @@ const READ_SLOTS: usize = 16;
 const TARGET_SLOTS: usize = 8;
 const STATE_SLOTS: usize = 8;
 const NOOP: u8 = 3;
+const TOOL_COUNT_SLOTS: usize = 32;
 const CYCLE_PERIODS: [usize; 2] = [2, 3];
 
 type Digest = [u8; 8];
@@ -127,6 +137,12 @@ pub struct RunState {
     reads: Vec<(Digest, i64)>,
     /// Written targets, least recently written first: (target, after-states oldest first, revisits).
     targets: Vec<(Digest, VecDeque<Digest>, i64)>,
+    /// Spent so far: micro-USD and tokens; model calls since the last tool call.
+    cost_micro: i64,
+    tokens: i64,
+    model_streak: i64,
+    /// Calls per tool with a `max_calls`, least recently called first.
+    tool_counts: Vec<([u8; 4], i64)>,
 }
 
 /// What to do with an event before any hashing.
@@ -155,6 +171,8 @@ pub struct Step<'a> {
     pub tool_class: u8,
     /// A write's (target, after-state) digests, when it has both.
     pub write: Option<(Digest, Digest)>,
+    pub cost_micro: i64,
+    pub tokens: i64,
 }
 
 /// The rule that fired and the numbers its decision reports (the reference's `Finding`).
@@ -168,6 +186,8 @@ pub struct Finding {
     pub fuzzy: bool,
     /// The outcome the rules saw (index into `OUTCOMES`): a write that changed nothing is a noop.
     pub outcome: u8,
+    /// Which budget (`cost`, `tokens`, `calls`) or which no-progress rule (`reads`, `model_calls`).
+    pub rule: &'static str,
 }
 
 impl RunState {
@@ -207,6 +227,14 @@ impl RunState {
 
     /// Fold an admitted, counted call; the finding of the rule that fires, if one does.
     pub fn fold(&mut self, step: &Step, thresholds: &Thresholds) -> Option<Finding> {
+        self.model_streak = 0;
+        let mut spent = self.spend(step, thresholds);
+        if spent.is_none() && thresholds.max_calls > 0 {
+            let calls = self.count_tool(step.tool);
+            if calls > thresholds.max_calls {
+                spent = Some(("calls", calls));
+            }
+        }
         let mut outcome = step.outcome;
         let mut revisit = 0;
         if step.tool_class == crate::contract::WRITE {
@@ -257,12 +285,17 @@ impl RunState {
             || period > 0
             || stuck
             || oscillating
+            || spent.is_some()
             || (!failing && 0 < thresholds.poll_alert_after && thresholds.poll_alert_after <= count))
         {
             return None;
         }
+        let mut rule = "";
         let (verdict, count) = if self.calls > thresholds.iteration_ceiling {
             ("iteration_ceiling", self.calls)
+        } else if let Some((budget, amount)) = spent {
+            rule = budget;
+            ("budget_exceeded", amount)
         } else if occurrences >= thresholds.circuit_open_at {
             ("circuit_open", occurrences)
         } else if failing && count > budget {
@@ -277,6 +310,7 @@ impl RunState {
         } else if period > 0 {
             ("cycle", count)
         } else if stuck {
+            rule = "reads";
             ("no_progress", reads)
         } else if oscillating {
             ("oscillation", revisit)
@@ -289,6 +323,7 @@ impl RunState {
                 first_event_id: String::new(),
                 fuzzy: false,
                 outcome,
+                rule: "",
             });
         } else if !failing && !self.streak_varied && !self.streak_alerted {
             self.streak_alerted = true;
@@ -300,6 +335,7 @@ impl RunState {
                 first_event_id: self.streak_first_event_id.clone(),
                 fuzzy: false,
                 outcome,
+                rule: "",
             });
         } else {
             return None;
@@ -312,19 +348,81 @@ impl RunState {
             first_event_id: self.streak_first_event_id.clone(),
             fuzzy: self.streak_fuzzy,
             outcome,
+            rule,
         };
+        self.halt(step, verdict, thresholds);
+        Some(finding)
+    }
+
+    /// A halting finding's effect: halted, or in shadow mode as if halted and resumed at once.
+    fn halt(&mut self, step: &Step, verdict: &str, thresholds: &Thresholds) {
         if thresholds.shadow {
-            self.resume(); // as if halted and resumed at once
+            self.resume();
         } else {
             self.halted_by = Some(decision_id(step.run_id, step.event_id, "halt", verdict));
         }
-        Some(finding)
+    }
+
+    /// Fold an admitted model call (an inference, not a tool call): it spends, and counts toward the
+    /// model calls in a row, nothing else (the reference's `Detector._model_call`).
+    pub fn model_call(&mut self, step: &Step, thresholds: &Thresholds) -> Option<Finding> {
+        self.model_streak += 1;
+        let (verdict, rule, count) = match self.spend(step, thresholds) {
+            Some((budget, amount)) => ("budget_exceeded", budget, amount),
+            None if 0 < thresholds.max_model_calls_without_tool
+                && thresholds.max_model_calls_without_tool <= self.model_streak =>
+            {
+                ("no_progress", "model_calls", self.model_streak)
+            }
+            None => return None,
+        };
+        self.halt(step, verdict, thresholds);
+        Some(Finding {
+            verdict,
+            count,
+            budget: 0,
+            period: 0,
+            first_event_id: String::new(),
+            fuzzy: false,
+            outcome: step.outcome,
+            rule,
+        })
+    }
+
+    /// Add the call's cost and tokens; the budget this call takes strictly past its limit, if one.
+    fn spend(&mut self, step: &Step, thresholds: &Thresholds) -> Option<(&'static str, i64)> {
+        let (cost, tokens) = (self.cost_micro, self.tokens);
+        self.cost_micro = (cost + step.cost_micro).min(SPEND_CAP);
+        self.tokens = (tokens + step.tokens).min(SPEND_CAP);
+        let crossed = |limit: i64, before: i64, after: i64| limit > 0 && before <= limit && limit < after;
+        if crossed(thresholds.max_cost_micro, cost, self.cost_micro) {
+            Some(("cost", self.cost_micro))
+        } else if crossed(thresholds.max_tokens, tokens, self.tokens) {
+            Some(("tokens", self.tokens))
+        } else {
+            None
+        }
+    }
+
+    /// Count a call of a tool that has a `max_calls`; its calls so far.
+    fn count_tool(&mut self, tool: [u8; 4]) -> i64 {
+        let calls = match self.tool_counts.iter().position(|e| e.0 == tool) {
+            Some(at) => self.tool_counts.remove(at).1 + 1,
+            None => 1,
+        };
+        if self.tool_counts.len() >= TOOL_COUNT_SLOTS {
+            self.tool_counts.remove(0);
+        }
+        self.tool_counts.push((tool, calls));
+        calls
     }
 
     fn resume(&mut self) {
         self.halted_by = None;
         self.calls = 0;
         self.side_effects.clear();
+        self.tool_counts.clear();
+        self.model_streak = 0;
         self.reset_streaks();
     }
 
@@ -574,6 +672,23 @@ impl RunState {
                 })
                 .collect::<Option<Vec<_>>>()?,
         };
+        let spend = |name: &str| -> Option<i64> {
+            match record.get(name) {
+                None => Some(0),
+                Some(value) => value.as_i64(),
+            }
+        };
+        let tool_counts = match record.get("tool_counts") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(value) => value
+                .as_array()?
+                .iter()
+                .map(|entry| match entry.as_array()?.as_slice() {
+                    [key, n] => Some((unhex(key.as_str()?)?.as_slice().try_into().ok()?, n.as_i64()?)),
+                    _ => None,
+                })
+                .collect::<Option<Vec<_>>>()?,
+        };
         let targets = match record.get("targets") {
             None | Some(Value::Null) => Vec::new(),
             Some(value) => value
@@ -621,6 +736,10 @@ impl RunState {
             streak_fuzzy,
             reads,
             targets,
+            cost_micro: spend("cost_micro")?,
+            tokens: spend("tokens")?,
+            model_streak: spend("model_streak")?,
+            tool_counts,
             recent_sigs: chunks(&unhex(text("recent_sigs")?)?)?,
             recent_ts: times("recent_ts")?,
             recent_failing: record.get("recent_failing")?.as_u64()?,
@@ -733,6 +852,26 @@ impl RunState {
                     out.push(b',');
                     hex_of(out, &mut states.iter().map(|s| s.as_slice()));
                     write!(out, ",{revisits}]").expect("writing to a Vec cannot fail");
+                }
+                out.push(b']');
+            }
+            write!(
+                out,
+                ",\"cost_micro\":{},\"tokens\":{},\"model_streak\":{},\"tool_counts\":",
+                self.cost_micro, self.tokens, self.model_streak
+            )
+            .expect("writing to a Vec cannot fail");
+            if self.tool_counts.is_empty() {
+                out.extend_from_slice(b"null");
+            } else {
+                out.push(b'[');
+                for (i, (key, n)) in self.tool_counts.iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    out.push(b'[');
+                    hex_of(out, &mut std::iter::once(key.as_slice()));
+                    write!(out, ",{n}]").expect("writing to a Vec cannot fail");
                 }
                 out.push(b']');
             }

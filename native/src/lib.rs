@@ -34,8 +34,9 @@ const FIELD_CACHE_LIMIT: usize = 4096;
 const POLICY_CACHE_LIMIT: usize = 10_000;
 
 /// A finding as the reference's `Finding` fields: verdict, count, budget, period, first_event_id,
-/// args_hash, args_verified, result_hash, result_fp, fuzzy, effective_outcome.
-type FindingTuple = (&'static str, i64, i64, i64, String, String, bool, String, String, bool, &'static str);
+/// args_hash, args_verified, result_hash, result_fp, fuzzy, effective_outcome, rule.
+type FindingTuple =
+    (&'static str, i64, i64, i64, String, String, bool, String, String, bool, &'static str, &'static str);
 
 /// Compiled masks, one per pattern text (a policy has few).
 type Masks = HashMap<String, Rc<fancy_regex::Regex>>;
@@ -91,6 +92,13 @@ impl CallPolicy {
                 },
                 no_progress_at: int("no_progress_at")?,
                 oscillation_revisits: int("oscillation_revisits")?,
+                max_cost_micro: {
+                    let usd: f64 = s.getattr("max_cost_usd")?.extract()?;
+                    contract::micro_usd(&Value::from(usd))
+                },
+                max_tokens: int("max_tokens")?,
+                max_calls: int("max_calls")?,
+                max_model_calls_without_tool: int("max_model_calls_without_tool")?,
             },
             tool: tool_digest(tool),
             fields: FieldFilter::new(resolved.getattr("fields")?.unbind()),
@@ -248,6 +256,29 @@ impl Resolver {
         given: Option<(HashOf, bool, HashOf, Option<HashOf>)>,
     ) -> PyResult<Option<FindingTuple>> {
         let thresholds = &policy.thresholds;
+        if call.model_call {
+            let step = Step {
+                run_id: call.run_id,
+                event_id: call.event_id,
+                ts_ms: call.ts_ms,
+                outcome: call.outcome,
+                call: [0; 8],
+                result: [0; 8],
+                fp: None,
+                tool: policy.tool,
+                retry_budget: None,
+                side_effect: None,
+                tool_class: 5,
+                write: None,
+                cost_micro: call.cost_micro,
+                tokens: call.tokens,
+            };
+            return Ok(state.model_call(&step, thresholds).map(|f| {
+                let outcome = OUTCOMES[f.outcome as usize];
+                (f.verdict, f.count, 0, 0, f.first_event_id, String::new(), true, String::new(), String::new(),
+                 false, outcome, f.rule)
+            }));
+        }
         let failing = call.outcome != 0;
         let (args, verified, result, fp) = match given {
             Some(hashes) => hashes,
@@ -299,6 +330,8 @@ impl Resolver {
                 (Some(target), Some(after)) => Some((checksum(target), short(after))),
                 _ => None,
             },
+            cost_micro: call.cost_micro,
+            tokens: call.tokens,
         };
         Ok(state.fold(&step, thresholds).map(|f| {
             (
@@ -313,6 +346,7 @@ impl Resolver {
                 fp.as_ref().map_or_else(String::new, |fp| fp.text("unhashable")),
                 f.fuzzy,
                 OUTCOMES[f.outcome as usize],
+                f.rule,
             )
         }))
     }
@@ -405,7 +439,7 @@ impl Replayer {
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (run_id, event_id, tool, agent_id, ts_ms, outcome, args_hash, args_verified,
                         result_hash, result_fp, retry_budget, plan_step, side_effect, tool_class,
-                        target, state_hash))]
+                        target, state_hash, model_call, tokens, cost_micro))]
     fn observe(
         &mut self,
         py: Python<'_>,
@@ -425,6 +459,9 @@ impl Replayer {
         tool_class: Option<&str>,
         target: Option<&str>,
         state_hash: Option<&str>,
+        model_call: bool,
+        tokens: i64,
+        cost_micro: i64,
     ) -> PyResult<(bool, Option<FindingTuple>)> {
         let tool_class = match tool_class {
             None => None,
@@ -450,6 +487,9 @@ impl Replayer {
             tool_class,
             target,
             state_hash,
+            model_call,
+            tokens,
+            cost_micro,
             retry_budget,
             plan_step,
             side_effect,
@@ -507,7 +547,9 @@ impl Replayer {
             Admission::Duplicate => self.duplicates += 1,
             Admission::Halted => {}
             Admission::Fold => {
-                state.count_call(call.plan_step);
+                if !call.model_call {
+                    state.count_call(call.plan_step);
+                }
                 finding = self.resolver.fold(py, state, &policy, call, given)?;
             }
         }
@@ -757,7 +799,9 @@ impl BatchFolder {
                 Admission::Halted => run.applied[call.outcome as usize] += 1,
                 Admission::Fold => {
                     run.applied[call.outcome as usize] += 1;
-                    state.count_call(call.plan_step);
+                    if !call.model_call {
+                        state.count_call(call.plan_step);
+                    }
                     if let Some(finding) = self.resolver.fold(py, &mut state, &policy, &call, None)? {
                         run.findings.push((index, finding));
                     }

@@ -113,6 +113,8 @@ class _Earlier:
     error_class: str | None
     expires_ms: int
     state_hash: str | None = None
+    tokens: int | float | None = None
+    cost_usd: int | float | None = None
 
     def replay(self) -> Any:
         if self.error is not None:
@@ -404,6 +406,8 @@ class GuardedRun:
         ids: CallIds | None = None,
         tool_class: str | None = None,
         target: str | None = None,
+        tokens: int | float | None = None,
+        cost_usd: int | float | None = None,
     ) -> Any:
         """Run ``fn(**args)`` (sync or async) as tool ``tool`` and return its result, unless the run is
         halted (``RunHalted``) or the call is a suppressed duplicate (the earlier result, or the earlier
@@ -416,6 +420,8 @@ class GuardedRun:
         ``tool_class``: what the call does (read, write, poll, spawn, handoff, other); None leaves it to
         the policy. ``target``: the resource it reads or writes; a write's tool may return
         ``ToolOutcome(..., state_hash=)`` with the target's content hash after it.
+        ``tokens``, ``cost_usd``: what the call cost, for the run's budgets (``max_tokens``,
+        ``max_cost_usd``).
         Sync tools run on the event loop's thread; wrap a blocking one in ``asyncio.to_thread``.
         """
         pending = await self.begin(tool, args, side_effect=side_effect, retry_budget=retry_budget,
@@ -432,9 +438,31 @@ class GuardedRun:
                 raise RunHalted(self.decision or {}) from None  # the tool was cut off: nothing to report
             raise
         except Exception as exc:
-            await self.finish(pending, error=exc, latency_ms=(time.perf_counter() - started) * 1000)
+            await self.finish(pending, error=exc, latency_ms=(time.perf_counter() - started) * 1000,
+                              tokens=tokens, cost_usd=cost_usd)
             raise
-        return await self.finish(pending, value, latency_ms=(time.perf_counter() - started) * 1000)
+        return await self.finish(pending, value, latency_ms=(time.perf_counter() - started) * 1000,
+                                 tokens=tokens, cost_usd=cost_usd)
+
+    async def model_call(self, model: str, *, tokens: int | float | None = None, cost_usd: int | float | None = None,
+                         outcome: Outcome = "success", ids: CallIds | None = None) -> None:
+        """Report one model call (an inference) of this run: it counts toward the run's budgets and
+        toward the model calls in a row with no tool call between (``max_model_calls_without_tool``),
+        never toward the ceiling or the loop rules. Raises ``RunHalted`` if the run is halted, by this
+        call or before it."""
+        ids = ids or _NO_IDS
+        _check_call(model, None, None, ids)
+        _check_spend(tokens, cost_usd)
+        if outcome not in OUTCOMES:
+            raise InvalidCall(f"outcome must be one of {', '.join(sorted(OUTCOMES))}; got {outcome!r}")
+        if not self._guard.ready():
+            raise UsageError("the fleet guard is not started: use 'async with guard' or await guard.start()")
+        self._raise_if_halted()
+        await self._record(self._builder.build(FinishedCall(
+            self.run_id, model, {}, outcome, None, self._clock(), 0.0, seq=self._seq, agent_id=self.agent_id,
+            tenant=self.tenant, trace_id=ids.trace_id, span_id=ids.span_id, parent_span_id=ids.parent_span_id,
+            kind="model_call", tokens=tokens, cost_usd=cost_usd)))
+        self._raise_if_halted()
 
     async def begin(
         self,
@@ -493,7 +521,8 @@ class GuardedRun:
         return PendingCall(spec, side_effecting, thresholds.side_effect_window_ms, None)
 
     async def finish(self, pending: PendingCall, result: Any = None, *, error: Exception | None = None,
-                     latency_ms: float = 0.0, state_hash: str | None = None) -> Any:
+                     latency_ms: float = 0.0, state_hash: str | None = None, tokens: int | float | None = None,
+                     cost_usd: int | float | None = None) -> Any:
         """The second half of ``call``: report the tool's ``result`` (or its ``error``) and return what
         the caller gets (a ``ToolOutcome``'s result, or ``result`` itself). ``state_hash``: a write's
         after-state, when the tool did not return it in a ``ToolOutcome``."""
@@ -507,9 +536,10 @@ class GuardedRun:
                 state_hash = result.state_hash
         if state_hash is not None and (not isinstance(state_hash, str) or not 0 < len(state_hash) <= MAX_ID_LENGTH):
             raise InvalidCall(f"state_hash: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+        _check_spend(tokens, cost_usd)
         end_ms = self._clock()
         done = _Earlier(outcome, value, error, body, type(error).__name__ if error else None,
-                        end_ms + pending.window_ms, state_hash)
+                        end_ms + pending.window_ms, state_hash, tokens, cost_usd)
         if pending.side_effecting:
             self._remember(pending.spec.key, done)
         await self._record(self._event(pending.spec, done, end_ms, latency_ms))
@@ -548,6 +578,8 @@ class GuardedRun:
                 tool_class=spec.tool_class,
                 target=spec.target,
                 state_hash=done.state_hash,
+                tokens=None if repeat else done.tokens,  # a suppressed repeat cost nothing
+                cost_usd=None if repeat else done.cost_usd,
             ),
             args_hash=spec.args_hash,
         )
@@ -619,6 +651,12 @@ def _classify(value: Any) -> tuple[Outcome, Any, Any]:
     if value is None or (isinstance(value, _EMPTY_TYPES) and not value):
         return "empty", value, value
     return "success", value, value
+
+
+def _check_spend(tokens: Any, cost_usd: Any) -> None:
+    for name, value in (("tokens", tokens), ("cost_usd", cost_usd)):
+        if value is not None and (type(value) not in (int, float) or not 0 <= value < float("inf")):
+            raise InvalidCall(f"{name}: must be a number >= 0, got {value!r}")
 
 
 def _check_call(tool: str, retry_budget: int | None, plan_step: int | None, ids: CallIds,

@@ -97,6 +97,10 @@ class FinishedCall:
     tool_class: str | None = None
     target: str | None = None
     state_hash: str | None = None
+    #: ``model_call`` for an inference (``tool`` is the model; no args or result travel).
+    kind: str | None = None
+    tokens: int | float | None = None
+    cost_usd: int | float | None = None
 
 
 class TelemetryBuilder:
@@ -134,7 +138,9 @@ class TelemetryBuilder:
             "ts_ms": call.ts_ms,
             "outcome": call.outcome,
         }
-        if call.tool in self.raw_tools:
+        if call.kind == "model_call":
+            event["kind"] = "model_call"
+        elif call.tool in self.raw_tools:
             for name, value in (("args", call.args), ("result", call.result)):
                 hashed, form = self._hashed(call.agent_id, call.tool, value, name)
                 if form is _NO_FORM:
@@ -155,7 +161,8 @@ class TelemetryBuilder:
         if call.error_message and self.policy.resolve(call.agent_id, call.tool).thresholds.send_error_head:
             event["error_head"] = error_head(call.error_message)
         for name in ("seq", "agent_id", "tenant", "side_effect", "retry_budget", "plan_step", "error_class",
-                     "trace_id", "span_id", "parent_span_id", "tool_class", "target", "state_hash"):
+                     "trace_id", "span_id", "parent_span_id", "tool_class", "target", "state_hash", "tokens",
+                     "cost_usd"):
             value = getattr(call, name)
             if value is not None:
                 event[name] = value

@@ -37,7 +37,7 @@ from ..core import (
     explain,
     parse_event,
 )
-from ..core.contract import MAX_EVENT_BYTES
+from ..core.contract import MAX_EVENT_BYTES, micro_usd, token_count
 from ..core.runs import DEFAULT_MAX_RUNS
 
 Engine = Literal["auto", "native", "python"]
@@ -220,7 +220,8 @@ def _observe(engine: Any, event: TelemetryEvent, policy: Policy) -> tuple[Any, .
     finding: tuple[Any, ...] | None = engine.observe(
         event.run_id, event.event_id, event.tool, event.agent_id, event.ts_ms, event.outcome, args_hash,
         args_verified, result_hash, result_fp, event.retry_budget, event.plan_step, event.side_effect,
-        event.tool_class, event.target, event.state_hash)[1]
+        event.tool_class, event.target, event.state_hash, event.kind == "model_call", token_count(event.tokens),
+        micro_usd(event.cost_usd))[1]
     return finding
 
 

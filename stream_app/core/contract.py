@@ -6,6 +6,7 @@ path that every adapter (worker, replay CLI, SDK) decodes with. A decoding failu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -25,6 +26,7 @@ Verdict = Literal[
     "polling",
     "no_progress",
     "oscillation",
+    "budget_exceeded",
     "operator_halt",
     "operator_resume",
 ]
@@ -33,6 +35,29 @@ OperatorAction = Literal["halt", "resume"]
 OUTCOMES: Final = frozenset(("success", "error", "empty", "noop"))
 #: Tool classes (``tool_class``): what a call does, for the rules that need it; ``other`` by default.
 TOOL_CLASSES: Final = ("read", "write", "poll", "spawn", "handoff", "other")
+#: Event kinds on the telemetry topic: a tool call (the default), a model call (an inference: its
+#: ``tool`` is the model, it needs no args or result), and an operator's signed command.
+KINDS: Final = ("tool_call", "model_call", "operator")
+#: Spent sums saturate here (both engines agree past any real budget).
+SPEND_CAP: Final = 1 << 62
+
+
+def micro_usd(value: int | float | None) -> int:
+    """A cost in USD as integer micro-USD (half rounds up; saturating at ``SPEND_CAP``)."""
+    if value is None:
+        return 0
+    if type(value) is int:
+        return min(value * 1_000_000, SPEND_CAP)
+    return max(0, min(math.floor(value * 1_000_000.0 + 0.5), SPEND_CAP))
+
+
+def token_count(value: int | float | None) -> int:
+    """A token count as an integer (a fraction is dropped; saturating at ``SPEND_CAP``)."""
+    if value is None:
+        return 0
+    if type(value) is int:
+        return min(value, SPEND_CAP)
+    return max(0, min(math.floor(value), SPEND_CAP))
 FAILING_OUTCOMES: Final = frozenset(("error", "empty", "noop"))
 SCHEMA_VERSION: Final = "1"
 
@@ -84,6 +109,11 @@ class TelemetryEvent:
     target: str | None = None
     #: The target's content hash after a write-class call.
     state_hash: str | None = None
+    #: ``tool_call`` (None) or ``model_call``.
+    kind: str | None = None
+    #: What the call cost: tokens, and USD (as given; budgets sum ``micro_usd`` of it).
+    tokens: int | float | None = None
+    cost_usd: int | float | None = None
 
 
 #: Longest accepted ``error_head``, in UTF-8 bytes.
@@ -163,6 +193,11 @@ def _check_optional(obj: dict[str, Any], name: str) -> None:
             raise InvalidEvent(name, f"longer than {MAX_ERROR_HEAD_BYTES} bytes")
     elif name == "result_fp" or name == "state_hash":
         _hash_string(obj, name)
+    elif name == "kind":
+        if value == "operator":
+            raise InvalidEvent(name, "an operator command, not a telemetry event (send it with loopwarden halt|resume)")
+        if value not in KINDS:
+            raise InvalidEvent(name, f"must be tool_call or model_call; got {value!r}"[:200])
     elif name == "tool_class":
         if value not in TOOL_CLASSES:
             raise InvalidEvent(name, f"must be one of {', '.join(TOOL_CLASSES)}; got {value!r}"[:200])
@@ -217,9 +252,10 @@ def decode_event(obj: Any) -> TelemetryEvent:
     ):
         _check_required(obj)
 
+    model_call = get("kind") == "model_call"  # an inference: neither args nor a result required
     args, args_hash = get("args"), get("args_hash")
     if args is None:
-        if args_hash is None:
+        if args_hash is None and not model_call:
             raise InvalidEvent("args", "one of args or args_hash is required")
     elif type(args) is not dict:
         raise InvalidEvent("args", f"must be an object, got {_json_type(args)}")
@@ -229,7 +265,7 @@ def decode_event(obj: Any) -> TelemetryEvent:
     result_hash = get("result_hash")
     if result_hash is not None:
         _hash_string(obj, "result_hash")
-    elif not has_result:
+    elif not has_result and not model_call:
         raise InvalidEvent("result", "one of result or result_hash is required")
     for name in obj.keys() - _CHECKED_ELSEWHERE:
         _check_optional(obj, name)
@@ -238,7 +274,8 @@ def decode_event(obj: Any) -> TelemetryEvent:
         run_id, event_id, tool, ts_ms, outcome, args, args_hash, get("result"), has_result, result_hash,
         get("agent_id"), get("tenant"), get("seq"), get("trace_id"), get("span_id"), get("parent_span_id"),
         get("retry_budget"), get("plan_step"), get("side_effect"), get("error_class"), get("error_head"),
-        get("policy_digest"), get("result_fp"), get("tool_class"), get("target"), get("state_hash"),
+        get("policy_digest"), get("result_fp"), get("tool_class"), get("target"), get("state_hash"), get("kind"),
+        get("tokens"), get("cost_usd"),
     )
 
 

@@ -7,6 +7,9 @@ telemetry file, a Kafka partition or an in-process run gives the same decisions 
 The rules, in the order they win when several fire on one event (at most one decision per event):
 
 1. ``iteration_ceiling`` halt: the run made more calls than its ceiling, whatever they were.
+1b. ``budget_exceeded`` halt: the call's cost or tokens took the run strictly past its budget
+   (``evidence.budget``: ``cost``, ``tokens``), or the tool was called more than its ``max_calls``
+   (``calls``); the call ran.
 2. ``circuit_open`` halt: a side-effecting call repeated ``circuit_open_at`` times within its window.
 3. ``recursion`` / ``semantic_loop`` halt: the same tool failed with the identical outcome and result
    more times in a row than the retry budget allows; ``recursion`` when the (normalised) arguments
@@ -23,6 +26,10 @@ The rules, in the order they win when several fire on one event (at most one dec
 7. ``duplicate_call`` suppress: a side-effecting call repeated within its window (hand back the
    earlier result instead of acting again).
 8. ``polling`` alert: the same call succeeded with the same result many times in a row (advisory).
+
+Model calls (``kind: model_call``, an inference; its ``tool`` is the model) never count toward the
+ceiling, streaks, cycles or side effects: they spend (budgets), and ``max_model_calls_without_tool`` of
+them in a row with no tool call between halt (``no_progress``, ``evidence.rule: model_calls``).
 
 A write whose ``state_hash`` equals its target's previous one changed nothing: the rules see its outcome
 as ``noop`` (so repeating it halts by recursion); the evidence keeps the reported ``outcome`` beside the
@@ -47,7 +54,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from .contract import Action, Decision, OperatorCommand, TelemetryEvent, Verdict
+from .contract import Action, Decision, OperatorCommand, TelemetryEvent, Verdict, micro_usd, token_count
 from .errors import NormalisationError
 from .normalize import semantic_hash
 from .policy import CallPolicy, Policy, Thresholds
@@ -64,6 +71,8 @@ _OUTCOME_CODE = {"success": b"s", "error": b"e", "empty": b"0", "noop": b"n"}
 _READ_SLOTS = 16  # distinct (call, result) digests of successful reads remembered per run
 _TARGET_SLOTS = 8  # written targets remembered per run...
 _STATE_SLOTS = 8  # ...and after-states per target
+_TOOL_COUNT_SLOTS = 32  # tools with a max_calls counted per run, least recently called evicted
+_SPEND_CAP = 1 << 62
 
 
 def _checksum(text: str) -> bytes:
@@ -130,6 +139,12 @@ class RunState:
     #: Written targets, least recently written first: target digest -> [after-state digests (oldest
     #: first, each once, the previous one last), revisits].
     targets: dict[bytes, list[Any]] | None = None
+    #: Spent so far (micro-USD, tokens), and model calls since the last tool call.
+    cost_micro: int = 0
+    tokens: int = 0
+    model_streak: int = 0
+    #: Calls per tool with a ``max_calls`` (tool digest -> calls), least recently called first.
+    tool_counts: dict[bytes, int] | None = None
 
     def reset_streaks(self) -> None:
         """Forget repetition evidence (progress was made, or an operator resumed the run)."""
@@ -152,6 +167,8 @@ class RunState:
             {k: list(v) for k, v in self.side_effects.items()} if self.side_effects is not None else None,
             dict(self.reads) if self.reads is not None else None,
             {k: list(v) for k, v in self.targets.items()} if self.targets is not None else None,
+            self.cost_micro, self.tokens, self.model_streak,
+            dict(self.tool_counts) if self.tool_counts is not None else None,
         )
 
 
@@ -190,7 +207,15 @@ class Detector:
             state.last_ts_ms = event.ts_ms
         if state.halted_by is not None:
             return _NOTHING
+        if event.kind == "model_call":
+            return self._model_call(state, event, thresholds)
         state.calls += 1
+        state.model_streak = 0
+        spent = self._spend(state, event, thresholds)
+        if spent is None and thresholds.max_calls:
+            calls = self._count_tool(state, call_policy.tool_digest)
+            if calls > thresholds.max_calls:
+                spent = ("calls", calls)
 
         if event.plan_step is not None and (state.plan_step is None or event.plan_step > state.plan_step):
             if state.plan_step is not None:
@@ -226,10 +251,11 @@ class Detector:
         stuck = 0 < thresholds.no_progress_at <= reads
         oscillating = 0 < thresholds.oscillation_revisits <= revisit
         if not (state.calls > thresholds.iteration_ceiling or occurrences >= 2 or (failing and count > budget)
-                or period or stuck or oscillating or (not failing and 0 < thresholds.poll_alert_after <= count)):
+                or period or stuck or oscillating or spent is not None
+                or (not failing and 0 < thresholds.poll_alert_after <= count)):
             return _NOTHING  # the common case: nothing to decide, no evidence to build
         finding = self._judge(state, event, thresholds, failing, occurrences, count, budget, period,
-                              reads if stuck else 0, revisit if oscillating else 0)
+                              reads if stuck else 0, revisit if oscillating else 0, spent)
         if finding is None:
             return _NOTHING
         return Evaluation(False, (explain(event, thresholds, finding._replace(
@@ -237,11 +263,15 @@ class Detector:
             effective_outcome=outcome)),))
 
     def _judge(self, state: RunState, event: TelemetryEvent, thresholds: Thresholds, failing: bool,
-               occurrences: int, count: int, budget: int, period: int, reads: int, revisits: int) -> Finding | None:
+               occurrences: int, count: int, budget: int, period: int, reads: int, revisits: int,
+               spent: tuple[str, int] | None) -> Finding | None:
         """Pick the rule that wins (module docstring order) and apply its effect on the run."""
         verdict: Verdict
+        rule = ""
         if state.calls > thresholds.iteration_ceiling:
             verdict, count = "iteration_ceiling", state.calls
+        elif spent is not None:
+            verdict, (rule, count) = "budget_exceeded", spent
         elif occurrences >= thresholds.circuit_open_at:
             verdict, count = "circuit_open", occurrences
         elif failing and count > budget:
@@ -249,7 +279,7 @@ class Detector:
         elif period:
             verdict = "cycle"
         elif reads:
-            verdict, count = "no_progress", reads
+            verdict, count, rule = "no_progress", reads, "reads"
         elif revisits:
             verdict, count = "oscillation", revisits
         elif occurrences >= 2:
@@ -259,18 +289,63 @@ class Detector:
             return Finding("polling", count, first_event_id=state.streak_first_event_id)
         else:
             return None
-        finding = Finding(verdict, count, budget, period, state.streak_first_event_id, fuzzy=state.streak_fuzzy)
+        finding = Finding(verdict, count, budget, period, state.streak_first_event_id, fuzzy=state.streak_fuzzy,
+                          rule=rule)
+        self._halt(state, event, thresholds, verdict)
+        return finding
+
+    def _halt(self, state: RunState, event: TelemetryEvent, thresholds: Thresholds, verdict: str) -> None:
+        """A halting finding's effect on the run."""
         if thresholds.shadow:
             self.resume(state)  # as if halted and resumed at once: a loop must fill a whole budget again
         else:
             state.halted_by = decision_id(event.run_id, event.event_id, "halt", verdict)
-        return finding
+
+    def _model_call(self, state: RunState, event: TelemetryEvent, thresholds: Thresholds) -> Evaluation:
+        """A model call spends and counts toward the model calls in a row; nothing else."""
+        state.model_streak += 1
+        spent = self._spend(state, event, thresholds)
+        limit = thresholds.max_model_calls_without_tool
+        if spent is not None:
+            finding = Finding("budget_exceeded", spent[1], rule=spent[0])
+        elif 0 < limit <= state.model_streak:
+            finding = Finding("no_progress", state.model_streak, rule="model_calls")
+        else:
+            return _NOTHING
+        self._halt(state, event, thresholds, finding.verdict)
+        return Evaluation(False, (explain(event, thresholds, finding._replace(effective_outcome=event.outcome)),))
+
+    @staticmethod
+    def _spend(state: RunState, event: TelemetryEvent, thresholds: Thresholds) -> tuple[str, int] | None:
+        """Add the call's cost and tokens; the budget (and the new sum) it takes strictly past its limit."""
+        cost, tokens = state.cost_micro, state.tokens
+        state.cost_micro = min(cost + micro_usd(event.cost_usd), _SPEND_CAP)
+        state.tokens = min(tokens + token_count(event.tokens), _SPEND_CAP)
+        limit = micro_usd(thresholds.max_cost_usd)
+        if limit and cost <= limit < state.cost_micro:
+            return "cost", state.cost_micro
+        if thresholds.max_tokens and tokens <= thresholds.max_tokens < state.tokens:
+            return "tokens", state.tokens
+        return None
+
+    @staticmethod
+    def _count_tool(state: RunState, tool: bytes) -> int:
+        """Count a call of a tool that has a ``max_calls``; its calls so far."""
+        table = state.tool_counts
+        if table is None:
+            table = state.tool_counts = {}
+        calls = table.pop(tool, 0) + 1
+        if len(table) >= _TOOL_COUNT_SLOTS:
+            del table[next(iter(table))]
+        table[tool] = calls
+        return calls
 
     def resume(self, state: RunState) -> None:
         """An operator resumed the run: it starts again with fresh streaks and a fresh call count."""
         state.halted_by = None
         state.calls = 0
-        state.side_effects = None
+        state.side_effects = state.tool_counts = None
+        state.model_streak = 0
         state.reset_streaks()
 
     def operate(self, state: RunState, command: OperatorCommand) -> Evaluation:
@@ -451,6 +526,8 @@ class Finding(NamedTuple):
     fuzzy: bool = False
     #: The outcome the rules saw: the reported one, or ``noop`` for a write that changed nothing.
     effective_outcome: str = ""
+    #: Which budget (``cost``, ``tokens``, ``calls``) or no-progress rule (``reads``, ``model_calls``).
+    rule: str = ""
 
 
 _ACTIONS: dict[str, Action] = {"duplicate_call": "suppress", "polling": "alert"}
@@ -466,6 +543,8 @@ def explain(event: TelemetryEvent, thresholds: Thresholds, finding: Finding) -> 
         "outcome": event.outcome,
         "result_hash": finding.result_hash,
     }
+    if event.kind == "model_call":
+        evidence["kind"] = "model_call"
     outcome = finding.effective_outcome or event.outcome
     if outcome != event.outcome:
         evidence["effective_outcome"] = outcome  # a write that changed nothing
@@ -499,6 +578,22 @@ def explain(event: TelemetryEvent, thresholds: Thresholds, finding: Finding) -> 
         evidence.update(count=thresholds.cycle_occurrences, period=finding.period, window_ms=thresholds.window_ms)
         reason = (f"a {finding.period}-call cycle ending in {event.tool} repeated "
                   f"{thresholds.cycle_occurrences} times with identical outcomes")
+    elif verdict == "budget_exceeded":
+        budget = finding.rule
+        if budget == "cost":
+            limit: float = thresholds.max_cost_usd
+            evidence.update(budget=budget, spent=count / 1_000_000, limit=limit)
+            reason = f"the run spent {count / 1_000_000:.6f} USD, past its budget of {limit} USD"
+        elif budget == "tokens":
+            evidence.update(budget=budget, spent=count, limit=thresholds.max_tokens)
+            reason = f"the run used {count} tokens, past its budget of {thresholds.max_tokens}"
+        else:
+            evidence.update(budget=budget, count=count, limit=thresholds.max_calls)
+            reason = f"{event.tool} was called {count} times in this run; its limit is {thresholds.max_calls}"
+    elif verdict == "no_progress" and finding.rule == "model_calls":
+        evidence.update(rule="model_calls", count=count, limit=thresholds.max_model_calls_without_tool)
+        reason = (f"{count} model calls in a row with no tool call between (a compaction or planning spiral?): "
+                  "no progress")
     elif verdict == "no_progress":
         evidence.update(rule="reads", count=count, no_progress_at=thresholds.no_progress_at)
         if event.target is not None:
@@ -555,6 +650,8 @@ def event_hashes(event: TelemetryEvent, call_policy: CallPolicy) -> tuple[str, b
     """The call's argument hash, whether it was verified here, its result hash and its result fingerprint
     ("" for a successful call): what the native engine is given for events only the reference decoder
     accepts."""
+    if event.kind == "model_call":
+        return "", True, "", ""  # a model call is folded without hashes
     args_hash, args_verified = _args_hash(event, call_policy)
     result_hash = _result_hash(event, call_policy)
     result_fp = _result_fp(event, call_policy, result_hash) if event.outcome != "success" else ""

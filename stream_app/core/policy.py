@@ -82,16 +82,27 @@ class Thresholds:
     #: A write's after-state revisiting an earlier state of its target this many times halts
     #: (``oscillation``); 0 disables.
     oscillation_revisits: int = 3
+    #: Run budgets (``defaults`` and ``agents`` only; 0: none): the call whose cost (summed as integer
+    #: micro-USD) or tokens take the run strictly past them halts (``budget_exceeded``); that call ran.
+    max_cost_usd: float = 0.0
+    max_tokens: int = 0
+    #: Calls of the tool per run (0: none): the (max_calls + 1)th halts (``budget_exceeded``, calls).
+    max_calls: int = 0
+    #: Model calls in a row with no tool call between (context compaction spirals): the 25th halts
+    #: (``no_progress``, evidence.rule ``model_calls``); 0 disables.
+    max_model_calls_without_tool: int = 25
 
     def __post_init__(self) -> None:
         for name in ("retry_budget", "window_calls", "iteration_ceiling", "poll_alert_after", "no_progress_at",
-                     "oscillation_revisits"):
+                     "oscillation_revisits", "max_tokens", "max_calls", "max_model_calls_without_tool"):
             _check_int(name, getattr(self, name), 0)
         for name in ("window_ms", "side_effect_window_ms", "run_ttl_ms"):
             _check_int(name, getattr(self, name), 1)
         _check_int("cycle_occurrences", self.cycle_occurrences, 2)
         _check_int("circuit_open_at", self.circuit_open_at, 2)
         _check_int("dedupe_window", self.dedupe_window, 1)
+        if type(self.max_cost_usd) is not float or not 0 <= self.max_cost_usd < 1e12:
+            raise PolicyError(f"max_cost_usd: must be a number of USD >= 0, got {self.max_cost_usd!r}")
         if self.tool_class not in TOOL_CLASSES:
             raise PolicyError(f"tool_class: must be one of {', '.join(TOOL_CLASSES)}, got {self.tool_class!r}")
         check_tokens("volatile_prefixes", self.volatile_prefixes)
@@ -213,6 +224,10 @@ def _match(entries: list[tuple[str, dict[str, Any]]], name: str) -> dict[str, An
     return None
 
 
+#: Settings of the whole run: refused under ``tools`` (a run has one budget, not one per tool).
+RUN_SETTINGS = frozenset(("max_cost_usd", "max_tokens"))
+
+
 def _overrides(path: str, raw: Any) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise PolicyError(f"{path}: must be a mapping of settings")
@@ -221,6 +236,10 @@ def _overrides(path: str, raw: Any) -> dict[str, Any]:
         expected = _SETTING_TYPES.get(name)
         if expected is None:
             raise PolicyError(f"{path}.{name}: unknown setting; known: {', '.join(sorted(_SETTING_TYPES))}")
+        if name in RUN_SETTINGS and path.startswith("tools."):
+            raise PolicyError(f"{path}.{name}: a run budget, set in defaults or agents, not per tool")
+        if expected is float and type(value) is int:
+            value = float(value)
         if expected is tuple:
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise PolicyError(f"{path}.{name}: must be a list of strings")

@@ -13,7 +13,9 @@ Versions:
 - 1: version 0 plus ``v``;
 - 2: version 1 plus ``streak_fp`` (hex) and ``streak_fuzzy`` (the fingerprint streak, ``core/volatile.py``),
   ``reads`` (null, or ``[[digest hex, occurrences], ...]`` least recently seen first) and ``targets``
-  (null, or ``[[target digest hex, after-states hex, revisits], ...]`` least recently written first).
+  (null, or ``[[target digest hex, after-states hex, revisits], ...]`` least recently written first),
+  ``cost_micro``, ``tokens``, ``model_streak`` (integers) and ``tool_counts`` (null, or ``[[tool digest hex,
+  calls], ...]``).
   Written as version 0 or 1 they are left out: the run's current streak then goes on by exact hashes only,
   and its read and write history starts again.
 
@@ -80,6 +82,8 @@ def encode_run(run: StoredRun, version: int = FORMAT_VERSION) -> bytes:
         record["reads"] = [[k.hex(), n] for k, n in state.reads.items()] if state.reads else None
         record["targets"] = ([[k.hex(), states.hex(), revisits] for k, (states, revisits) in state.targets.items()]
                              if state.targets else None)
+        record["cost_micro"], record["tokens"], record["model_streak"] = state.cost_micro, state.tokens, state.model_streak
+        record["tool_counts"] = [[k.hex(), n] for k, n in state.tool_counts.items()] if state.tool_counts else None
     record["offset"] = run.offset
     if version >= 1:
         record[VERSION_KEY] = version
@@ -166,6 +170,10 @@ def _state_of(record: dict[str, Any]) -> RunState:
         reads={bytes.fromhex(k): n for k, n in reads} if (reads := record.get("reads")) else None,
         targets=({bytes.fromhex(k): [bytes.fromhex(states), revisits] for k, states, revisits in targets}
                  if (targets := record.get("targets")) else None),
+        cost_micro=record.get("cost_micro", 0),
+        tokens=record.get("tokens", 0),
+        model_streak=record.get("model_streak", 0),
+        tool_counts={bytes.fromhex(k): n for k, n in counts} if (counts := record.get("tool_counts")) else None,
         side_effects=(
             {bytes.fromhex(k): list(v) for k, v in side_effects.items()} if side_effects else None
         ),

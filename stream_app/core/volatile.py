@@ -30,7 +30,7 @@ hex run             8+ hex digits with at least one of a-f / A-F     ``5f1c2a3b9
                     (``<hex>``)
 long number         10+ digits (``<num>``)                           ``1733065556123``           ``123456789``
 time of day         ``H:MM:SS`` / ``HH:MM:SS[.fff]``, not after a    ``15:25:56.120``            ``app.py:12:34``
-                    ``:`` and not before ``:digit`` (``<time>``)
+                    ``:`` and not before ``:`` and a digit (``<time>``)
 duration            a number, an optional space and a unit (``ns``,  ``812ms``, ``30.2 s``      ``HTTP 503``
                     ``us``, ``ms``, ``s``, ``sec``, ``secs``,
                     ``second(s)``, ``min``, ``mins``, ``minute(s)``,
@@ -113,7 +113,7 @@ def pattern(prefixes: Iterable[str] = (), keywords: Iterable[str] = ()) -> str:
         f"{_B}(?P<g5>0[xX]{h}+){_E}",
         f"{_B}(?P<g6>(?={d}*[A-Fa-f]){h}{{8,}}){_E}",
         f"{_B}(?P<g7>{d}{{10,}}){_E}",
-        f"(?<![A-Za-z0-9:])(?P<g8>{d}{{1,2}}:{d}{{2}}:{d}{{2}}(?:[.,]{d}+)?)(?![A-Za-z0-9]|:{d})",
+        f"(?<![A-Za-z0-9:])(?P<g8>{d}{{1,2}}:{d}{{2}}:{d}{{2}}(?:[.,]{d}+)?)(?![A-Za-z0-9]|:[0-9<])",
         f"{_B}(?P<g9>{d}+(?:\\.{d}+)? ?(?:{_UNITS})){_E}",
     )
     return "|".join(rules)

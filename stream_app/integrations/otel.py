@@ -148,12 +148,15 @@ class LoopwardenSpanProcessor(SpanProcessor):
         event = self.builder.build(
             FinishedCall(call.run_id, call.tool, call.args or {}, call.outcome, call.result, call.ts_ms,
                          call.latency_ms, agent_id=call.agent_id, side_effect=call.side_effect,
-                         retry_budget=call.retry_budget, plan_step=call.plan_step, error_class=call.error_class),
+                         retry_budget=call.retry_budget, plan_step=call.plan_step, error_class=call.error_class,
+                         kind=call.kind, tokens=call.tokens),
             args_hash=call.args_hash if call.args is None else None,  # arguments, when present, win
         )
         event.update(event_id=call.event_id, trace_id=call.trace_id, span_id=call.span_id)
         if call.parent_span_id:
             event["parent_span_id"] = call.parent_span_id
+        if call.kind is not None:  # a model call: no arguments, no result
+            return event
         if call.args is None:  # only the span's hash is known (a raw tool would otherwise send {})
             event.pop("args", None)
             event["args_hash"] = call.args_hash

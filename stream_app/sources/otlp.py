@@ -65,6 +65,12 @@ RUN_ID_SOURCES: Final[tuple[RunIdFrom, ...]] = ("conversation", "trace")
 # GenAI semantic conventions (execute_tool span) and the general error attribute.
 OPERATION: Final = "gen_ai.operation.name"
 EXECUTE_TOOL: Final = "execute_tool"
+#: Inference operations: a span of one of these is a model call (``kind: model_call``).
+INFERENCE: Final = frozenset(("chat", "text_completion", "generate_content"))
+REQUEST_MODEL: Final = "gen_ai.request.model"
+RESPONSE_MODEL: Final = "gen_ai.response.model"
+INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"
+OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"
 TOOL_NAME: Final = "gen_ai.tool.name"
 ARGUMENTS: Final = "gen_ai.tool.call.arguments"
 RESULT: Final = "gen_ai.tool.call.result"
@@ -112,6 +118,9 @@ class ToolCall:
     side_effect: bool | None
     error_class: str | None
     result_fp: str | None = None
+    #: ``model_call`` for an inference span (``tool`` is the model), else None.
+    kind: str | None = None
+    tokens: int | None = None
 
     def telemetry(self) -> dict[str, Any]:
         """The telemetry v1 object of this call, arguments and result as the span carried them."""
@@ -126,16 +135,18 @@ class ToolCall:
             "trace_id": self.trace_id,
             "span_id": self.span_id,
         }
-        if self.args is not None:
+        if self.kind is not None:
+            event["kind"] = self.kind  # a model call: no args, no result
+        elif self.args is not None:
             event["args"] = self.args
         else:
             event["args_hash"] = self.args_hash
-        if self.has_result:
+        if self.kind is None and self.has_result:
             event["result"] = self.result
-        else:
+        elif self.kind is None:
             event["result_hash"] = self.result_hash
         for name in ("parent_span_id", "agent_id", "retry_budget", "plan_step", "side_effect", "error_class",
-                     "result_fp"):
+                     "result_fp", "tokens"):
             value = getattr(self, name)
             if value is not None:
                 event[name] = value
@@ -143,8 +154,21 @@ class ToolCall:
 
 
 def is_tool_span(attributes: Mapping[str, Any]) -> bool:
-    """Whether a span's attributes describe a tool execution (by attribute, never by span name)."""
-    return attributes.get(OPERATION) == EXECUTE_TOOL
+    """Whether a span's attributes describe a tool execution or a model call (by attribute, never by
+    span name)."""
+    operation = attributes.get(OPERATION)
+    return operation == EXECUTE_TOOL or operation in INFERENCE
+
+
+def _model_call(attributes: Mapping[str, Any], where: str, **ids: Any) -> ToolCall:
+    """An inference span as a model call: its model is the ``tool``, its tokens are input + output."""
+    model = (_string(attributes, RESPONSE_MODEL, where) or _string(attributes, REQUEST_MODEL, where)
+             or str(attributes.get(OPERATION)))
+    counts = [_integer(attributes, name, where, 0) for name in (INPUT_TOKENS, OUTPUT_TOKENS)]
+    tokens = sum(c for c in counts if c is not None) if any(c is not None for c in counts) else None
+    return ToolCall(tool=model[:MAX_ID_LENGTH], args=None, args_hash=None, result=None, has_result=False,
+                    result_hash=None, retry_budget=None, plan_step=None, side_effect=None, kind="model_call",
+                    tokens=tokens, **ids)
 
 
 def tool_call(
@@ -167,6 +191,17 @@ def tool_call(
         raise InvalidEvent("spanId", f"a tool span needs a valid 8-byte span id, got {span_id!r}")
     if end_ns <= 0:
         raise InvalidEvent("endTimeUnixNano", f"a tool span needs its end time{where}")
+    if attributes.get(OPERATION) in INFERENCE:
+        error_type = attributes.get(ERROR_TYPE)
+        run_id = trace_id
+        if run_id_from == "conversation":
+            run_id = _string(attributes, CONVERSATION, where) or trace_id
+        return _model_call(
+            attributes, where, run_id=run_id, event_id=f"{trace_id}-{span_id}", ts_ms=end_ns // 1_000_000,
+            outcome="error" if error_status or error_type is not None else "success",
+            latency_ms=round(max(end_ns - start_ns, 0) / 1e6, 3), trace_id=trace_id, span_id=span_id,
+            parent_span_id=parent_span_id or None, agent_id=_string(attributes, AGENT_NAME, where),
+            error_class=None if error_type is None else str(error_type)[:MAX_ID_LENGTH])
     tool = _string(attributes, TOOL_NAME, where, required=True)
     assert tool is not None
 
@@ -311,7 +346,8 @@ def _is_tool_json(span: dict[str, Any]) -> bool:
     for attribute in span.get("attributes") or ():
         if attribute.get("key") == OPERATION:
             value = attribute.get("value")
-            return type(value) is dict and value.get("stringValue") == EXECUTE_TOOL
+            return type(value) is dict and (value.get("stringValue") == EXECUTE_TOOL
+                                             or value.get("stringValue") in INFERENCE)
     return False
 
 
@@ -328,7 +364,7 @@ def _proto_json_span(span: dict[str, Any]) -> dict[str, Any]:
 def _is_tool_kv(attributes: Iterable[KeyValue]) -> bool:
     for kv in attributes:
         if kv.key == OPERATION:
-            return kv.value.string_value == EXECUTE_TOOL
+            return kv.value.string_value == EXECUTE_TOOL or kv.value.string_value in INFERENCE
     return False
 
 

@@ -53,3 +53,5 @@ def test_the_readme_policy_example_loads_as_it_says() -> None:
     assert policy.resolve(None, "search_docs").thresholds.volatile_prefixes == ("trace-",)
     assert policy.resolve(None, "run_tests").mask is None
     assert policy.resolve("coding-bot", "x").thresholds.iteration_ceiling == 500
+    assert policy.resolve("coding-bot", "x").thresholds.max_cost_usd == 20.0
+    assert policy.resolve(None, "browse_web").thresholds.max_calls == 40

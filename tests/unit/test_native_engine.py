@@ -96,6 +96,8 @@ POLICIES = [
                                    "fetch": {"mask_volatile": False, "tool_class": "read", "no_progress_at": 2},
                                    "log": {"tool_class": "write", "oscillation_revisits": 1},
                                    "search": {"volatile_keywords": ["after"], "volatile_prefixes": ["(pid "]}}}),
+    Policy.from_mapping({"defaults": {"max_cost_usd": 8.5, "max_tokens": 20, "max_model_calls_without_tool": 3},
+                         "tools": {"search": {"max_calls": 2}, "send": {"max_calls": 1, "shadow": True}}}),
     Policy.from_mapping({"defaults": {"window_ms": 50, "side_effect_window_ms": 30, "run_ttl_ms": 200,
                                       "shadow": True},
                          "agents": {"b*": {"shadow": False, "retry_budget": 0}}}),
@@ -131,6 +133,16 @@ def telemetry_lines(draw) -> list[bytes]:
             event["result_hash"] = draw(st.sampled_from(["f" * 64, "x", "e" * 64]))
         if draw(st.integers(0, 3)) == 0:
             event["result_fp"] = draw(st.sampled_from(["c" * 64, "fp"]))
+        if draw(st.integers(0, 5)) == 0:  # a model call: no args or result needed
+            event["kind"] = "model_call"
+            if draw(st.booleans()):
+                event.pop("args", None)
+                event.pop("args_hash", None)
+                event.pop("result", None)
+                event.pop("result_hash", None)
+        for name in ("tokens", "cost_usd"):
+            if draw(st.integers(0, 3)) == 0:
+                event[name] = draw(st.sampled_from([0, 1, 7, 2.5, 0.3, 10**6, 1e300]))
         if draw(st.integers(0, 2)) == 0:  # tool classes: reads that repeat, writes that revisit states
             event["tool_class"] = draw(st.sampled_from(["read", "write", "write", "poll", "other"]))
             if draw(st.integers(0, 3)):
@@ -190,12 +202,13 @@ def test_the_golden_fleet_exercises_every_verdict_identically() -> None:
 field_values = st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.floats(allow_nan=False) \
     | st.text(max_size=3) | st.just({}) | st.just([]) | st.sampled_from(
         ["success", "error", "1", "", "r", "x" * 512, "x" * 513, "é" * 512, "é" * 513, 10_000, 10_001, -1, 0,
-         2**63 - 1, 2**63, -(2**63), 0.0, -0.5, 1.0, "read", "write", "poll", "Read"])
+         2**63 - 1, 2**63, -(2**63), 0.0, -0.5, 1.0, "read", "write", "poll", "Read", "model_call", "tool_call",
+         "operator"])
 field_names = st.sampled_from(["run_id", "event_id", "tool", "ts_ms", "outcome", "args", "args_hash", "result",
                                "result_hash", "agent_id", "tenant", "seq", "plan_step", "retry_budget",
                                "side_effect", "latency_ms", "tokens", "cost_usd", "attrs", "schema_version",
                                "trace_id", "span_id", "parent_span_id", "error_class", "result_fp", "tool_class",
-                               "target", "state_hash", "other"])
+                               "target", "state_hash", "kind", "other"])
 
 
 @given(st.dictionaries(field_names, field_values, max_size=3))

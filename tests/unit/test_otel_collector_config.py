@@ -41,12 +41,19 @@ def test_pipeline_wires_otlp_in_tool_spans_filtered_kafka_out() -> None:
         assert set(stages[kind]) <= set(config[kind]), f"{kind} used but not defined"
 
 
-def test_filter_keeps_only_execute_tool_spans_by_attribute() -> None:
+def test_filter_keeps_only_tool_and_inference_spans_by_attribute() -> None:
+    """One condition (conditions are ORed: a span matching any is dropped) that keeps exactly the
+    operations the worker maps: execute_tool and the inference operations."""
+    from stream_app.sources.otlp import EXECUTE_TOOL, INFERENCE
+
     config = load()
     (filter_name,) = [p for p in config["processors"] if p.startswith("filter/")]
     filter_ = config["processors"][filter_name]
     assert filter_["error_mode"] == "ignore"
-    assert filter_["traces"]["span"] == ['attributes["gen_ai.operation.name"] != "execute_tool"']
+    (condition,) = filter_["traces"]["span"]
+    kept = {part.split("!=")[1].strip().strip('"') for part in condition.split(" and ")}
+    assert all(part.startswith('attributes["gen_ai.operation.name"] != ') for part in condition.split(" and "))
+    assert kept == {EXECUTE_TOOL, *INFERENCE}
 
 
 def test_kafka_exporter_writes_one_trace_per_record_in_an_encoding_the_worker_reads() -> None:

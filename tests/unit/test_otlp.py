@@ -164,14 +164,29 @@ def test_a_call_whose_telemetry_is_too_large_is_rejected() -> None:
 
 def test_spans_are_matched_by_attribute_never_by_name() -> None:
     """A span named like a tool call but without the attribute is not one; a tool span with a name of its
-    own (OpenLLMetry's ``{tool}.tool``) is; agent and inference spans are skipped."""
+    own (OpenLLMetry's ``{tool}.tool``) is; agent spans are skipped; inference spans are model calls."""
     recorder = Recorder()
     recorder.span("invoke_agent support", end_ms=T0, **{"gen_ai.operation.name": "invoke_agent"})
     recorder.span("chat gpt-5", end_ms=T0 + 1, **{"gen_ai.operation.name": "chat"})
     recorder.span("execute_tool search_docs", end_ms=T0 + 2, **{"gen_ai.tool.name": "search_docs"})
     recorder.span("GET /index", end_ms=T0 + 3)
     recorder.tool("search_docs", end_ms=T0 + 4, name="search_docs.tool")
-    assert [(c.tool, c.ts_ms) for c in calls_of(recorder)] == [("search_docs", T0 + 4)]
+    assert [(c.tool, c.ts_ms, c.kind) for c in calls_of(recorder)] == [
+        ("chat", T0 + 1, "model_call"), ("search_docs", T0 + 4, None)]
+
+
+def test_inference_spans_are_model_calls_of_the_same_run_with_their_tokens() -> None:
+    recorder = Recorder()
+    recorder.span("chat claude", end_ms=T0, **{"gen_ai.operation.name": "chat", "gen_ai.request.model": "claude-x",
+                                                "gen_ai.usage.input_tokens": 1200, "gen_ai.usage.output_tokens": 300,
+                                                "gen_ai.conversation.id": "conv-9"})
+    recorder.tool("search_docs", end_ms=T0 + 1, **{"gen_ai.conversation.id": "conv-9"})
+    model, tool = calls_of(recorder)
+    event = model.telemetry()
+    assert (event["kind"], event["tool"], event["tokens"], event["run_id"]) == ("model_call", "claude-x", 1500, "conv-9")
+    assert "args" not in event and "result" not in event and "args_hash" not in event
+    assert tool.run_id == "conv-9"
+    decode_event(event)
 
 
 def test_calls_come_out_in_end_time_order() -> None:
@@ -193,7 +208,7 @@ def test_both_encodings_give_the_same_calls() -> None:
     recorder.span("chat", end_ms=T0 + 6, parent=root, **{"gen_ai.operation.name": "chat", "list": [1, 2]})
     root.end()
     proto, json_ = (calls_of(recorder, encoding) for encoding in ENCODINGS)
-    assert len(proto) == 2 and proto == json_
+    assert len(proto) == 3 and proto == json_  # two tool calls and the inference (a model call)
 
 
 @pytest.mark.parametrize(

@@ -60,7 +60,8 @@ def test_version_2_is_version_1_with_the_fingerprint_streak(raw: bytes) -> None:
     """Read from version 1, a run has no fingerprint streak yet (it goes on by exact hashes)."""
     v2 = encode_run(decode_run(raw), version=2)
     assert orjson.loads(v2) == {**orjson.loads(raw), "v": 2, "streak_fp": "", "streak_fuzzy": False, "reads": None,
-                                "targets": None}
+                                "targets": None, "cost_micro": 0, "tokens": 0, "model_streak": 0,
+                                "tool_counts": None}
     assert decode_run(v2) == decode_run(raw)
 
 
