@@ -162,8 +162,6 @@ pub struct Step<'a> {
     pub outcome: u8,
     pub call: Digest,
     pub result: Digest,
-    /// The result fingerprint's digest, for a failing call.
-    pub fp: Option<Digest>,
     pub tool: [u8; 4],
     pub retry_budget: Option<i64>,
     pub side_effect: Option<bool>,
@@ -226,7 +224,14 @@ impl RunState {
     }
 
     /// Fold an admitted, counted call; the finding of the rule that fires, if one does.
-    pub fn fold(&mut self, step: &Step, thresholds: &Thresholds) -> Option<Finding> {
+    /// `fingerprint` gives the call's result fingerprint digest when the fold needs it (a failing call
+    /// whose exact hash breaks the streak): the reference computes it only then too.
+    pub fn fold(
+        &mut self,
+        step: &Step,
+        thresholds: &Thresholds,
+        fingerprint: &mut dyn FnMut() -> Option<Digest>,
+    ) -> Option<Finding> {
         self.model_streak = 0;
         let mut spent = self.spend(step, thresholds);
         if spent.is_none() && thresholds.max_calls > 0 {
@@ -265,12 +270,7 @@ impl RunState {
         key[..8].copy_from_slice(&step.result);
         key[8] = OUTCOME_CODE[outcome as usize];
         key[9..].copy_from_slice(&step.tool);
-        let fp_key = step.fp.map(|fp| {
-            let mut fp_key = key;
-            fp_key[..8].copy_from_slice(&fp);
-            fp_key
-        });
-        let (count, budget) = self.streak(step, key, fp_key, thresholds);
+        let (count, budget) = self.streak(step, key, failing, fingerprint, thresholds);
         let mut sig = [0u8; 21];
         sig[..8].copy_from_slice(&step.call);
         sig[8..].copy_from_slice(&key);
@@ -523,14 +523,26 @@ impl RunState {
         &mut self,
         step: &Step,
         key: StreakKey,
-        fp_key: Option<StreakKey>,
+        failing: bool,
+        fingerprint: &mut dyn FnMut() -> Option<Digest>,
         thresholds: &Thresholds,
     ) -> (i64, i64) {
-        if self.streak_key == Some(key) || (fp_key.is_some() && fp_key == self.streak_fp) {
-            if self.streak_key != Some(key) {
-                self.streak_key = Some(key);
-                self.streak_fuzzy = true;
+        let fp_key = if failing && self.streak_key != Some(key) {
+            fingerprint().map(|fp| {
+                let mut fp_key = key;
+                fp_key[..8].copy_from_slice(&fp);
+                fp_key
+            })
+        } else {
+            None
+        };
+        if self.streak_key == Some(key) {
+            if step.call != self.streak_call {
+                self.streak_varied = true;
             }
+        } else if fp_key.is_some() && fp_key == self.streak_fp {
+            self.streak_key = Some(key);
+            self.streak_fuzzy = true;
             if step.call != self.streak_call {
                 self.streak_varied = true;
             }
@@ -543,8 +555,8 @@ impl RunState {
             self.streak_ts.clear();
             self.streak_first_event_id.clear();
             self.streak_first_event_id.push_str(step.event_id);
+            self.streak_fp = fp_key;
         }
-        self.streak_fp = fp_key;
         let budget = step.retry_budget.unwrap_or(thresholds.retry_budget);
         let times = &mut self.streak_ts;
         times.push_back(step.ts_ms);

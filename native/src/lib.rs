@@ -264,7 +264,6 @@ impl Resolver {
                 outcome: call.outcome,
                 call: [0; 8],
                 result: [0; 8],
-                fp: None,
                 tool: policy.tool,
                 retry_budget: None,
                 side_effect: None,
@@ -279,9 +278,8 @@ impl Resolver {
                  false, outcome, f.rule)
             }));
         }
-        let failing = call.outcome != 0;
-        let (args, verified, result, fp) = match given {
-            Some(hashes) => hashes,
+        let (args, verified, result, given_fp) = match given {
+            Some((args, verified, result, fp)) => (args, verified, result, Some(fp)),
             None => {
                 let (args, verified) = match call.args {
                     Hashed::Raw(value) => match policy.hash(py, value, &mut self.scratch)? {
@@ -297,21 +295,7 @@ impl Resolver {
                     },
                     Hashed::Hash(text) => HashOf::Given(text),
                 };
-                // The fingerprint (the reference's ``_result_fp``): the masked raw result, else the one
-                // sent, else the result hash itself (also when masking is off).
-                let fp = match (&policy.mask, call.raw_result) {
-                    _ if !failing => None,
-                    (None, _) => Some(result.clone()),
-                    (Some(mask), Some(value)) => {
-                        let masked = mask_value(mask, value)?;
-                        Some(match policy.hash(py, &masked, &mut self.scratch)? {
-                            Some(sha) => HashOf::Computed(sha),
-                            None => HashOf::Missing,
-                        })
-                    }
-                    (Some(_), None) => Some(call.result_fp.map_or_else(|| result.clone(), HashOf::Given)),
-                };
-                (args, verified, result, fp)
+                (args, verified, result, None)
             }
         };
         let step = Step {
@@ -321,7 +305,6 @@ impl Resolver {
             outcome: call.outcome,
             call: if verified { args.digest("") } else { short("") },
             result: result.digest("unhashable"),
-            fp: fp.as_ref().map(|fp| fp.digest("unhashable")),
             tool: policy.tool,
             retry_budget: call.retry_budget,
             side_effect: call.side_effect,
@@ -333,7 +316,34 @@ impl Resolver {
             cost_micro: call.cost_micro,
             tokens: call.tokens,
         };
-        Ok(state.fold(&step, thresholds).map(|f| {
+        // The fingerprint, computed only when the fold asks for it (as the reference does).
+        let mut fp: Option<HashOf> = None;
+        let mut fp_error: Option<PyErr> = None;
+        let scratch = &mut self.scratch;
+        let mut fingerprint = || -> Option<[u8; 8]> {
+            if fp.is_none() {
+                let computed = match &given_fp {
+                    Some(given) => Ok(given.clone().unwrap_or_else(|| result.clone())),
+                    None => result_fingerprint_of(py, policy, call, &result, scratch),
+                };
+                match computed {
+                    Ok(hash) => fp = Some(hash),
+                    Err(err) => {
+                        fp_error = Some(err);
+                        return None;
+                    }
+                }
+            }
+            fp.as_ref().map(|hash| hash.digest("unhashable"))
+        };
+        let finding = state.fold(&step, thresholds, &mut fingerprint);
+        if finding.as_ref().is_some_and(|f| f.fuzzy && f.outcome != 0) {
+            fingerprint(); // for the evidence
+        }
+        if let Some(err) = fp_error {
+            return Err(err);
+        }
+        Ok(finding.map(|f| {
             (
                 f.verdict,
                 f.count,
@@ -500,7 +510,7 @@ impl Replayer {
             HashOf::Given(args_hash),
             args_verified,
             HashOf::Given(result_hash),
-            (outcome != 0).then_some(HashOf::Given(result_fp)),
+            Some(HashOf::Given(result_fp)),
         );
         let finding = self.fold_call(py, &call, Some(given))?;
         Ok((self.duplicates > duplicates, finding))
@@ -862,6 +872,28 @@ fn semantic_hash(
     Ok(fields
         .hash(py, &value, collapse_whitespace, &mut Vec::new())?
         .map(|sha| hex(&sha)))
+}
+
+/// A failing call's result fingerprint (the reference's ``_result_fp``): the masked raw result, else the
+/// one sent, else the result hash itself (also when masking is off).
+fn result_fingerprint_of<'a>(
+    py: Python<'_>,
+    policy: &CallPolicy,
+    call: &Call<'a>,
+    result: &HashOf<'a>,
+    scratch: &mut Vec<u8>,
+) -> PyResult<HashOf<'a>> {
+    Ok(match (&policy.mask, call.raw_result) {
+        (None, _) => result.clone(),
+        (Some(mask), Some(value)) => {
+            let masked = mask_value(mask, value)?;
+            match policy.hash(py, &masked, scratch)? {
+                Some(sha) => HashOf::Computed(sha),
+                None => HashOf::Missing,
+            }
+        }
+        (Some(_), None) => call.result_fp.map_or_else(|| result.clone(), HashOf::Given),
+    })
 }
 
 /// The volatile-token mask of a reference pattern text (`stream_app/core/volatile.py`).

@@ -243,7 +243,8 @@ class Detector:
         occurrences = self._side_effect_occurrence(state, event, call + tool_sum, thresholds)
         code = _OUTCOME_CODE[outcome]
         key = _short(result_hash) + code + tool_sum
-        result_fp = _result_fp(event, call_policy, result_hash) if failing else ""
+        # The fingerprint only matters when the exact hash breaks the streak: computed then, not before.
+        result_fp = _result_fp(event, call_policy, result_hash) if failing and key != state.streak_key else ""
         count, budget = self._streak(state, event, call, key, _short(result_fp) + code + tool_sum if result_fp else b"",
                                      thresholds)
         period = self._cycle(state, call + key, failing, event.ts_ms, thresholds)
@@ -258,6 +259,8 @@ class Detector:
                               reads if stuck else 0, revisit if oscillating else 0, spent)
         if finding is None:
             return _NOTHING
+        if finding.fuzzy and failing and not result_fp:
+            result_fp = _result_fp(event, call_policy, result_hash)  # for the evidence
         return Evaluation(False, (explain(event, thresholds, finding._replace(
             args_hash=args_hash, args_verified=args_verified, result_hash=result_hash, result_fp=result_fp,
             effective_outcome=outcome)),))
@@ -442,12 +445,14 @@ class Detector:
     def _streak(state: RunState, event: TelemetryEvent, call: bytes, key: bytes, fp_key: bytes,
                 thresholds: Thresholds) -> tuple[int, int]:
         """Extend or restart the streak of calls with this (tool, outcome, result) key, or failing that
-        the same fingerprint key as the previous call; return the number of its calls within the window,
-        and the budget that applies."""
-        if key == state.streak_key or (fp_key and fp_key == state.streak_fp):
-            if key != state.streak_key:
-                state.streak_key = key
-                state.streak_fuzzy = True
+        the streak's fingerprint key (``fp_key``: given only when the exact key differs); return the number
+        of its calls within the window, and the budget that applies."""
+        if key == state.streak_key:
+            if call != state.streak_call:
+                state.streak_varied = True
+        elif fp_key and fp_key == state.streak_fp:
+            state.streak_key = key
+            state.streak_fuzzy = True
             if call != state.streak_call:
                 state.streak_varied = True
         else:
@@ -456,7 +461,7 @@ class Detector:
             state.streak_varied = state.streak_alerted = state.streak_fuzzy = False
             del state.streak_ts[:]
             state.streak_first_event_id = event.event_id
-        state.streak_fp = fp_key
+            state.streak_fp = fp_key
         budget = event.retry_budget if event.retry_budget is not None else thresholds.retry_budget
         times = state.streak_ts
         ts_ms = event.ts_ms
@@ -647,15 +652,14 @@ def _failure(event: TelemetryEvent, evidence: dict[str, Any]) -> str:
 
 
 def event_hashes(event: TelemetryEvent, call_policy: CallPolicy) -> tuple[str, bool, str, str]:
-    """The call's argument hash, whether it was verified here, its result hash and its result fingerprint
-    ("" for a successful call): what the native engine is given for events only the reference decoder
-    accepts."""
+    """The call's argument hash, whether it was verified here, its result hash and its result fingerprint:
+    what the native engine is given for events only the reference decoder accepts."""
     if event.kind == "model_call":
         return "", True, "", ""  # a model call is folded without hashes
     args_hash, args_verified = _args_hash(event, call_policy)
     result_hash = _result_hash(event, call_policy)
-    result_fp = _result_fp(event, call_policy, result_hash) if event.outcome != "success" else ""
-    return args_hash, args_verified, result_hash, result_fp
+    # Whatever the reported outcome: a write that changed nothing fails (noop) and may need it.
+    return args_hash, args_verified, result_hash, _result_fp(event, call_policy, result_hash)
 
 
 def _args_hash(event: TelemetryEvent, call_policy: CallPolicy) -> tuple[str, bool]:
