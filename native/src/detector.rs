@@ -832,14 +832,16 @@ impl RunState {
             out.push(b'}');
         }
         if version >= 2 {
-            out.extend_from_slice(b",\"streak_fp\":");
-            hex_of(out, &mut self.streak_fp.iter().map(|k| k.as_slice()));
-            write!(out, ",\"streak_fuzzy\":{},\"reads\":", self.streak_fuzzy)
-                .expect("writing to a Vec cannot fail");
-            if self.reads.is_empty() {
-                out.extend_from_slice(b"null");
-            } else {
-                out.push(b'[');
+            // Only what differs from the defaults (the reference's `encode_run`): records stay small.
+            if let Some(key) = &self.streak_fp {
+                out.extend_from_slice(b",\"streak_fp\":");
+                hex_of(out, &mut std::iter::once(key.as_slice()));
+            }
+            if self.streak_fuzzy {
+                out.extend_from_slice(b",\"streak_fuzzy\":true");
+            }
+            if !self.reads.is_empty() {
+                out.extend_from_slice(b",\"reads\":[");
                 for (i, (key, n)) in self.reads.iter().enumerate() {
                     if i > 0 {
                         out.push(b',');
@@ -850,11 +852,8 @@ impl RunState {
                 }
                 out.push(b']');
             }
-            out.extend_from_slice(b",\"targets\":");
-            if self.targets.is_empty() {
-                out.extend_from_slice(b"null");
-            } else {
-                out.push(b'[');
+            if !self.targets.is_empty() {
+                out.extend_from_slice(b",\"targets\":[");
                 for (i, (key, states, revisits)) in self.targets.iter().enumerate() {
                     if i > 0 {
                         out.push(b',');
@@ -867,16 +866,17 @@ impl RunState {
                 }
                 out.push(b']');
             }
-            write!(
-                out,
-                ",\"cost_micro\":{},\"tokens\":{},\"model_streak\":{},\"tool_counts\":",
-                self.cost_micro, self.tokens, self.model_streak
-            )
-            .expect("writing to a Vec cannot fail");
-            if self.tool_counts.is_empty() {
-                out.extend_from_slice(b"null");
-            } else {
-                out.push(b'[');
+            for (name, value) in [
+                ("cost_micro", self.cost_micro),
+                ("tokens", self.tokens),
+                ("model_streak", self.model_streak),
+            ] {
+                if value != 0 {
+                    write!(out, ",\"{name}\":{value}").expect("writing to a Vec cannot fail");
+                }
+            }
+            if !self.tool_counts.is_empty() {
+                out.extend_from_slice(b",\"tool_counts\":[");
                 for (i, (key, n)) in self.tool_counts.iter().enumerate() {
                     if i > 0 {
                         out.push(b',');

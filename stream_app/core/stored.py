@@ -11,7 +11,8 @@ Versions:
 
 - 0: the records of every release before versioning (no ``v`` key);
 - 1: version 0 plus ``v``;
-- 2: version 1 plus ``streak_fp`` (hex) and ``streak_fuzzy`` (the fingerprint streak, ``core/volatile.py``),
+- 2: version 1 plus, each only when it differs from its default (absent: the default), ``streak_fp``
+  (hex) and ``streak_fuzzy`` (the fingerprint streak, ``core/volatile.py``),
   ``reads`` (null, or ``[[digest hex, occurrences], ...]`` least recently seen first) and ``targets``
   (null, or ``[[target digest hex, after-states hex, revisits], ...]`` least recently written first),
   ``cost_micro``, ``tokens``, ``model_streak`` (integers) and ``tool_counts`` (null, or ``[[tool digest hex,
@@ -76,14 +77,20 @@ def encode_run(run: StoredRun, version: int = FORMAT_VERSION) -> bytes:
         raise StateVersionError(version, f"set LOOPWARDEN_STATE_WRITE_VERSION to 0..{FORMAT_VERSION}")
     state = run.state
     record = _record_of(state)
-    if version >= 2:
-        record["streak_fp"] = state.streak_fp.hex()
-        record["streak_fuzzy"] = state.streak_fuzzy
-        record["reads"] = [[k.hex(), n] for k, n in state.reads.items()] if state.reads else None
-        record["targets"] = ([[k.hex(), states.hex(), revisits] for k, (states, revisits) in state.targets.items()]
-                             if state.targets else None)
-        record["cost_micro"], record["tokens"], record["model_streak"] = state.cost_micro, state.tokens, state.model_streak
-        record["tool_counts"] = [[k.hex(), n] for k, n in state.tool_counts.items()] if state.tool_counts else None
+    if version >= 2:  # only what differs from the defaults: most runs never use these (records stay small)
+        if state.streak_fp:
+            record["streak_fp"] = state.streak_fp.hex()
+        if state.streak_fuzzy:
+            record["streak_fuzzy"] = True
+        if state.reads:
+            record["reads"] = [[k.hex(), n] for k, n in state.reads.items()]
+        if state.targets:
+            record["targets"] = [[k.hex(), states.hex(), revisits] for k, (states, revisits) in state.targets.items()]
+        for name in ("cost_micro", "tokens", "model_streak"):
+            if getattr(state, name):
+                record[name] = getattr(state, name)
+        if state.tool_counts:
+            record["tool_counts"] = [[k.hex(), n] for k, n in state.tool_counts.items()]
     record["offset"] = run.offset
     if version >= 1:
         record[VERSION_KEY] = version
