@@ -392,8 +392,8 @@ impl RunState {
     /// Add the call's cost and tokens; the budget this call takes strictly past its limit, if one.
     fn spend(&mut self, step: &Step, thresholds: &Thresholds) -> Option<(&'static str, i64)> {
         let (cost, tokens) = (self.cost_micro, self.tokens);
-        self.cost_micro = (cost + step.cost_micro).min(SPEND_CAP);
-        self.tokens = (tokens + step.tokens).min(SPEND_CAP);
+        self.cost_micro = cost.saturating_add(step.cost_micro).min(SPEND_CAP);
+        self.tokens = tokens.saturating_add(step.tokens).min(SPEND_CAP);
         let crossed = |limit: i64, before: i64, after: i64| limit > 0 && before <= limit && limit < after;
         if crossed(thresholds.max_cost_micro, cost, self.cost_micro) {
             Some(("cost", self.cost_micro))

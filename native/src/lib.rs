@@ -898,7 +898,10 @@ fn result_fingerprint_of<'a>(
 
 /// The volatile-token mask of a reference pattern text (`stream_app/core/volatile.py`).
 fn compile_mask(text: &str) -> PyResult<fancy_regex::Regex> {
-    fancy_regex::Regex::new(text).map_err(|e| {
+    // No backtrack limit, as Python's re has none: the rules never nest quantifiers, so the work is
+    // linear in the text (bounded per position), but the counter runs over a whole scan, and the
+    // default million would fail a long token-free error text (an event may be 1 MiB).
+    fancy_regex::RegexBuilder::new(text).backtrack_limit(usize::MAX).build().map_err(|e| {
         pyo3::exceptions::PyValueError::new_err(format!("volatile-token pattern does not compile: {e}"))
     })
 }

@@ -48,7 +48,8 @@ def micro_usd(value: int | float | None) -> int:
         return 0
     if type(value) is int:
         return min(value * 1_000_000, SPEND_CAP)
-    return max(0, min(math.floor(value * 1_000_000.0 + 0.5), SPEND_CAP))
+    scaled = value * 1_000_000.0 + 0.5  # may be inf for a huge (finite) cost: capped before floor
+    return SPEND_CAP if scaled >= SPEND_CAP else max(0, math.floor(scaled))
 
 
 def token_count(value: int | float | None) -> int:
@@ -57,7 +58,7 @@ def token_count(value: int | float | None) -> int:
         return 0
     if type(value) is int:
         return min(value, SPEND_CAP)
-    return max(0, min(math.floor(value), SPEND_CAP))
+    return SPEND_CAP if value >= SPEND_CAP else max(0, math.floor(value))
 FAILING_OUTCOMES: Final = frozenset(("error", "empty", "noop"))
 SCHEMA_VERSION: Final = "1"
 

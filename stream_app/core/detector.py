@@ -36,9 +36,11 @@ as ``noop`` (so repeating it halts by recursion); the evidence keeps the reporte
 ``effective_outcome``. Tool classes (``read``, ``write``, ``poll``, ``spawn``, ``handoff``, ``other``)
 come from the event, else the tool's policy; ``other`` is the behaviour of every release before them.
 
-In shadow mode (a policy setting, per agent or tool) rules 1-5 publish an ``alert`` instead, and the run
-carries on as if halted and resumed at once. ``Detector.operate`` applies an operator's (verified) halt
-or resume, in order with the run's calls.
+In shadow mode (a policy setting, per agent or tool) the halting and suppressing rules publish an
+``alert`` instead, and the run carries on as if halted and resumed at once. ``Detector.operate`` applies
+an operator's (verified) halt or resume, in order with the run's calls. A resume (or a shadow alert)
+starts the call count, streaks and per-tool counts again but keeps what the run spent: a cost or token
+budget fires when a call crosses it, once, so a run resumed past its budget is not stopped by it again.
 
 Repetition of a call is not a loop; repetition of a call *with an identical failing outcome* is. Any
 change of outcome or result hash breaks a streak, and an advancing ``plan_step`` resets every streak.
@@ -587,10 +589,10 @@ def explain(event: TelemetryEvent, thresholds: Thresholds, finding: Finding) -> 
         budget = finding.rule
         if budget == "cost":
             limit: float = thresholds.max_cost_usd
-            evidence.update(budget=budget, spent=count / 1_000_000, limit=limit)
+            evidence.update(budget=budget, count=count, spent=count / 1_000_000, limit=limit)  # count: micro-USD
             reason = f"the run spent {count / 1_000_000:.6f} USD, past its budget of {limit} USD"
         elif budget == "tokens":
-            evidence.update(budget=budget, spent=count, limit=thresholds.max_tokens)
+            evidence.update(budget=budget, count=count, spent=count, limit=thresholds.max_tokens)
             reason = f"the run used {count} tokens, past its budget of {thresholds.max_tokens}"
         else:
             evidence.update(budget=budget, count=count, limit=thresholds.max_calls)

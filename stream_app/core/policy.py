@@ -239,6 +239,8 @@ def _overrides(path: str, raw: Any) -> dict[str, Any]:
         if name in RUN_SETTINGS and path.startswith("tools."):
             raise PolicyError(f"{path}.{name}: a run budget, set in defaults or agents, not per tool")
         if expected is float and type(value) is int:
+            if not -1e12 < value < 1e12:
+                raise PolicyError(f"{path}.{name}: must be a number below 1e12, got {value!r}")
             value = float(value)
         if expected is tuple:
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):

@@ -18,7 +18,9 @@ Versions:
   ``cost_micro``, ``tokens``, ``model_streak`` (integers) and ``tool_counts`` (null, or ``[[tool digest hex,
   calls], ...]``).
   Written as version 0 or 1 they are left out: the run's current streak then goes on by exact hashes only,
-  and its read and write history starts again.
+  its read and write history starts again, and what it spent and its per-tool and model-call counts are
+  lost at every write, so budgets, ``max_calls`` and ``max_model_calls_without_tool`` cannot fire while
+  workers write version 1 (keep it only for the roll-out; the worker warns at start-up).
 
 A reader decodes every version up to ``FORMAT_VERSION``, and a worker writes the version its operator
 sets (``LOOPWARDEN_STATE_WRITE_VERSION``, default ``FORMAT_VERSION``), so a rolling upgrade rolls the

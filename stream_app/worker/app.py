@@ -170,6 +170,11 @@ def batch_fold(settings: WorkerSettings, detector: Detector, operator_keys: KeyR
     options: dict[str, Any] = {
         "operator_keys": operator_keys, "operator_max_age_ms": int(settings.operator_max_age_s * 1000),
         "max_event_bytes": settings.max_event_bytes, "write_version": settings.state_write_version}
+    if settings.state_write_version < 2:
+        log.warning("LOOPWARDEN_STATE_WRITE_VERSION=%d: records of format %d cannot hold fingerprint streaks, "
+                    "read and write history, spending or per-tool counts, so budgets, max_calls and "
+                    "max_model_calls_without_tool cannot fire; raise it to 2 once every worker runs this release",
+                    settings.state_write_version, settings.state_write_version)
     if settings.engine != "python":
         try:
             fold = NativeBatchFold(detector, **options)

@@ -150,3 +150,22 @@ async def test_the_sdk_reports_model_calls_and_costs_and_stops_the_spiral() -> N
         await run.model_call("claude-x", tokens=2000)
     assert halted.value.verdict == "no_progress"
     assert run.decision is not None and run.decision["evidence"]["rule"] == "model_calls"
+
+
+def test_huge_costs_and_tokens_saturate_alike_in_both_engines() -> None:
+    """A finite but huge cost (1e303 USD overflows to inf once scaled) and sums that would pass 2**63:
+    neither engine crashes or wraps; both decide and store the same."""
+    lines = [orjson.dumps({"run_id": "r", "event_id": f"e{n}", "tool": "t", "ts_ms": n, "outcome": "success",
+                           "args": {"n": n}, "result": n, "cost_usd": 1e303, "tokens": 5e18}) + b"\n"
+             for n in range(3)]
+    policy = Policy.from_mapping({"defaults": {"max_cost_usd": 1, "max_tokens": 10, "shadow": True}})
+    outputs = []
+    for engine in ("native", "python"):
+        out = io.BytesIO()
+        replay(lines, policy, out, io.StringIO(), engine=engine)  # type: ignore[arg-type]
+        outputs.append(out.getvalue())
+    assert outputs[0] == outputs[1]
+    assert [orjson.loads(d)["evidence"]["budget"] for d in outputs[0].splitlines()] == ["cost"]
+    run = Run(policy)
+    run.feed_all([decode_event(orjson.loads(line)) for line in lines])
+    assert (run.state.cost_micro, run.state.tokens) == (1 << 62, 1 << 62)

@@ -99,3 +99,38 @@ def test_bundled_examples_validate() -> None:
     assert examples
     for path in examples:
         (control if path.name.startswith("control") else telemetry).validate(json.loads(path.read_text()))
+
+
+def test_every_round_2_decision_validates() -> None:
+    """The decisions of the detection-round-2 rules (fingerprint streaks, no progress by reads and by
+    model calls, oscillation, noop writes, each budget) validate against control.v1.json."""
+    from stream_app.core import Policy
+
+    validator = _validator("control.v1.json")
+    policy = Policy.from_mapping({"defaults": {"max_tokens": 50, "max_model_calls_without_tool": 3},
+                                  "agents": {"spender": {"max_cost_usd": 0.5}},
+                                  "tools": {"browse": {"max_calls": 2}}})
+    table = RunTable(Detector(policy))
+
+    def ev(run_id: str, n: int, tool: str = "t", outcome: str = "success", **extra: Any) -> dict[str, Any]:
+        return {"run_id": run_id, "event_id": f"{run_id}-{n}", "tool": tool, "ts_ms": n, "outcome": outcome,
+                "args": {"q": 1}, "result": {"r": 1}, **extra}
+
+    stream = [ev("fp", n, outcome="error", result=f"timeout after {100 + n}ms") for n in range(4)]
+    stream += [ev("reads", n, tool_class="read", target="/a") for n in range(4)]
+    stream += [ev("edits", n, tool_class="write", target="/a", state_hash=str(n % 2) * 64) for n in range(5)]
+    stream += [ev("noops", n, tool_class="write", target="/a", state_hash="1" * 64) for n in range(5)]
+    stream += [{"run_id": "model", "event_id": f"m{n}", "tool": "claude-x", "ts_ms": n, "outcome": "success",
+                "kind": "model_call"} for n in range(3)]
+    stream += [ev("tokens", n, tokens=30) for n in range(2)]
+    stream += [ev("spender", n, agent_id="spender", cost_usd=0.3) for n in range(2)]
+    stream += [ev("browser", n, tool="browse", args={"u": n}) for n in range(3)]
+    seen = set()
+    for raw in stream:
+        for decision in table.observe(decode_event(raw)).decisions:
+            validator.validate(decision.to_control())
+            seen.add((decision.verdict, decision.evidence.get("match") or decision.evidence.get("rule")
+                      or decision.evidence.get("budget") or decision.evidence.get("effective_outcome")))
+    assert seen == {("recursion", "fingerprint"), ("no_progress", "reads"), ("oscillation", None),
+                    ("recursion", "exact"), ("no_progress", "model_calls"), ("budget_exceeded", "tokens"),
+                    ("budget_exceeded", "cost"), ("budget_exceeded", "calls")}

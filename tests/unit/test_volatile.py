@@ -258,3 +258,10 @@ def test_client_hashed_and_raw_failures_form_one_fingerprint_streak() -> None:
 def test_the_sdk_sends_no_fingerprint_where_masking_is_off() -> None:
     builder = TelemetryBuilder(Policy.from_mapping({"tools": {"search_docs": {"mask_volatile": False}}}))
     assert "result_fp" not in builder.build(_finished(0))
+
+
+def test_a_long_error_text_without_volatile_tokens_is_masked_by_both_engines() -> None:
+    """A 300,000-character failing result (events may be 1 MiB): the native regex engine must not give
+    up where Python's re does not (fancy-regex's default backtrack limit would)."""
+    text = "x " * 150_000 + "pid 7"
+    assert loopwarden_native.mask_text(DEFAULT_PATTERN, text) == MASK.text(text) == "x " * 150_000 + "pid <n>"

@@ -57,3 +57,15 @@ def test_asking_for_the_native_engine_without_it_is_a_start_up_error(monkeypatch
     assert type(batch_fold(WorkerSettings.from_env(BASE), Detector(), None)) is BatchFold  # auto falls back
     with pytest.raises(SettingsError, match="LOOPWARDEN_ENGINE='rust'"):
         WorkerSettings.from_env({**BASE, "LOOPWARDEN_ENGINE": "rust"})
+
+
+def test_writing_an_older_state_format_warns_what_cannot_fire(caplog: pytest.LogCaptureFixture) -> None:
+    """During a rolling upgrade the operator may keep writing format 1: the worker says what that costs."""
+    from stream_app.core import Detector
+    from stream_app.worker.app import batch_fold
+
+    batch_fold(WorkerSettings.from_env({**BASE, "LOOPWARDEN_STATE_WRITE_VERSION": "1"}), Detector(), None)
+    assert "budgets, max_calls and max_model_calls_without_tool cannot fire" in caplog.text
+    caplog.clear()
+    batch_fold(WorkerSettings.from_env(BASE), Detector(), None)
+    assert "cannot fire" not in caplog.text
