@@ -171,15 +171,23 @@ def test_collector_records_get_the_decisions_of_the_equivalent_native_telemetry(
 
 
 def test_tool_spans_are_relayed_as_telemetry_keyed_by_run_id(otlp_run: dict[str, Any]) -> None:
-    """Only tool spans reach the telemetry topic (inference and agent spans are skipped), keyed by run id,
-    each as the native event it stands for; the valid span of a partly bad record is relayed too."""
+    """Tool spans reach the telemetry topic as the native events they stand for, inference spans as model
+    calls of the same run (agent spans are skipped), keyed by run id; the valid span of a partly bad record
+    is relayed too."""
     relayed = [r for r in otlp_run["telemetry"] if orjson.loads(r.value)["run_id"] != "conv-otel-runaway"]
     assert all(r.key == orjson.loads(r.value)["run_id"].encode() for r in relayed)
+    models = [e for e in (orjson.loads(r.value) for r in relayed) if e.get("kind") == "model_call"]
+    tools = [r for r in relayed if orjson.loads(r.value).get("kind") != "model_call"]
+    assert models and all("args" not in e and "result" not in e for e in models)
+    assert all(decode_event(e).kind == "model_call" for e in models)
+    relayed = tools
     by_id = {event["event_id"]: event for event in (orjson.loads(r.value) for r in relayed)}
     assert len(relayed) == len(otlp_run["expected_stream"]) + 1
     assert otlp_run["partial_event_id"] in by_id
     redelivered = len(otlp_run["expected_stream"]) - len({e["event_id"] for e in otlp_run["expected_stream"]})
-    assert redelivered > 0 and otlp_run["metrics"]["loopwarden_duplicate_events_total"] == redelivered
+    redelivered_models = len(models) - len({e["event_id"] for e in models})  # inference spans sent twice
+    assert redelivered > 0
+    assert otlp_run["metrics"]["loopwarden_duplicate_events_total"] == redelivered + redelivered_models
     for native in otlp_run["expected_stream"]:
         event = by_id[native["event_id"]]
         assert {k: event.get(k) for k in native} == native
