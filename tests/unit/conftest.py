@@ -58,3 +58,19 @@ class Run:
 @pytest.fixture
 def run() -> Run:
     return Run()
+
+
+def replay_both(lines: list[bytes], policy: Policy) -> bytes:
+    """The decisions ``loopwarden replay`` writes for ``lines``, checked byte-identical on the native
+    engine and the reference."""
+    import io
+
+    from stream_app.commands.replay import replay
+
+    outputs = []
+    for engine in ("native", "python"):
+        out = io.BytesIO()
+        replay(lines, policy, out, io.StringIO(), engine=engine)  # type: ignore[arg-type]
+        outputs.append(out.getvalue())
+    assert outputs[0] == outputs[1]
+    return outputs[0]

@@ -3,19 +3,17 @@ both engines, through the SDK and from OTLP inference spans."""
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import orjson
 import pytest
 
 from stream_app.client import Guard, RunHalted
-from stream_app.commands.replay import replay
 from stream_app.core import InvalidEvent, Policy, PolicyError, decode_event
 from stream_app.core.contract import micro_usd, token_count
 from stream_app.core.stored import StoredRun, decode_run, encode_run
 
-from .conftest import Run, event
+from .conftest import Run, event, replay_both
 
 
 def model(n: int, **extra: Any):
@@ -126,14 +124,9 @@ def test_both_engines_decide_budgets_and_model_calls_alike() -> None:
         lines.append(orjson.dumps({"run_id": "browser", "event_id": f"b{n}", "tool": "fetch", "ts_ms": n,
                                    "outcome": "success", "args": {"u": n}, "result": n, "tokens": 3.5}) + b"\n")
     policy = Policy.from_mapping({"defaults": {"max_cost_usd": 1}, "tools": {"fetch": {"max_calls": 5}}})
-    outputs = []
-    for engine in ("native", "python"):
-        out = io.BytesIO()
-        replay(lines, policy, out, io.StringIO(), engine=engine)  # type: ignore[arg-type]
-        outputs.append(out.getvalue())
-    assert outputs[0] == outputs[1]
+    output = replay_both(lines, policy)
     decisions = sorted((d["run_id"], d["verdict"], d["trigger_event_id"], d["evidence"].get("budget"))
-                       for d in map(orjson.loads, outputs[0].splitlines()))
+                       for d in map(orjson.loads, output.splitlines()))
     assert decisions == [("browser", "budget_exceeded", "b5", "calls"), ("spender", "budget_exceeded", "c14", "cost"),
                          ("spiral", "no_progress", "s24", None)]
 
@@ -159,13 +152,8 @@ def test_huge_costs_and_tokens_saturate_alike_in_both_engines() -> None:
                            "args": {"n": n}, "result": n, "cost_usd": 1e303, "tokens": 5e18}) + b"\n"
              for n in range(3)]
     policy = Policy.from_mapping({"defaults": {"max_cost_usd": 1, "max_tokens": 10, "shadow": True}})
-    outputs = []
-    for engine in ("native", "python"):
-        out = io.BytesIO()
-        replay(lines, policy, out, io.StringIO(), engine=engine)  # type: ignore[arg-type]
-        outputs.append(out.getvalue())
-    assert outputs[0] == outputs[1]
-    assert [orjson.loads(d)["evidence"]["budget"] for d in outputs[0].splitlines()] == ["cost"]
+    output = replay_both(lines, policy)
+    assert [orjson.loads(d)["evidence"]["budget"] for d in output.splitlines()] == ["cost"]
     run = Run(policy)
     run.feed_all([decode_event(orjson.loads(line)) for line in lines])
     assert (run.state.cost_micro, run.state.tokens) == (1 << 62, 1 << 62)

@@ -3,7 +3,6 @@ nothing (stream_app.core.detector rules 5 and 6), with the issue's examples."""
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import orjson
@@ -11,11 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream_app.commands.replay import replay
 from stream_app.core import InvalidEvent, Policy, PolicyError, TelemetryEvent, decode_event
 from stream_app.core.stored import StoredRun, decode_run, encode_run
 
-from .conftest import Run, event
+from .conftest import Run, event, replay_both
 
 
 def read(path: str = "/src/app.py", text: str = "v1", **extra: Any) -> TelemetryEvent:
@@ -178,12 +176,7 @@ def test_both_engines_decide_the_examples_alike() -> None:
                           state_hash=str(n % 2) * 64))
         lines.append(line("noops", n, "apply_patch", "success", {"patch": 1}, tool_class="write", target="/a",
                           state_hash="1" * 64))
-    outputs = []
-    for engine in ("native", "python"):
-        out = io.BytesIO()
-        replay(lines, Policy(), out, io.StringIO(), engine=engine)  # type: ignore[arg-type]
-        outputs.append(out.getvalue())
-    assert outputs[0] == outputs[1]
-    decisions = [orjson.loads(d) for d in outputs[0].splitlines()]
+    output = replay_both(lines, Policy())
+    decisions = [orjson.loads(d) for d in output.splitlines()]
     assert sorted((d["run_id"], d["verdict"], d["trigger_event_id"]) for d in decisions) == [
         ("edits", "oscillation", "edits-4"), ("noops", "recursion", "noops-4"), ("reads", "no_progress", "reads-3")]

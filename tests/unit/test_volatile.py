@@ -8,8 +8,6 @@ the two engines mask every string alike.
 
 from __future__ import annotations
 
-import io
-
 import loopwarden_native
 import orjson
 import pytest
@@ -18,7 +16,6 @@ from hypothesis import strategies as st
 
 from stream_app.bus.wire import encode_telemetry
 from stream_app.client import FinishedCall, TelemetryBuilder
-from stream_app.commands.replay import replay
 from stream_app.core import (
     Detector,
     Policy,
@@ -30,7 +27,7 @@ from stream_app.core import (
 )
 from stream_app.core.volatile import DEFAULT_PATTERN, VolatileMask, pattern
 
-from .conftest import Run, event
+from .conftest import Run, event, replay_both
 
 MASK = VolatileMask()
 
@@ -212,13 +209,8 @@ def test_a_fingerprint_streak_matches_on_the_native_engine_too() -> None:
     lines = [orjson.dumps({"run_id": "r", "event_id": f"e{i}", "tool": "search_docs", "ts_ms": 1000 * i,
                            "outcome": "error", "args": {"q": "x"},
                            "result": f"timeout after {300 + i}ms req_{i:08x}"}) + b"\n" for i in range(6)]
-    outputs = []
-    for engine in ("native", "python"):
-        out, err = io.BytesIO(), io.StringIO()
-        replay(lines, Policy(), out, err, engine=engine)  # type: ignore[arg-type]
-        outputs.append(out.getvalue())
-    assert outputs[0] == outputs[1]
-    decisions = [orjson.loads(line) for line in outputs[0].splitlines()]
+    output = replay_both(lines, Policy())
+    decisions = [orjson.loads(line) for line in output.splitlines()]
     assert [(d["trigger_event_id"], d["evidence"]["match"]) for d in decisions] == [("e3", "fingerprint")]
 
 
