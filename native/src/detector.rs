@@ -32,6 +32,8 @@ pub struct Thresholds {
     pub max_tokens: i64,
     pub max_calls: i64,
     pub max_model_calls_without_tool: i64,
+    /// Warn before a halt (action `advise`).
+    pub advise: bool,
 }
 
 use crate::contract::SPEND_CAP;
@@ -143,6 +145,8 @@ pub struct RunState {
     model_streak: i64,
     /// Calls per tool with a `max_calls`, least recently called first.
     tool_counts: Vec<([u8; 4], i64)>,
+    /// Advice given (bit 1: for the current streak, bit 2: for the current cycle).
+    advised: i64,
 }
 
 /// What to do with an event before any hashing.
@@ -186,6 +190,29 @@ pub struct Finding {
     pub outcome: u8,
     /// Which budget (`cost`, `tokens`, `calls`) or which no-progress rule (`reads`, `model_calls`).
     pub rule: &'static str,
+    /// A warning before the halt of `verdict` (action `advise`), not the halt itself.
+    pub advise: bool,
+}
+
+/// Whether a sum going from `before` to `after` first reaches 80% of `limit` (0: no limit).
+fn nears(before: i64, after: i64, limit: i64) -> bool {
+    limit > 0 && (before as i128) * 5 < (limit as i128) * 4 && (limit as i128) * 4 <= (after as i128) * 5
+}
+
+impl Finding {
+    fn advice(verdict: &'static str, count: i64, outcome: u8) -> Finding {
+        Finding {
+            verdict,
+            count,
+            budget: 0,
+            period: 0,
+            first_event_id: String::new(),
+            fuzzy: false,
+            outcome,
+            rule: "",
+            advise: true,
+        }
+    }
 }
 
 impl RunState {
@@ -226,18 +253,38 @@ impl RunState {
     /// Fold an admitted, counted call; the finding of the rule that fires, if one does.
     /// `fingerprint` gives the call's result fingerprint digest when the fold needs it (a failing call
     /// whose exact hash breaks the streak): the reference computes it only then too.
+    /// Its findings: the advice first (if any), then the rule that fires.
     pub fn fold(
         &mut self,
         step: &Step,
         thresholds: &Thresholds,
         fingerprint: &mut dyn FnMut() -> Option<Digest>,
+    ) -> Vec<Finding> {
+        let mut advice = None;
+        let finding = self.fold_call(step, thresholds, fingerprint, &mut advice);
+        if let (Some(a), Some(f)) = (&advice, &finding) {
+            if a.verdict == f.verdict {
+                advice = None; // the rule halts on this very call: nothing left to warn about
+            }
+        }
+        advice.into_iter().chain(finding).collect()
+    }
+
+    fn fold_call(
+        &mut self,
+        step: &Step,
+        thresholds: &Thresholds,
+        fingerprint: &mut dyn FnMut() -> Option<Digest>,
+        advice: &mut Option<Finding>,
     ) -> Option<Finding> {
         self.model_streak = 0;
-        let mut spent = self.spend(step, thresholds);
-        if spent.is_none() && thresholds.max_calls > 0 {
+        let (mut spent, mut nearing) = self.spend(step, thresholds);
+        if thresholds.max_calls > 0 {
             let calls = self.count_tool(step.tool);
-            if calls > thresholds.max_calls {
+            if spent.is_none() && calls > thresholds.max_calls {
                 spent = Some(("calls", calls));
+            } else if nearing.is_none() && nears(calls - 1, calls, thresholds.max_calls) {
+                nearing = Some(("calls", calls));
             }
         }
         let mut outcome = step.outcome;
@@ -274,10 +321,13 @@ impl RunState {
         let mut sig = [0u8; 21];
         sig[..8].copy_from_slice(&step.call);
         sig[8..].copy_from_slice(&key);
-        let period = self.cycle(sig, failing, step.ts_ms, thresholds);
+        let (period, near) = self.cycle(sig, failing, step.ts_ms, thresholds);
         let stuck = 0 < thresholds.no_progress_at && thresholds.no_progress_at <= reads;
         let oscillating =
             0 < thresholds.oscillation_revisits && thresholds.oscillation_revisits <= revisit;
+        if thresholds.advise {
+            *advice = self.advice(thresholds, failing, count, budget, near, reads, revisit, nearing, outcome);
+        }
 
         if !(self.calls > thresholds.iteration_ceiling
             || occurrences >= 2
@@ -324,6 +374,7 @@ impl RunState {
                 fuzzy: false,
                 outcome,
                 rule: "",
+                advise: false,
             });
         } else if !failing && !self.streak_varied && !self.streak_alerted {
             self.streak_alerted = true;
@@ -336,6 +387,7 @@ impl RunState {
                 fuzzy: false,
                 outcome,
                 rule: "",
+                advise: false,
             });
         } else {
             return None;
@@ -349,6 +401,7 @@ impl RunState {
             fuzzy: self.streak_fuzzy,
             outcome,
             rule,
+            advise: false,
         };
         self.halt(step, verdict, thresholds);
         Some(finding)
@@ -365,43 +418,103 @@ impl RunState {
 
     /// Fold an admitted model call (an inference, not a tool call): it spends, and counts toward the
     /// model calls in a row, nothing else (the reference's `Detector._model_call`).
-    pub fn model_call(&mut self, step: &Step, thresholds: &Thresholds) -> Option<Finding> {
+    pub fn model_call(&mut self, step: &Step, thresholds: &Thresholds) -> Vec<Finding> {
         self.model_streak += 1;
-        let (verdict, rule, count) = match self.spend(step, thresholds) {
-            Some((budget, amount)) => ("budget_exceeded", budget, amount),
+        let (spent, nearing) = self.spend(step, thresholds);
+        let mut findings = Vec::new();
+        if let (Some((budget, amount)), None, true) = (nearing, spent, thresholds.advise) {
+            let mut advice = Finding::advice("budget_exceeded", amount, step.outcome);
+            advice.rule = budget;
+            findings.push(advice);
+        }
+        let halting = match spent {
+            Some((budget, amount)) => Some(("budget_exceeded", budget, amount)),
             None if 0 < thresholds.max_model_calls_without_tool
                 && thresholds.max_model_calls_without_tool <= self.model_streak =>
             {
-                ("no_progress", "model_calls", self.model_streak)
+                Some(("no_progress", "model_calls", self.model_streak))
             }
-            None => return None,
+            None => None,
         };
-        self.halt(step, verdict, thresholds);
-        Some(Finding {
-            verdict,
-            count,
-            budget: 0,
-            period: 0,
-            first_event_id: String::new(),
-            fuzzy: false,
-            outcome: step.outcome,
-            rule,
-        })
+        if let Some((verdict, rule, count)) = halting {
+            self.halt(step, verdict, thresholds);
+            let mut finding = Finding::advice(verdict, count, step.outcome);
+            finding.advise = false;
+            finding.rule = rule;
+            findings.push(finding);
+        }
+        findings
     }
 
-    /// Add the call's cost and tokens; the budget this call takes strictly past its limit, if one.
-    fn spend(&mut self, step: &Step, thresholds: &Thresholds) -> Option<(&'static str, i64)> {
+    /// The warning this call earns before a halt, if any (the reference's `Detector._advice`).
+    #[allow(clippy::too_many_arguments)]
+    fn advice(
+        &mut self,
+        thresholds: &Thresholds,
+        failing: bool,
+        count: i64,
+        budget: i64,
+        near: i64,
+        reads: i64,
+        revisit: i64,
+        nearing: Option<(&'static str, i64)>,
+        outcome: u8,
+    ) -> Option<Finding> {
+        if failing && budget != 0 && count == budget && self.advised & 1 == 0 {
+            self.advised |= 1;
+            let verdict = if self.streak_varied { "semantic_loop" } else { "recursion" };
+            let mut advice = Finding::advice(verdict, count, outcome);
+            advice.budget = budget;
+            advice.first_event_id = self.streak_first_event_id.clone();
+            return Some(advice);
+        }
+        if near > 0 && self.advised & 2 == 0 {
+            self.advised |= 2;
+            let mut advice = Finding::advice("cycle", thresholds.cycle_occurrences - 1, outcome);
+            advice.period = near;
+            return Some(advice);
+        }
+        if reads > 0 && reads == thresholds.no_progress_at - 1 {
+            let mut advice = Finding::advice("no_progress", reads, outcome);
+            advice.rule = "reads";
+            return Some(advice);
+        }
+        if revisit > 0 && revisit == thresholds.oscillation_revisits - 1 {
+            return Some(Finding::advice("oscillation", revisit, outcome));
+        }
+        let (budget, amount) = nearing?;
+        let mut advice = Finding::advice("budget_exceeded", amount, outcome);
+        advice.rule = budget;
+        Some(advice)
+    }
+
+    /// Add the call's cost and tokens; the budget this call takes strictly past its limit, and the
+    /// budget it is the first call to take to 80% or more of its limit.
+    #[allow(clippy::type_complexity)]
+    fn spend(
+        &mut self,
+        step: &Step,
+        thresholds: &Thresholds,
+    ) -> (Option<(&'static str, i64)>, Option<(&'static str, i64)>) {
         let (cost, tokens) = (self.cost_micro, self.tokens);
         self.cost_micro = cost.saturating_add(step.cost_micro).min(SPEND_CAP);
         self.tokens = tokens.saturating_add(step.tokens).min(SPEND_CAP);
         let crossed = |limit: i64, before: i64, after: i64| limit > 0 && before <= limit && limit < after;
-        if crossed(thresholds.max_cost_micro, cost, self.cost_micro) {
+        let spent = if crossed(thresholds.max_cost_micro, cost, self.cost_micro) {
             Some(("cost", self.cost_micro))
         } else if crossed(thresholds.max_tokens, tokens, self.tokens) {
             Some(("tokens", self.tokens))
         } else {
             None
-        }
+        };
+        let nearing = if nears(cost, self.cost_micro, thresholds.max_cost_micro) {
+            Some(("cost", self.cost_micro))
+        } else if nears(tokens, self.tokens, thresholds.max_tokens) {
+            Some(("tokens", self.tokens))
+        } else {
+            None
+        };
+        (spent, nearing)
     }
 
     /// Count a call of a tool that has a `max_calls`; its calls so far.
@@ -440,6 +553,7 @@ impl RunState {
         self.recent_failing = 0;
         self.reads.clear();
         self.targets.clear();
+        self.advised = 0;
     }
 
     /// Count a successful read of this digest; its occurrences since the last successful write.
@@ -552,6 +666,7 @@ impl RunState {
             self.streak_varied = false;
             self.streak_alerted = false;
             self.streak_fuzzy = false;
+            self.advised &= !1;
             self.streak_ts.clear();
             self.streak_first_event_id.clear();
             self.streak_first_event_id.push_str(step.event_id);
@@ -577,7 +692,8 @@ impl RunState {
         (times.len() as i64, budget)
     }
 
-    fn cycle(&mut self, sig: StepSig, failing: bool, ts_ms: i64, thresholds: &Thresholds) -> i64 {
+    /// The period of a cycle this step completes, and of one a single occurrence short (the advice's).
+    fn cycle(&mut self, sig: StepSig, failing: bool, ts_ms: i64, thresholds: &Thresholds) -> (i64, i64) {
         let occurrences = thresholds.cycle_occurrences as usize;
         let capacity = CYCLE_PERIODS[1] * occurrences;
         let sigs = &mut self.recent_sigs;
@@ -596,27 +712,35 @@ impl RunState {
         let mask = if capacity >= 64 { u64::MAX } else { (1u64 << capacity) - 1 };
         self.recent_failing = ((self.recent_failing << 1) | failing as u64) & mask;
         if !repeats {
-            return 0;
+            self.advised &= !2; // no cycle goes on through this step
+            return (0, 0);
         }
         let steps = times.len();
         let n = sigs.len();
-        for period in CYCLE_PERIODS {
-            let span = period * occurrences;
-            if span > steps || span as i64 > thresholds.window_calls || span > n {
+        let mut found = [0i64; 2];
+        for (which, count) in [occurrences, occurrences - 1].into_iter().enumerate() {
+            if count < 2 {
                 continue;
             }
-            let unit_start = n - period;
-            let repeated = (0..span).all(|i| sigs[n - span + i] == sigs[unit_start + i % period]);
-            let all_this_step = (unit_start..n).all(|i| sigs[i] == sig);
-            if repeated
-                && !all_this_step
-                && self.recent_failing & ((1u64 << period) - 1) != 0
-                && ts_ms - times[steps - span] <= thresholds.window_ms
-            {
-                return period as i64;
+            for period in CYCLE_PERIODS {
+                let span = period * count;
+                if span > steps || span as i64 > thresholds.window_calls || span > n {
+                    continue;
+                }
+                let unit_start = n - period;
+                let repeated = (0..span).all(|i| sigs[n - span + i] == sigs[unit_start + i % period]);
+                let all_this_step = (unit_start..n).all(|i| sigs[i] == sig);
+                if repeated
+                    && !all_this_step
+                    && self.recent_failing & ((1u64 << period) - 1) != 0
+                    && ts_ms - times[steps - span] <= thresholds.window_ms
+                {
+                    found[which] = period as i64;
+                    break;
+                }
             }
         }
-        0
+        (found[0], found[1])
     }
 }
 
@@ -748,6 +872,7 @@ impl RunState {
             streak_fuzzy,
             reads,
             targets,
+            advised: spend("advised")?,
             cost_micro: spend("cost_micro")?,
             tokens: spend("tokens")?,
             model_streak: spend("model_streak")?,
@@ -887,6 +1012,7 @@ impl RunState {
                 }
                 out.push(b']');
             }
+            write!(out, ",\"advised\":{}", self.advised).expect("writing to a Vec cannot fail");
         }
         write!(out, ",\"offset\":{offset}").expect("writing to a Vec cannot fail");
         if version >= 1 {

@@ -34,9 +34,10 @@ const FIELD_CACHE_LIMIT: usize = 4096;
 const POLICY_CACHE_LIMIT: usize = 10_000;
 
 /// A finding as the reference's `Finding` fields: verdict, count, budget, period, first_event_id,
-/// args_hash, args_verified, result_hash, result_fp, fuzzy, effective_outcome, rule.
+/// args_hash, args_verified, result_hash, result_fp, fuzzy, effective_outcome, (rule, advise): read by
+/// the reference's `Finding.of_native` (PyO3 converts tuples of at most 12).
 type FindingTuple =
-    (&'static str, i64, i64, i64, String, String, bool, String, String, bool, &'static str, &'static str);
+    (&'static str, i64, i64, i64, String, String, bool, String, String, bool, &'static str, (&'static str, bool));
 
 /// Compiled masks, one per pattern text (a policy has few).
 type Masks = HashMap<String, Rc<fancy_regex::Regex>>;
@@ -99,6 +100,7 @@ impl CallPolicy {
                 max_tokens: int("max_tokens")?,
                 max_calls: int("max_calls")?,
                 max_model_calls_without_tool: int("max_model_calls_without_tool")?,
+                advise: flag("advise")?,
             },
             tool: tool_digest(tool),
             fields: FieldFilter::new(resolved.getattr("fields")?.unbind()),
@@ -254,7 +256,7 @@ impl Resolver {
         policy: &CallPolicy,
         call: &Call,
         given: Option<(HashOf, bool, HashOf, Option<HashOf>)>,
-    ) -> PyResult<Option<FindingTuple>> {
+    ) -> PyResult<Vec<FindingTuple>> {
         let thresholds = &policy.thresholds;
         if call.model_call {
             let step = Step {
@@ -272,11 +274,15 @@ impl Resolver {
                 cost_micro: call.cost_micro,
                 tokens: call.tokens,
             };
-            return Ok(state.model_call(&step, thresholds).map(|f| {
-                let outcome = OUTCOMES[f.outcome as usize];
-                (f.verdict, f.count, 0, 0, f.first_event_id, String::new(), true, String::new(), String::new(),
-                 false, outcome, f.rule)
-            }));
+            return Ok(state
+                .model_call(&step, thresholds)
+                .into_iter()
+                .map(|f| {
+                    let outcome = OUTCOMES[f.outcome as usize];
+                    (f.verdict, f.count, 0, 0, f.first_event_id, String::new(), true, String::new(),
+                     String::new(), false, outcome, (f.rule, f.advise))
+                })
+                .collect());
         }
         let (args, verified, result, given_fp) = match given {
             Some((args, verified, result, fp)) => (args, verified, result, Some(fp)),
@@ -336,14 +342,15 @@ impl Resolver {
             }
             fp.as_ref().map(|hash| hash.digest("unhashable"))
         };
-        let finding = state.fold(&step, thresholds, &mut fingerprint);
-        if finding.as_ref().is_some_and(|f| f.fuzzy && f.outcome != 0) {
+        let findings = state.fold(&step, thresholds, &mut fingerprint);
+        if findings.iter().any(|f| f.fuzzy && f.outcome != 0) {
             fingerprint(); // for the evidence
         }
         if let Some(err) = fp_error {
             return Err(err);
         }
-        Ok(finding.map(|f| {
+        let fp_text = fp.as_ref().map_or_else(String::new, |fp| fp.text("unhashable"));
+        Ok(findings.into_iter().map(|f| {
             (
                 f.verdict,
                 f.count,
@@ -353,12 +360,12 @@ impl Resolver {
                 args.text(""),
                 verified,
                 result.text("unhashable"),
-                fp.as_ref().map_or_else(String::new, |fp| fp.text("unhashable")),
+                fp_text.clone(),
                 f.fuzzy,
                 OUTCOMES[f.outcome as usize],
-                f.rule,
+                (f.rule, f.advise),
             )
-        }))
+        }).collect())
     }
 }
 
@@ -437,7 +444,7 @@ impl Replayer {
             let Some(call) = contract::decode(&obj) else {
                 return Ok((index, findings));
             };
-            if let Some(finding) = self.fold_call(py, &call, None)? {
+            for finding in self.fold_call(py, &call, None)? {
                 findings.push((index, finding));
             }
         }
@@ -472,7 +479,7 @@ impl Replayer {
         model_call: bool,
         tokens: i64,
         cost_micro: i64,
-    ) -> PyResult<(bool, Option<FindingTuple>)> {
+    ) -> PyResult<(bool, Vec<FindingTuple>)> {
         let tool_class = match tool_class {
             None => None,
             Some(class) => Some(TOOL_CLASSES.iter().position(|c| *c == class).ok_or_else(|| {
@@ -536,7 +543,7 @@ impl Replayer {
         py: Python<'_>,
         call: &Call,
         given: Option<(HashOf, bool, HashOf, Option<HashOf>)>,
-    ) -> PyResult<Option<FindingTuple>> {
+    ) -> PyResult<Vec<FindingTuple>> {
         self.events += 1;
         if !self.runs_seen.contains(call.run_id) {
             self.runs_seen.insert(call.run_id.to_owned());
@@ -552,7 +559,7 @@ impl Replayer {
                 .entry(call.run_id.to_owned())
                 .or_insert_with(RunState::default),
         };
-        let mut finding = None;
+        let mut finding = Vec::new();
         match state.admit(call.event_id, call.ts_ms, &policy.thresholds) {
             Admission::Duplicate => self.duplicates += 1,
             Admission::Halted => {}
@@ -812,7 +819,7 @@ impl BatchFolder {
                     if !call.model_call {
                         state.count_call(call.plan_step);
                     }
-                    if let Some(finding) = self.resolver.fold(py, &mut state, &policy, &call, None)? {
+                    for finding in self.resolver.fold(py, &mut state, &policy, &call, None)? {
                         run.findings.push((index, finding));
                     }
                 }

@@ -186,7 +186,8 @@ def _replay_python(lines: Iterable[bytes], policy: Policy, writer: _Writer) -> N
 def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer, engine: Any) -> None:
 
     def decide(event: TelemetryEvent, finding: tuple[Any, ...]) -> None:
-        writer.decision(explain(event, policy.resolve(event.agent_id, event.tool).thresholds, Finding(*finding)))
+        writer.decision(explain(event, policy.resolve(event.agent_id, event.tool).thresholds,
+                                Finding.of_native(finding)))
 
     done = 0
     for chunk in _chunks(lines, 1 if writer.flush_each else CHUNK_LINES):
@@ -203,8 +204,7 @@ def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer, engi
             except InvalidEvent as exc:
                 writer.bad_line(done + stop + 1, exc)
             else:
-                finding = _observe(engine, event, policy)
-                if finding is not None:
+                for finding in _observe(engine, event, policy):
                     decide(event, finding)
             start = stop + 1
         done += len(chunk)
@@ -214,15 +214,15 @@ def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer, engi
     summary.newest_ts_ms = engine.watermark_ms
 
 
-def _observe(engine: Any, event: TelemetryEvent, policy: Policy) -> tuple[Any, ...] | None:
+def _observe(engine: Any, event: TelemetryEvent, policy: Policy) -> list[tuple[Any, ...]]:
     """Fold an event the reference decoded into the native engine, with the reference's hashes."""
     args_hash, args_verified, result_hash, result_fp = event_hashes(event, policy.resolve(event.agent_id, event.tool))
-    finding: tuple[Any, ...] | None = engine.observe(
+    findings: list[tuple[Any, ...]] = engine.observe(
         event.run_id, event.event_id, event.tool, event.agent_id, event.ts_ms, event.outcome, args_hash,
         args_verified, result_hash, result_fp, event.retry_budget, event.plan_step, event.side_effect,
         event.tool_class, event.target, event.state_hash, event.kind == "model_call", token_count(event.tokens),
         micro_usd(event.cost_usd))[1]
-    return finding
+    return findings
 
 
 def _chunks(lines: Iterable[bytes], size: int) -> Iterator[list[bytes]]:

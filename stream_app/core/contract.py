@@ -15,7 +15,7 @@ import orjson
 from .errors import InvalidEvent, NotJSON
 
 Outcome = Literal["success", "error", "empty", "noop"]
-Action = Literal["halt", "suppress", "alert", "resume"]
+Action = Literal["halt", "suppress", "alert", "resume", "advise"]
 Verdict = Literal[
     "recursion",
     "semantic_loop",

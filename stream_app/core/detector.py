@@ -77,6 +77,11 @@ _TOOL_COUNT_SLOTS = 32  # tools with a max_calls counted per run, least recently
 _SPEND_CAP = 1 << 62
 
 
+def _nears(before: int, after: int, limit: int) -> bool:
+    """Whether a sum going from ``before`` to ``after`` first reaches 80% of ``limit`` (0: no limit)."""
+    return limit > 0 and before * 5 < limit * 4 <= after * 5
+
+
 def _checksum(text: str) -> bytes:
     """8 stable bytes for an id or name (crc32 + adler32: cheap, and stable across processes)."""
     return _checksum_bytes(text.encode())
@@ -147,6 +152,8 @@ class RunState:
     model_streak: int = 0
     #: Calls per tool with a ``max_calls`` (tool digest -> calls), least recently called first.
     tool_counts: dict[bytes, int] | None = None
+    #: Advice given (bit 1: for the current streak, bit 2: for the current cycle): at most one each.
+    advised: int = 0
 
     def reset_streaks(self) -> None:
         """Forget repetition evidence (progress was made, or an operator resumed the run)."""
@@ -158,6 +165,7 @@ class RunState:
         self.recent_ts = array("q")
         self.recent_failing = 0
         self.reads = self.targets = None
+        self.advised = 0
 
     def copy(self) -> RunState:
         """An independent copy (a scratch state to ask "what would this event decide?")."""
@@ -170,7 +178,7 @@ class RunState:
             dict(self.reads) if self.reads is not None else None,
             {k: list(v) for k, v in self.targets.items()} if self.targets is not None else None,
             self.cost_micro, self.tokens, self.model_streak,
-            dict(self.tool_counts) if self.tool_counts is not None else None,
+            dict(self.tool_counts) if self.tool_counts is not None else None, self.advised,
         )
 
 
@@ -213,11 +221,13 @@ class Detector:
             return self._model_call(state, event, thresholds)
         state.calls += 1
         state.model_streak = 0
-        spent = self._spend(state, event, thresholds)
-        if spent is None and thresholds.max_calls:
+        spent, nearing = self._spend(state, event, thresholds)
+        if thresholds.max_calls:
             calls = self._count_tool(state, call_policy.tool_digest)
-            if calls > thresholds.max_calls:
+            if spent is None and calls > thresholds.max_calls:
                 spent = ("calls", calls)
+            elif nearing is None and _nears(calls - 1, calls, thresholds.max_calls):
+                nearing = ("calls", calls)
 
         if event.plan_step is not None and (state.plan_step is None or event.plan_step > state.plan_step):
             if state.plan_step is not None:
@@ -249,23 +259,27 @@ class Detector:
         result_fp = _result_fp(event, call_policy, result_hash) if failing and key != state.streak_key else ""
         count, budget = self._streak(state, event, call, key, _short(result_fp) + code + tool_sum if result_fp else b"",
                                      thresholds)
-        period = self._cycle(state, call + key, failing, event.ts_ms, thresholds)
+        period, near = self._cycle(state, call + key, failing, event.ts_ms, thresholds)
 
         stuck = 0 < thresholds.no_progress_at <= reads
         oscillating = 0 < thresholds.oscillation_revisits <= revisit
-        if not (state.calls > thresholds.iteration_ceiling or occurrences >= 2 or (failing and count > budget)
-                or period or stuck or oscillating or spent is not None
-                or (not failing and 0 < thresholds.poll_alert_after <= count)):
+        advice = self._advice(state, thresholds, failing, count, budget, near, reads, revisit, nearing) \
+            if thresholds.advise else None
+        decide = (state.calls > thresholds.iteration_ceiling or occurrences >= 2 or (failing and count > budget)
+                  or period or stuck or oscillating or spent is not None
+                  or (not failing and 0 < thresholds.poll_alert_after <= count))
+        if advice is None and not decide:
             return _NOTHING  # the common case: nothing to decide, no evidence to build
         finding = self._judge(state, event, thresholds, failing, occurrences, count, budget, period,
-                              reads if stuck else 0, revisit if oscillating else 0, spent)
-        if finding is None:
-            return _NOTHING
-        if finding.fuzzy and failing and not result_fp:
+                              reads if stuck else 0, revisit if oscillating else 0, spent) if decide else None
+        if advice is not None and finding is not None and finding.verdict == advice.verdict:
+            advice = None  # the rule halts on this very call: nothing left to warn about
+        if finding is not None and finding.fuzzy and failing and not result_fp:
             result_fp = _result_fp(event, call_policy, result_hash)  # for the evidence
-        return Evaluation(False, (explain(event, thresholds, finding._replace(
+        decisions = tuple(explain(event, thresholds, f._replace(
             args_hash=args_hash, args_verified=args_verified, result_hash=result_hash, result_fp=result_fp,
-            effective_outcome=outcome)),))
+            effective_outcome=outcome)) for f in (advice, finding) if f is not None)
+        return Evaluation(False, decisions) if decisions else _NOTHING
 
     def _judge(self, state: RunState, event: TelemetryEvent, thresholds: Thresholds, failing: bool,
                occurrences: int, count: int, budget: int, period: int, reads: int, revisits: int,
@@ -309,28 +323,60 @@ class Detector:
     def _model_call(self, state: RunState, event: TelemetryEvent, thresholds: Thresholds) -> Evaluation:
         """A model call spends and counts toward the model calls in a row; nothing else."""
         state.model_streak += 1
-        spent = self._spend(state, event, thresholds)
+        spent, nearing = self._spend(state, event, thresholds)
         limit = thresholds.max_model_calls_without_tool
+        findings = []
+        if nearing is not None and spent is None and thresholds.advise:
+            findings.append(Finding("budget_exceeded", nearing[1], rule=nearing[0], advise=True))
         if spent is not None:
-            finding = Finding("budget_exceeded", spent[1], rule=spent[0])
+            findings.append(Finding("budget_exceeded", spent[1], rule=spent[0]))
         elif 0 < limit <= state.model_streak:
-            finding = Finding("no_progress", state.model_streak, rule="model_calls")
-        else:
+            findings.append(Finding("no_progress", state.model_streak, rule="model_calls"))
+        if not findings:
             return _NOTHING
-        self._halt(state, event, thresholds, finding.verdict)
-        return Evaluation(False, (explain(event, thresholds, finding._replace(effective_outcome=event.outcome)),))
+        if not findings[-1].advise:
+            self._halt(state, event, thresholds, findings[-1].verdict)
+        return Evaluation(False, tuple(explain(event, thresholds, f._replace(effective_outcome=event.outcome))
+                                       for f in findings))
 
     @staticmethod
-    def _spend(state: RunState, event: TelemetryEvent, thresholds: Thresholds) -> tuple[str, int] | None:
-        """Add the call's cost and tokens; the budget (and the new sum) it takes strictly past its limit."""
+    def _spend(state: RunState, event: TelemetryEvent,
+               thresholds: Thresholds) -> tuple[tuple[str, int] | None, tuple[str, int] | None]:
+        """Add the call's cost and tokens; the budget (and the new sum) it takes strictly past its limit,
+        and the budget it is the first call to take to 80% or more of its limit."""
         cost, tokens = state.cost_micro, state.tokens
         state.cost_micro = min(cost + micro_usd(event.cost_usd), _SPEND_CAP)
         state.tokens = min(tokens + token_count(event.tokens), _SPEND_CAP)
         limit = micro_usd(thresholds.max_cost_usd)
+        spent = nearing = None
         if limit and cost <= limit < state.cost_micro:
-            return "cost", state.cost_micro
-        if thresholds.max_tokens and tokens <= thresholds.max_tokens < state.tokens:
-            return "tokens", state.tokens
+            spent = "cost", state.cost_micro
+        elif thresholds.max_tokens and tokens <= thresholds.max_tokens < state.tokens:
+            spent = "tokens", state.tokens
+        if _nears(cost, state.cost_micro, limit):
+            nearing = "cost", state.cost_micro
+        elif _nears(tokens, state.tokens, thresholds.max_tokens):
+            nearing = "tokens", state.tokens
+        return spent, nearing
+
+    @staticmethod
+    def _advice(state: RunState, thresholds: Thresholds, failing: bool, count: int, budget: int, near: int,
+                reads: int, revisit: int, nearing: tuple[str, int] | None) -> Finding | None:
+        """The warning this call earns before a halt, if any: one per call, in rule order, at most one per
+        rule per streak (bits of ``state.advised``)."""
+        if failing and budget and count == budget and not state.advised & 1:
+            state.advised |= 1
+            return Finding("semantic_loop" if state.streak_varied else "recursion", count, budget,
+                           first_event_id=state.streak_first_event_id, advise=True)
+        if near and not state.advised & 2:
+            state.advised |= 2
+            return Finding("cycle", thresholds.cycle_occurrences - 1, period=near, advise=True)
+        if reads and reads == thresholds.no_progress_at - 1:
+            return Finding("no_progress", reads, rule="reads", advise=True)
+        if revisit and revisit == thresholds.oscillation_revisits - 1:
+            return Finding("oscillation", revisit, advise=True)
+        if nearing is not None:
+            return Finding("budget_exceeded", nearing[1], rule=nearing[0], advise=True)
         return None
 
     @staticmethod
@@ -461,6 +507,7 @@ class Detector:
             state.streak_key = key
             state.streak_call = call
             state.streak_varied = state.streak_alerted = state.streak_fuzzy = False
+            state.advised &= ~1
             del state.streak_ts[:]
             state.streak_first_event_id = event.event_id
             state.streak_fp = fp_key
@@ -484,8 +531,9 @@ class Detector:
         return count, budget
 
     @staticmethod
-    def _cycle(state: RunState, sig: bytes, failing: bool, ts_ms: int, thresholds: Thresholds) -> int:
-        """Record the step's signature; return the period (2 or 3) of a cycle it completes, or 0."""
+    def _cycle(state: RunState, sig: bytes, failing: bool, ts_ms: int, thresholds: Thresholds) -> tuple[int, int]:
+        """Record the step's signature; return the period (2 or 3) of a cycle it completes, or 0, and the
+        period of a cycle one occurrence short of that (the advice's), or 0."""
         occurrences = thresholds.cycle_occurrences
         capacity = _CYCLE_PERIODS[-1] * occurrences
         previous = state.recent_sigs
@@ -499,19 +547,25 @@ class Detector:
             del times[0]
         state.recent_failing = ((state.recent_failing << 1) | failing) & ((1 << capacity) - 1)
         if not repeats:
-            return 0
+            state.advised &= ~2  # no cycle goes on through this step
+            return 0, 0
         steps = len(times)
-        for period in _CYCLE_PERIODS:
-            span = period * occurrences
-            if span > steps or span > thresholds.window_calls:
+        found = [0, 0]
+        for which, count in enumerate((occurrences, occurrences - 1)):
+            if count < 2:
                 continue
-            unit = sigs[-_SIG * period :]
-            if (sigs[-_SIG * span :] == unit * occurrences
-                    and unit != sig * period
-                    and state.recent_failing & ((1 << period) - 1)
-                    and ts_ms - times[-span] <= thresholds.window_ms):
-                return period
-        return 0
+            for period in _CYCLE_PERIODS:
+                span = period * count
+                if span > steps or span > thresholds.window_calls:
+                    continue
+                unit = sigs[-_SIG * period :]
+                if (sigs[-_SIG * span :] == unit * count
+                        and unit != sig * period
+                        and state.recent_failing & ((1 << period) - 1)
+                        and ts_ms - times[-span] <= thresholds.window_ms):
+                    found[which] = period
+                    break
+        return found[0], found[1]
 
 
 class Finding(NamedTuple):
@@ -535,6 +589,15 @@ class Finding(NamedTuple):
     effective_outcome: str = ""
     #: Which budget (``cost``, ``tokens``, ``calls``) or no-progress rule (``reads``, ``model_calls``).
     rule: str = ""
+    #: A warning before the halt of ``verdict`` (action ``advise``), not the halt itself.
+    advise: bool = False
+
+    @classmethod
+    def of_native(cls, found: tuple[Any, ...]) -> Finding:
+        """A finding as the native engine returns it: the fields in order, ``rule`` and ``advise`` as one
+        last pair."""
+        *fields, (rule, advise) = found
+        return cls(*fields)._replace(rule=rule, advise=advise)
 
 
 _ACTIONS: dict[str, Action] = {"duplicate_call": "suppress", "polling": "alert"}
@@ -558,7 +621,9 @@ def explain(event: TelemetryEvent, thresholds: Thresholds, finding: Finding) -> 
     if event.seq is not None:
         evidence["seq"] = event.seq  # lets a runtime tell which of its calls triggered the decision
     count = finding.tally
-    if verdict == "iteration_ceiling":
+    if finding.advise:
+        reason = _advice_text(event, thresholds, finding, evidence)
+    elif verdict == "iteration_ceiling":
         evidence.update(count=count, ceiling=thresholds.iteration_ceiling)
         reason = f"run reached its iteration ceiling: call {count} exceeds {thresholds.iteration_ceiling}"
     elif verdict == "circuit_open":
@@ -622,7 +687,7 @@ def explain(event: TelemetryEvent, thresholds: Thresholds, finding: Finding) -> 
         evidence.update(count=count, first_event_id=finding.first_event_id)
         reason = (f"{event.tool} returned the same successful result {count} times in a row "
                   "(polling?); advisory only")
-    action = _ACTIONS.get(verdict, "halt")
+    action = "advise" if finding.advise else _ACTIONS.get(verdict, "halt")
     if thresholds.shadow and action != "alert":
         evidence.update(shadow=True, would=action)
         reason = f"shadow mode, would {action}: {reason}"
@@ -641,6 +706,44 @@ def explain(event: TelemetryEvent, thresholds: Thresholds, finding: Finding) -> 
         trace_id=event.trace_id,
         span_id=event.span_id,
     )
+
+
+def _advice_text(event: TelemetryEvent, thresholds: Thresholds, finding: Finding, evidence: dict[str, Any]) -> str:
+    """The warning before a halt, written for the model that makes the next call; its evidence."""
+    verdict, count, tool = finding.verdict, finding.tally, event.tool
+    evidence.update(advice_for=verdict, count=count)
+    if verdict in ("recursion", "semantic_loop"):
+        evidence.update(budget=finding.budget, first_event_id=finding.first_event_id)
+        how = "the same way" if verdict == "recursion" else "the same way, with different arguments,"
+        return (f"{tool} failed {how} {count} times; the next identical failure stops this run; change the "
+                "approach or the arguments, or report the failure")
+    if verdict == "cycle":
+        evidence.update(period=finding.period)
+        return (f"the same {finding.period} calls, ending in {tool}, repeated {count} times with the same results; "
+                "one more repetition stops this run; try something different")
+    if verdict == "no_progress":
+        evidence["rule"] = "reads"
+        return (f"{tool} returned the same result {count} times with nothing written since; reading it again "
+                "stops this run; act on what you have read")
+    if verdict == "oscillation":
+        evidence["target"] = event.target
+        return (f"{str(event.target)[:80]} went back to an earlier state {count} times; undoing and redoing it "
+                "again stops this run; settle on one version")
+    budget = finding.rule
+    evidence["budget"] = budget
+    if budget == "cost":
+        limit = micro_usd(thresholds.max_cost_usd)
+        evidence.update(spent=count / 1_000_000, limit=thresholds.max_cost_usd)
+    elif budget == "tokens":
+        limit = thresholds.max_tokens
+        evidence.update(spent=count, limit=limit)
+    else:
+        limit = thresholds.max_calls
+        evidence.update(limit=limit)
+        return (f"{tool} has been called {count} times of the {limit} this run allows; use the remaining calls "
+                "carefully")
+    return (f"this run has used {count * 100 // limit}% of its {budget} budget; going past it stops the run; "
+            "finish the task or report what is left")
 
 
 def _failure(event: TelemetryEvent, evidence: dict[str, Any]) -> str:

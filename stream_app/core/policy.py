@@ -91,6 +91,10 @@ class Thresholds:
     #: Model calls in a row with no tool call between (context compaction spirals): the 25th halts
     #: (``no_progress``, evidence.rule ``model_calls``); 0 disables.
     max_model_calls_without_tool: int = 25
+    #: Warn before a halt (action ``advise``, the rule's verdict, a reason written for the model): at the
+    #: last identical failure the retry budget allows, one cycle short, one read and one revisit short,
+    #: and at the first call reaching 80% of a budget. Halt points do not move.
+    advise: bool = True
 
     def __post_init__(self) -> None:
         for name in ("retry_budget", "window_calls", "iteration_ceiling", "poll_alert_after", "no_progress_at",

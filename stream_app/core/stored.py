@@ -16,7 +16,7 @@ Versions:
   ``reads`` (null, or ``[[digest hex, occurrences], ...]`` least recently seen first) and ``targets``
   (null, or ``[[target digest hex, after-states hex, revisits], ...]`` least recently written first),
   ``cost_micro``, ``tokens``, ``model_streak`` (integers) and ``tool_counts`` (null, or ``[[tool digest hex,
-  calls], ...]``).
+  calls], ...]``), ``advised`` (bits: advice given for the current streak, cycle).
   Written as version 0 or 1 they are left out: the run's current streak then goes on by exact hashes only,
   its read and write history starts again, and what it spent and its per-tool and model-call counts are
   lost at every write, so budgets, ``max_calls`` and ``max_model_calls_without_tool`` cannot fire while
@@ -93,6 +93,8 @@ def encode_run(run: StoredRun, version: int = FORMAT_VERSION) -> bytes:
                 record[name] = getattr(state, name)
         if state.tool_counts:
             record["tool_counts"] = [[k.hex(), n] for k, n in state.tool_counts.items()]
+        if state.advised:
+            record["advised"] = state.advised
     record["offset"] = run.offset
     if version >= 1:
         record[VERSION_KEY] = version
@@ -183,6 +185,7 @@ def _state_of(record: dict[str, Any]) -> RunState:
         tokens=record.get("tokens", 0),
         model_streak=record.get("model_streak", 0),
         tool_counts={bytes.fromhex(k): n for k, n in counts} if (counts := record.get("tool_counts")) else None,
+        advised=record.get("advised", 0),
         side_effects=(
             {bytes.fromhex(k): list(v) for k, v in side_effects.items()} if side_effects else None
         ),

@@ -259,7 +259,7 @@ class NativeBatchFold(BatchFold):
             assert value is not None  # the native engine decoded it
             event = parse_event(value, self.max_event_bytes)
             result.decisions.append(explain(event, policy.resolve(event.agent_id, event.tool).thresholds,
-                                            Finding(*finding)))
+                                            Finding.of_native(finding)))
         result.rekeys.extend(Rekey(index, run_id.encode()) for index, run_id in rekeys)
         for outcome, count in zip(_NATIVE_OUTCOMES, applied, strict=True):
             if count:
