@@ -357,6 +357,13 @@ class GuardedRun:
         return self.decision is not None
 
     @property
+    def advice(self) -> str | None:
+        """The latest warning before a halt for this run (an ``advise`` decision's reason, written for the
+        model: hand it to the model with the tool result), or None."""
+        message = self._board.advice(self.run_id)
+        return None if message is None else str(message.get("reason", ""))
+
+    @property
     def calls(self) -> int:
         """Calls reported so far; the next call's telemetry carries this as its ``seq``."""
         return self._seq

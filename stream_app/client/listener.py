@@ -49,7 +49,7 @@ Source = Literal["local", "fleet"]
 #: Called with the control v1 object of every decision applied to a watched run; may be async.
 DecisionCallback = Callable[[dict[str, Any]], object]
 
-_ACTIONS: Final = frozenset(("halt", "suppress", "alert", "resume"))
+_ACTIONS: Final = frozenset(("halt", "suppress", "alert", "resume", "advise"))
 #: Suppressed calls remembered per run; the oldest go first (they expire within a minute anyway).
 _SUPPRESSIONS_PER_RUN: Final = 256
 #: Decisions parked per unwatched run (a run has at most a few: halt, resume, halt...).
@@ -59,6 +59,8 @@ _PARKED_PER_RUN: Final = 8
 @dataclass(slots=True)
 class _RunView:
     halt: dict[str, Any] | None = None
+    #: The latest warning before a halt (an ``advise`` decision): for the model's next input.
+    advice: dict[str, Any] | None = None
     #: (tool, args_hash) -> epoch ms until which the call is suppressed.
     suppressed: dict[tuple[str, str], int] = field(default_factory=dict)
     tasks: weakref.WeakSet[asyncio.Task[Any]] = field(default_factory=weakref.WeakSet)
@@ -120,6 +122,11 @@ class ControlBoard:
     def watches(self, run_id: str) -> bool:
         """Whether decisions for ``run_id`` concern this process."""
         return self.watch_all or run_id in self._runs
+
+    def advice(self, run_id: str) -> dict[str, Any] | None:
+        """The latest advise decision for ``run_id`` (control v1 object), or None."""
+        view = self._runs.get(run_id)
+        return view.advice if view is not None else None
 
     def halt_decision(self, run_id: str) -> dict[str, Any] | None:
         """The halt in force for the run (its control v1 object), or None."""
@@ -207,6 +214,9 @@ class ControlBoard:
             view.halt = None
             view.suppressed.clear()
             logger.info("run resumed", extra=log_extra)
+        elif action == "advise":
+            view.advice = message
+            logger.info("run advised: %s", message.get("reason"), extra=log_extra)
         elif action == "suppress":
             evidence = message["evidence"]
             window_ms = evidence.get("window_ms")
