@@ -1012,7 +1012,9 @@ impl RunState {
                 }
                 out.push(b']');
             }
-            write!(out, ",\"advised\":{}", self.advised).expect("writing to a Vec cannot fail");
+            if self.advised != 0 {
+                write!(out, ",\"advised\":{}", self.advised).expect("writing to a Vec cannot fail");
+            }
         }
         write!(out, ",\"offset\":{offset}").expect("writing to a Vec cannot fail");
         if version >= 1 {
