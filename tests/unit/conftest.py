@@ -35,12 +35,15 @@ class Run:
         self.detector = Detector(policy)
         self.state = RunState()
         self.calls = 0
+        #: Every decision but the warnings before a halt, which go to ``advice`` (tests/unit/test_advise.py).
         self.decisions: list[tuple[int, Decision]] = []
+        self.advice: list[tuple[int, Decision]] = []
 
     def feed(self, ev: TelemetryEvent) -> tuple[Decision, ...]:
         self.calls += 1
         decisions = self.detector.evaluate(self.state, ev).decisions
-        self.decisions.extend((self.calls, d) for d in decisions)
+        for d in decisions:
+            (self.advice if d.action == "advise" else self.decisions).append((self.calls, d))
         return decisions
 
     def feed_all(self, events: list[TelemetryEvent]) -> Run:

@@ -126,11 +126,16 @@ def test_every_round_2_decision_validates() -> None:
     stream += [ev("spender", n, agent_id="spender", cost_usd=0.3) for n in range(2)]
     stream += [ev("browser", n, tool="browse", args={"u": n}) for n in range(3)]
     seen = set()
+    advised = set()
     for raw in stream:
         for decision in table.observe(decode_event(raw)).decisions:
             validator.validate(decision.to_control())
+            if decision.action == "advise":
+                advised.add(decision.verdict)
+                continue
             seen.add((decision.verdict, decision.evidence.get("match") or decision.evidence.get("rule")
                       or decision.evidence.get("budget") or decision.evidence.get("effective_outcome")))
     assert seen == {("recursion", "fingerprint"), ("no_progress", "reads"), ("oscillation", None),
                     ("recursion", "exact"), ("no_progress", "model_calls"), ("budget_exceeded", "tokens"),
                     ("budget_exceeded", "cost"), ("budget_exceeded", "calls")}
+    assert advised == {"recursion", "no_progress", "oscillation", "budget_exceeded"}

@@ -333,8 +333,9 @@ async def test_a_frameworks_trace_ids_reach_the_decision_its_call_triggers() -> 
     for n in range(4):
         ids = CallIds(tool_call_id=f"call-{n}", trace_id="0af7651916cd43dd8448eb211c80319c", span_id=f"{n:016x}")
         await attempt(run, "search", Counted(ConnectionError("down")), {"q": "x"}, ids=ids)
-    assert [(d["verdict"], d["trace_id"], d["span_id"]) for d in decisions] == [
-        ("recursion", "0af7651916cd43dd8448eb211c80319c", f"{3:016x}")]
+    assert [(d["action"], d["trace_id"], d["span_id"]) for d in decisions] == [
+        ("advise", "0af7651916cd43dd8448eb211c80319c", f"{2:016x}"),  # the warning comes with the 3rd
+        ("halt", "0af7651916cd43dd8448eb211c80319c", f"{3:016x}")]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -361,8 +362,8 @@ async def test_halt_cancels_bound_tasks_and_notifies_callbacks() -> None:
         await attempt(run, "search_docs", Counted(ConnectionError("down")), {"q": "x"})
     await asyncio.sleep(0)  # let the cancellation and the async callback run
     assert background.cancelled()
-    assert [d["action"] for d in synced] == ["halt"] and awaited == synced
-    assert synced[0]["run_id"] == "run-1" and len(synced[0]["decision_id"]) == 32
+    assert [d["action"] for d in synced] == ["advise", "halt"] and awaited == synced
+    assert synced[1]["run_id"] == "run-1" and len(synced[1]["decision_id"]) == 32
 
 
 async def test_task_bound_after_the_halt_is_cancelled_at_once() -> None:

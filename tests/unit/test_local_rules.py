@@ -39,13 +39,15 @@ async def test_a_local_decision_and_the_fleets_copy_are_one_decision() -> None:
     guard.board.add_confirmation_callback(confirmed.append)
     run = guard.run("run-1")
     await _fail(run, Counted(OSError("down")), 4)
-    [local] = applied
+    advice, local = applied
+    assert advice["action"] == "advise" and local["action"] == "halt"
     assert guard.board.apply(dict(local)) == "duplicate"  # the fleet's copy
     assert guard.board.apply(dict(local)) == "duplicate"  # re-sent after a worker crash
     assert guard.board.apply(_fleet("alert", verdict="polling")) == "applied"
     counters = guard.counters
-    assert (counters["local"], counters["confirmed"], counters["fleet_only"], counters["applied"]) == (1, 1, 1, 2)
+    assert (counters["local"], counters["confirmed"], counters["fleet_only"], counters["applied"]) == (2, 1, 1, 3)
     assert confirmed == [local]
+    assert run.advice == advice["reason"]
 
 
 async def test_a_fleet_halt_halts_the_local_fold_too() -> None:

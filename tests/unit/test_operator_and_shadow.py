@@ -63,17 +63,21 @@ SHADOW = Policy.from_mapping({"tools": {"search": {"shadow": True}, "send_email"
 
 
 def test_shadow_mode_alerts_instead_of_halting_and_the_run_goes_on() -> None:
-    """A shadowed tool's loop is reported as an alert each time it fills its budget; another tool's loop
-    in the same run still halts."""
+    """A shadowed tool's loop is reported as an alert each time it fills its budget (and its warning
+    before, as an alert that would have advised: it reaches no model); another tool's loop in the same run
+    still halts."""
     run = Run(SHADOW)
     run.feed_all([event(ts_ms=1000 + i) for i in range(8)])
-    assert run.actions() == [(4, "alert", "recursion"), (8, "alert", "recursion")]
-    alert = run.decisions[0][1]
+    assert [(n, a, v, d.evidence["would"]) for (n, d), (_, a, v) in zip(run.decisions, run.actions(), strict=True)] == [
+        (3, "alert", "recursion", "advise"), (4, "alert", "recursion", "halt"),
+        (7, "alert", "recursion", "advise"), (8, "alert", "recursion", "halt")]
+    alert = run.decisions[1][1]
     assert alert.evidence["shadow"] is True and alert.evidence["would"] == "halt"
     assert alert.reason.startswith("shadow mode, would halt: ")
     jsonschema.validate(alert.to_control(), SCHEMA)
     run.feed_all([event(tool="fetch", ts_ms=2000 + i) for i in range(4)])
     assert run.halts() == [(12, "recursion")]
+    assert [(n, d.action) for n, d in run.advice] == [(11, "advise")]  # not shadowed: a real warning
 
 
 def test_shadow_mode_turns_suppress_into_alerts() -> None:

@@ -177,6 +177,6 @@ def test_both_engines_decide_the_examples_alike() -> None:
         lines.append(line("noops", n, "apply_patch", "success", {"patch": 1}, tool_class="write", target="/a",
                           state_hash="1" * 64))
     output = replay_both(lines, Policy())
-    decisions = [orjson.loads(d) for d in output.splitlines()]
+    decisions = [d for d in map(orjson.loads, output.splitlines()) if d["action"] != "advise"]
     assert sorted((d["run_id"], d["verdict"], d["trigger_event_id"]) for d in decisions) == [
         ("edits", "oscillation", "edits-4"), ("noops", "recursion", "noops-4"), ("reads", "no_progress", "reads-3")]

@@ -102,7 +102,7 @@ def test_a_redelivered_batch_changes_nothing() -> None:
     worker = Worker()
     batch = [worker.telemetry(_failing("run-a", n)) for n in range(4)]
     first = worker.apply(batch)
-    assert [d.verdict for d in first.decisions] == ["recursion"]
+    assert [(d.action, d.verdict) for d in first.decisions] == [("advise", "recursion"), ("halt", "recursion")]
     again = worker.apply(batch)
     assert (again.decisions, again.records, again.duplicates, sum(again.applied.values())) == ([], {}, 4, 0)
 
@@ -113,7 +113,7 @@ def test_a_batch_half_applied_before_a_crash_applies_only_its_new_half() -> None
     worker.apply(batch[:2])
     result = worker.apply(batch)  # redelivered from the last commit, which was before the first half
     assert result.duplicates == 2
-    assert [(d.verdict, d.trigger_event_id) for d in result.decisions] == [("recursion", "run-a-3")]
+    assert [(d.verdict, d.trigger_event_id) for d in result.decisions if d.action == "halt"] == [("recursion", "run-a-3")]
 
 
 def test_a_resent_event_id_is_a_duplicate_at_a_new_offset() -> None:
@@ -142,7 +142,7 @@ def test_a_bad_record_is_a_dead_letter_with_its_reason_and_the_rest_still_folds(
                *[worker.telemetry(_failing("run-a", n)) for n in range(1, 4)]]
     result = worker.apply(records)
     assert [(d.index, d.reason) for d in result.dead_letters] == [(1, reason)]
-    assert [d.verdict for d in result.decisions] == ["recursion"]
+    assert [d.verdict for d in result.decisions if d.action == "halt"] == ["recursion"]
 
 
 def test_a_record_keyed_by_something_else_is_rekeyed_not_folded() -> None:
@@ -368,6 +368,6 @@ def test_the_native_engine_folds_what_it_can_and_defers_the_rest(engine: str) ->
     records = [RawRecord(0, n, b"run-a", orjson.dumps(_failing("run-a", n))) for n in range(4)]
     new_records, findings, rekeys, deferred, *_ = fold._native.fold(records, [], {(0, b"run-a"): None})
     assert [(p, k) for p, k, _ in new_records] == [(0, b"run-a")] and deferred == [] and rekeys == []
-    assert [(i, f[0]) for i, f in findings] == [(3, "recursion")]
+    assert [(i, f[0], f[-1][1]) for i, f in findings] == [(2, "recursion", True), (3, "recursion", False)]  # advice, halt
     bad = [*records, RawRecord(0, 4, b"run-a", b"{not json")]
     assert fold._native.fold(bad, [], {(0, b"run-a"): None})[3] == [0, 1, 2, 3, 4]  # the run goes to the reference
