@@ -345,6 +345,7 @@ class GuardedRun:
         self._local = guard._local if local_rules else None
         self._fleet = guard._fleet
         self._seq = 0
+        self._advice_taken: str | None = None
         self._earlier: OrderedDict[tuple[str, str], _Earlier] = OrderedDict()
 
     @property
@@ -362,6 +363,15 @@ class GuardedRun:
         model: hand it to the model with the tool result), or None."""
         message = self._board.advice(self.run_id)
         return None if message is None else str(message.get("reason", ""))
+
+    def take_advice(self) -> str | None:
+        """The latest advice if not taken before, else None: what a framework integration appends to the
+        tool result the model reads next (each warning once)."""
+        message = self._board.advice(self.run_id)
+        if message is None or message["decision_id"] == self._advice_taken:
+            return None
+        self._advice_taken = message["decision_id"]
+        return str(message.get("reason", ""))
 
     @property
     def calls(self) -> int:

@@ -280,7 +280,7 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
             self._bridge.run(run.finish(pending, error=exc, latency_ms=_ms_since(started)))
             raise
         self._bridge.run(run.finish(pending, _reported(result), latency_ms=_ms_since(started)))
-        return result
+        return _advised(result, run.take_advice())
 
     async def awrap_tool_call(
         self, request: ToolCallRequest, handler: Callable[[ToolCallRequest], Awaitable[ToolResult]]
@@ -299,7 +299,7 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
             await run.finish(pending, error=exc, latency_ms=_ms_since(started))
             raise
         await run.finish(pending, _reported(result), latency_ms=_ms_since(started))
-        return result
+        return _advised(result, run.take_advice())
 
     @contextmanager
     def _noticing_swallowed_halts(self, request: ToolCallRequest, run: GuardedRun) -> Iterator[None]:
@@ -337,6 +337,14 @@ def _reported(output: Any) -> Any:
     if isinstance(output, ToolMessage):
         return ToolOutcome("error", output.content) if output.status == "error" else output.content
     return output
+
+
+def _advised(result: ToolResult, advice: str | None) -> ToolResult:
+    """The tool's message with loopwarden's warning appended, so the model reads it with the result it
+    is about (a ``Command`` result is returned as it is)."""
+    if advice is None or not isinstance(result, ToolMessage) or not isinstance(result.content, str):
+        return result
+    return result.model_copy(update={"content": f"{result.content}\n\n[loopwarden] {advice}"})
 
 
 def _replayed(request: ToolCallRequest, pending: PendingCall) -> ToolMessage:

@@ -79,7 +79,20 @@ class LoopGuardMiddleware(ServerMiddleware[Any]):
             raise
         answered: HandlerResult = await run.finish(pending, ToolOutcome(outcome(result), result),
                                                    latency_ms=(time.perf_counter() - started) * 1000)
-        return answered
+        return advised(answered, run.take_advice())
+
+
+def advised(result: HandlerResult, advice: str | None) -> HandlerResult:
+    """The tool's result with loopwarden's warning appended as one more text content, so the model reads
+    it with the result it is about."""
+    if advice is None:
+        return result
+    note = {"type": "text", "text": f"[loopwarden] {advice}"}
+    if isinstance(result, BaseModel):
+        result = result.model_dump(mode="json", by_alias=True, exclude_none=True)
+    if not isinstance(result, dict):
+        return result
+    return {**result, "content": [*(result.get("content") or []), note]}
 
 
 def run_id_from_meta(ctx: ServerRequestContext[Any, Any]) -> str | None:

@@ -125,8 +125,12 @@ def test_middleware_refuses_the_fifth_identical_failing_call_before_its_tool_run
     assert (halted.value.run_id, halted.value.verdict) == ("thread-7", "recursion")
     assert [(e["run_id"], e["tool"], e["outcome"], e["attrs"]) for e in telemetry] == [
         ("thread-7", "search_docs", "error", {"tool_call_id": f"call-{n}"}) for n in range(1, 5)]
-    [halt] = decisions
+    advice, halt = decisions
     assert halt["trigger_event_id"] == telemetry[3]["event_id"]
+    assert (advice["action"], advice["trigger_event_id"]) == ("advise", telemetry[2]["event_id"])
+    # The warning reached the model with the 3rd call's result, before its 4th call; not before.
+    shown = [[m.content for m in turn if isinstance(m, ToolMessage)] for turn in chat.seen]
+    assert advice["reason"] in shown[3][-1] and not any(advice["reason"] in c for c in shown[2])
 
 
 def test_middleware_lets_a_retry_that_recovers_finish() -> None:

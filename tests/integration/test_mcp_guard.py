@@ -76,8 +76,11 @@ async def test_fourth_identical_failure_halts_and_the_next_call_is_refused_witho
     assert runs.calls == 4
     assert all(a.is_error for a in answers)
     assert all("index store unavailable" in text(a) for a in answers[:4])
-    [halt] = decisions
+    advice, halt = decisions
     assert (halt["action"], halt["verdict"], halt["run_id"]) == ("halt", "recursion", "run-7")
+    # The warning rides on the 3rd call's result, which is what the model reads before its 4th call.
+    assert advice["action"] == "advise" and f"[loopwarden] {advice['reason']}" in text(answers[2])
+    assert not any(advice["reason"] in text(a) for a in answers[:2])
     assert (halt["trace_id"], halt["span_id"]) == (TRACE_ID, SPAN_ID)
     assert text(answers[4]).startswith("run run-7 was halted by loopwarden (recursion): ")
     assert halt["reason"] in text(answers[4])
@@ -168,7 +171,8 @@ async def test_answers_from_inner_middleware_are_classified_like_the_sdks() -> N
                    for _ in range(5)]
 
     assert runs.calls == 0
-    assert [text(a) for a in answers[:4]] == ["down for maintenance"] * 4
+    assert [text(a).split(" [loopwarden] ")[0] for a in answers[:4]] == ["down for maintenance"] * 4
+    assert "[loopwarden] reindex failed the same way 3 times" in text(answers[2])  # the warning, once
     assert "recursion" in text(answers[4])
 
 
