@@ -27,7 +27,9 @@ from claude_agent_sdk.types import (
     HookContext,
     HookInput,
     PostToolUseFailureHookInput,
+    PostToolUseFailureHookSpecificOutput,
     PostToolUseHookInput,
+    PostToolUseHookSpecificOutput,
     PreToolUseHookInput,
     PreToolUseHookSpecificOutput,
     SyncHookJSONOutput,
@@ -97,7 +99,17 @@ class ClaudeAgentGuard:
         await run.finish(pending, result, latency_ms=call.get("duration_ms", 0))
         decision = run.decision
         if decision is None:
-            return {}
+            advice = run.take_advice()
+            if advice is None:
+                return {}
+            # Claude reads it with this call's result: the warning before the halt.
+            context_for_claude: PostToolUseHookSpecificOutput | PostToolUseFailureHookSpecificOutput
+            if call["hook_event_name"] == "PostToolUse":
+                context_for_claude = {"hookEventName": "PostToolUse", "additionalContext": f"loopwarden: {advice}"}
+            else:
+                context_for_claude = {"hookEventName": "PostToolUseFailure",
+                                      "additionalContext": f"loopwarden: {advice}"}
+            return {"hookSpecificOutput": context_for_claude}
         return {"continue_": False, "stopReason": str(RunHalted(decision))}
 
 

@@ -126,13 +126,15 @@ class _ToolCalls:
             self._pending[run.run_id, context.tool_call_id] = (run, pending, time.perf_counter())
         return run, pending
 
-    async def _finish(self, context: ToolContext[Any], result: Any) -> None:
-        """Reports the call's end: its error if ``tool_failed`` saw one, else its result."""
+    async def _finish(self, context: ToolContext[Any], result: Any) -> GuardedRun | None:
+        """Reports the call's end: its error if ``tool_failed`` saw one, else its result; its run (None: not begun here)."""
         error = _FAILED.pop(context, None)
         begun = self._pending.pop((self._run_of(context), context.tool_call_id), None)
-        if begun is not None:
-            run, pending, started = begun
-            await run.finish(pending, result, error=error, latency_ms=(time.perf_counter() - started) * 1000)
+        if begun is None:
+            return None
+        run, pending, started = begun
+        await run.finish(pending, result, error=error, latency_ms=(time.perf_counter() - started) * 1000)
+        return run
 
     def _run_of(self, context: ToolContext[Any]) -> str:
         """The call's run id: ``run_id`` (or what it returns), else the group id, else the trace id."""
@@ -212,8 +214,13 @@ class LoopwardenToolGuardrails(_ToolCalls):
         return ToolGuardrailFunctionOutput.reject_content(earlier, output_info={"suppressed": True})
 
     async def _after(self, data: ToolOutputGuardrailData) -> ToolGuardrailFunctionOutput:
-        await self._finish(data.context, data.output)
-        return ToolGuardrailFunctionOutput.allow()
+        run = await self._finish(data.context, data.output)
+        advice = run.take_advice() if run is not None else None
+        if advice is None:
+            return ToolGuardrailFunctionOutput.allow()
+        # The model reads the warning with this call's output: the output, then loopwarden's note.
+        return ToolGuardrailFunctionOutput.reject_content(f"{data.output}\n\n[loopwarden] {advice}",
+                                                          output_info={"advice": advice})
 
 
 def _arguments(raw: str) -> dict[str, Any]:

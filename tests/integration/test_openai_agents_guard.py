@@ -168,6 +168,12 @@ async def test_guardrails_trip_on_the_fifth_identical_failing_call_before_its_to
     assert search.runs == 4
     decision = tripped.value.output.output_info
     assert (decision["run_id"], decision["action"], decision["verdict"]) == ("conv-8", "halt", "recursion")
+    # The output guardrail gave the model the warning with the 3rd call's output, before its 4th call.
+    model = agent.model
+    assert isinstance(model, ScriptedModel)
+    outputs = [output for _, output in outputs_seen(model)]
+    assert "[loopwarden] search_docs failed the same way 3 times" in outputs[2]
+    assert not any("[loopwarden]" in output for output in outputs[:2])
 
 
 async def test_a_retry_that_recovers_finishes() -> None:
