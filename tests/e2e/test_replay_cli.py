@@ -54,12 +54,12 @@ def test_replay_reports_bad_lines_and_keeps_going(tmp_path: Path, engine: str) -
     assert "line 4: event must be a JSON object, got array" in stderr
     assert "line 5: ts_ms: must be an integer, got string" in stderr
     assert "line 7: outcome: must be one of" in stderr
-    assert "5 events (0 duplicates) in 1 run; 1 decision: halt/recursion 1; 4 bad lines" in stderr
+    assert "5 events (0 duplicates) in 1 run; 2 decisions: advise/recursion 1, halt/recursion 1; 4 bad lines" in stderr
     assert "\nhalted: r1\n" in stderr
     assert "warning: every ts_ms is below 10^11, which looks like seconds" in stderr  # these say 1,000 ms
     decisions = [json.loads(line) for line in result.stdout.splitlines()]
     assert [(d["action"], d["verdict"], d["trigger_event_id"]) for d in decisions] == [
-        ("halt", "recursion", "e3")
+        ("advise", "recursion", "e2"), ("halt", "recursion", "e3")
     ]
 
 
@@ -69,7 +69,7 @@ def test_replay_reads_stdin_and_exits_zero_on_clean_input(engine: str) -> None:
     stdin = b"\n".join(_call(i) for i in range(4)) + b"\n"
     result = _loopwarden("replay", "--engine", engine, "-", stdin=stdin)
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["trigger_event_id"] == "e3"
+    assert [json.loads(line)["trigger_event_id"] for line in result.stdout.splitlines()] == ["e2", "e3"]
 
 
 @ENGINES
@@ -81,7 +81,8 @@ def test_the_summary_names_the_halted_runs_and_trusts_millisecond_times(engine: 
                                    "result": {"error": "503"}}) + b"\n" for run in range(12) for i in range(4))
     result = _loopwarden("replay", "--engine", engine, "-", stdin=stdin)
     stderr = result.stderr.decode()
-    assert "48 events (0 duplicates) in 12 runs; 12 decisions: halt/recursion 12; 0 bad lines" in stderr
+    assert ("48 events (0 duplicates) in 12 runs; 24 decisions: advise/recursion 12, halt/recursion 12; "
+            "0 bad lines") in stderr
     assert f"halted: {', '.join(f'r{run:02d}' for run in range(10))} and 2 more runs" in stderr
     assert "warning" not in stderr
 
@@ -92,7 +93,8 @@ def test_replay_applies_a_policy_file(tmp_path: Path) -> None:
     policy.write_text("tools:\n  search:\n    retry_budget: 5\n")
     stdin = b"\n".join(_call(i) for i in range(6)) + b"\n"
     result = _loopwarden("replay", "-", "--policy", str(policy), stdin=stdin)
-    assert [json.loads(line)["trigger_event_id"] for line in result.stdout.splitlines()] == ["e5"]
+    assert [(d["action"], d["trigger_event_id"]) for d in map(json.loads, result.stdout.splitlines())] == [
+        ("advise", "e4"), ("halt", "e5")]
 
 
 def test_bad_policy_is_named_and_refused(tmp_path: Path) -> None:
