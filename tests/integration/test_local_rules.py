@@ -189,7 +189,8 @@ async def test_the_fleet_still_halts_what_the_runtime_saw_differently(fleet: Fle
                 await run.call(tool, search if tool == "search" else ping, {"q": "x"})
         assert not run.halted and guard.counters["local"] == 0
         await _until(lambda: run.halted, "the fleet's halt")
-        assert (guard.counters["fleet_only"], guard.counters["applied"]) == (1, 1)
+        assert (guard.counters["fleet_only"], guard.counters["applied"]) == (2, 2)  # the fleet's warning and halt
+        assert run.advice is not None and "failed the same way 3 times" in run.advice
         assert run.decision is not None and run.decision["trigger_event_id"]  # the worker's 4th failure
         with pytest.raises(RunHalted):
             await run.call("search", search, {"q": "x"})
@@ -213,9 +214,9 @@ async def test_local_rules_off_leaves_the_run_to_the_fleet(fleet: Fleet, local_r
         refused_at = await _paced(20, call)
         assert run.decision is not None and run.decision["evidence"]["seq"] == 3  # both: the 4th call
         if local_rules:
-            assert (refused_at, guard.counters["local"]) == (5, 1)
+            assert (refused_at, guard.counters["local"]) == (5, 2)  # the warning at the 3rd, the halt at the 4th
         else:
-            assert refused_at >= 5 and guard.counters["local"] == 0 and guard.counters["fleet_only"] == 1
+            assert refused_at >= 5 and guard.counters["local"] == 0 and guard.counters["fleet_only"] == 2
 
 
 @pytest.mark.parametrize("local_rules", [True, False])
@@ -244,7 +245,7 @@ async def test_failures_differing_in_volatile_tokens_are_halted_on_their_fingerp
             assert refused_at == 5
             await _confirmed(guard, run)
         else:
-            assert refused_at >= 5 and guard.counters["local"] == 0 and guard.counters["fleet_only"] == 1
+            assert refused_at >= 5 and guard.counters["local"] == 0 and guard.counters["fleet_only"] == 2
 
 
 async def test_workers_count_telemetry_of_another_policy(fleet: Fleet) -> None:
