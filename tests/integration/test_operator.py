@@ -56,7 +56,7 @@ def test_resume_and_halt_by_operators(kafka_bootstrap: str, tmp_path: Path) -> N
     generate(tmp_path / "mallory", "mallory")
     try:
         run(produce(kafka_bootstrap, fleet.telemetry_topic, [_failing_call("run-op", n) for n in range(4)]))
-        assert len(run(consume(kafka_bootstrap, fleet.control_topic, 1, settle=0.5))) == 1  # the loop's halt
+        assert len(run(consume(kafka_bootstrap, fleet.control_topic, 2, settle=0.5))) == 2  # warning and halt
 
         run(_send_forged(fleet, tmp_path / "mallory" / "mallory.key"))
         resumed = _cli(fleet, "resume", "run-op", "--reason", "false positive: export job")
@@ -65,7 +65,7 @@ def test_resume_and_halt_by_operators(kafka_bootstrap: str, tmp_path: Path) -> N
         halted = _cli(fleet, "halt", "run-calm", "--reason", "burning tokens")
         assert halted.returncode == 0, halted.stderr
 
-        control = run(consume(kafka_bootstrap, fleet.control_topic, 4))
+        control = run(consume(kafka_bootstrap, fleet.control_topic, 6))
         alerts = run(consume(kafka_bootstrap, fleet.alerts_topic, 4))
         dlq = run(consume(kafka_bootstrap, fleet.dlq_topic, 1, settle=0.5))
     finally:
@@ -73,9 +73,11 @@ def test_resume_and_halt_by_operators(kafka_bootstrap: str, tmp_path: Path) -> N
 
     decisions = decisions_of(control)  # in order per run (one partition each)
     assert [(d["action"], d["verdict"]) for d in decisions if d["run_id"] == "run-op"] == [
+        ("advise", "recursion"),
         ("halt", "recursion"),
         ("resume", "operator_resume"),
-        ("halt", "recursion"),  # fresh streaks after the resume: the 4th failure again
+        ("advise", "recursion"),  # fresh streaks after the resume: warned at the 3rd failure again...
+        ("halt", "recursion"),  # ...and halted at the 4th
     ]
     assert [(d["action"], d["verdict"]) for d in decisions if d["run_id"] == "run-calm"] == [
         ("halt", "operator_halt")]
@@ -84,7 +86,8 @@ def test_resume_and_halt_by_operators(kafka_bootstrap: str, tmp_path: Path) -> N
         "operator": "alice", "reason": "false positive: export job", "command_id": "",
         "key_id": KeyRing.from_paths([fleet.keys / "operator.pub"]).key_ids[0]}
     assert resume["trigger_event_id"] == resume["evidence"]["command_id"]
-    assert sorted(d["verdict"] for d in decisions_of(alerts)) == sorted(d["verdict"] for d in decisions)
+    assert sorted(d["verdict"] for d in decisions_of(alerts)) == sorted(
+        d["verdict"] for d in decisions if d["action"] != "advise")  # warnings are for the model, not on-call
     trusted = fleet.trusted_keys()
     assert all(trusted.verify(r.value, r.headers) for r in [*control, *alerts])
     assert [dict(r.headers)["error_field"] for r in dlq] == [b"signature"]

@@ -209,10 +209,12 @@ def test_what_is_not_otlp_and_bad_tool_spans_land_in_the_dlq(otlp_run: dict[str,
 
 
 def test_the_span_processor_gets_a_runaway_halted(otlp_run: dict[str, Any]) -> None:
-    """Telemetry from LoopwardenSpanProcessor is native telemetry: the worker halts the runaway on its 4th
-    identical failing call, the decision naming that span."""
-    halts = [d for d in decisions_of(otlp_run["control"]) if d["run_id"] == "conv-otel-runaway"]
-    assert [(d["verdict"], d["trigger_event_id"]) for d in halts] == [("recursion", otlp_run["otel_ids"][3])]
+    """Telemetry from LoopwardenSpanProcessor is native telemetry: the worker warns on the runaway's 3rd
+    identical failing call and halts it on its 4th, each decision naming its span."""
+    decisions = [d for d in decisions_of(otlp_run["control"]) if d["run_id"] == "conv-otel-runaway"]
+    assert [(d["action"], d["verdict"], d["trigger_event_id"]) for d in decisions] == [
+        ("advise", "recursion", otlp_run["otel_ids"][2]), ("halt", "recursion", otlp_run["otel_ids"][3])]
+    halts = decisions[1:]
     trace_id, span_id = otlp_run["otel_ids"][3].split("-")
     assert (halts[0]["trace_id"], halts[0]["span_id"]) == (trace_id, span_id)
 

@@ -122,10 +122,11 @@ def test_the_scenario_ran_halt_suppress_and_state_included(privacy_run: dict[str
     fleet: Fleet = privacy_run["fleet"]
     assert privacy_run["halted"].verdict == "recursion", privacy_run["log"]
     assert privacy_run["sent"] == 1 and privacy_run["receipts"] == [privacy_run["receipts"][0]] * 3
-    # one halt, two suppressions (the second and third send): each made here and confirmed by the worker
-    assert privacy_run["counters"]["confirmed"] == privacy_run["counters"]["local"] == 3
+    # a warning and a halt, two suppressions (the second and third send): each made here and confirmed by
+    # the worker
+    assert privacy_run["counters"]["confirmed"] == privacy_run["counters"]["local"] == 4
     assert {(d["run_id"], d["action"]) for d in privacy_run["decisions"]} == {
-        ("run-login", "halt"), ("run-mail", "suppress")}
+        ("run-login", "advise"), ("run-login", "halt"), ("run-mail", "suppress")}
     topics = privacy_run["topics"]
     expected = {fleet.telemetry_topic, fleet.control_topic, fleet.alerts_topic, fleet.dlq_topic,
                 f"{fleet.name}-runs-changelog"}

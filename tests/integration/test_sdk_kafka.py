@@ -425,7 +425,7 @@ async def test_runaway_is_halted_through_the_bus_by_the_core_detector(
         for d in table.observe(decode_event(orjson.loads(r.value))).decisions
     ]
     assert [(d.action, d.verdict, d.evidence["args_verified"]) for d in decisions] == [
-        ("halt", "recursion", True)
+        ("advise", "recursion", True), ("halt", "recursion", True)
     ]
     await produce(kafka_bootstrap, control, *decisions)
     await until(lambda: run.halted, "the detector's halt applies")
