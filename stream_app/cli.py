@@ -1,4 +1,4 @@
-"""The ``loopwarden`` command: ``replay``, ``simulate``, ``worker``, ``notify``, ``demo``, ``halt``,
+"""The ``loopwarden`` command: ``replay``, ``explain``, ``simulate``, ``worker``, ``notify``, ``demo``, ``halt``,
 ``resume``, ``policy check`` and ``keys``."""
 
 from __future__ import annotations
@@ -25,6 +25,19 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--engine", choices=("auto", "native", "python"), default="auto",
                         help="native: the Rust engine (several times faster, same output); python: the reference "
                              "core; auto (default): native when installed")
+    explain = commands.add_parser(
+        "explain",
+        help="the story of a halt for on-call: why, the failure, the streak's events and what changed in the "
+             "arguments; from the alerts topic, or from a telemetry file",
+    )
+    explain.add_argument("id", metavar="DECISION_OR_RUN_ID", help="a decision id, or a run id (all its decisions)")
+    explain.add_argument("--telemetry", metavar="FILE",
+                         help="replay this telemetry JSONL file instead of reading the alerts topic (shows every "
+                              "decision, warnings too, and the calls)")
+    explain.add_argument("--policy", metavar="FILE", help="policy YAML for --telemetry (defaults apply without it)")
+    explain.add_argument("--engine", choices=("auto", "native", "python"), default="auto",
+                         help="engine for --telemetry (as replay's)")
+    explain.add_argument("--json", action="store_true", help="print the matching decisions as control v1 JSONL")
     commands.add_parser(
         "worker",
         help="run a fleet worker (Faust on Kafka); configured by environment variables, see README",
@@ -134,6 +147,10 @@ def _run(args: argparse.Namespace) -> int:
         policy = load_policy(args.file)
         print(f"{args.file}: a valid policy (digest {policy.digest})")
         return 0
+    if args.command == "explain":
+        from .commands.explain import run_explain
+
+        return run_explain(args.id, args.telemetry, load_policy(args.policy), args.engine, args.json)
     if args.command == "replay":
         from .commands.replay import run_replay
 

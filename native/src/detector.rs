@@ -147,6 +147,22 @@ pub struct RunState {
     tool_counts: Vec<([u8; 4], i64)>,
     /// Advice given (bit 1: for the current streak, bit 2: for the current cycle).
     advised: i64,
+    /// The streak's member ids after the first (the most recent `STREAK_IDS - 1`, each cut to `ID_CHARS`
+    /// characters), and its first call's canonical arguments if it failed with raw ones (else empty).
+    streak_ids: VecDeque<String>,
+    streak_args: String,
+}
+
+/// Event ids a streak's evidence lists (the first and the most recent), each cut to `ID_CHARS`.
+const STREAK_IDS: usize = 10;
+const ID_CHARS: usize = 64;
+
+/// `text` cut to its first `ID_CHARS` characters (as Python's `text[:64]`).
+fn cut_id(text: &str) -> &str {
+    match text.char_indices().nth(ID_CHARS) {
+        Some((at, _)) => &text[..at],
+        None => text,
+    }
 }
 
 /// What to do with an event before any hashing.
@@ -175,6 +191,8 @@ pub struct Step<'a> {
     pub write: Option<(Digest, Digest)>,
     pub cost_micro: i64,
     pub tokens: i64,
+    /// The call's canonical arguments if they were raw and at most 512 bytes, else empty.
+    pub args: &'a str,
 }
 
 /// The rule that fired and the numbers its decision reports (the reference's `Finding`).
@@ -192,6 +210,9 @@ pub struct Finding {
     pub rule: &'static str,
     /// A warning before the halt of `verdict` (action `advise`), not the halt itself.
     pub advise: bool,
+    /// The streak's story (streak verdicts only): its event ids, its first call's canonical arguments.
+    pub event_ids: Vec<String>,
+    pub args_first: String,
 }
 
 /// Whether a sum going from `before` to `after` first reaches 80% of `limit` (0: no limit).
@@ -211,6 +232,8 @@ impl Finding {
             outcome,
             rule: "",
             advise: true,
+            event_ids: Vec::new(),
+            args_first: String::new(),
         }
     }
 }
@@ -375,6 +398,8 @@ impl RunState {
                 outcome,
                 rule: "",
                 advise: false,
+                event_ids: Vec::new(),
+                args_first: String::new(),
             });
         } else if !failing && !self.streak_varied && !self.streak_alerted {
             self.streak_alerted = true;
@@ -388,10 +413,13 @@ impl RunState {
                 outcome,
                 rule: "",
                 advise: false,
+                event_ids: self.streak_event_ids(),
+                args_first: String::new(),
             });
         } else {
             return None;
         };
+        let streak = verdict == "recursion" || verdict == "semantic_loop";
         let finding = Finding {
             verdict,
             count,
@@ -402,9 +430,18 @@ impl RunState {
             outcome,
             rule,
             advise: false,
+            event_ids: if streak { self.streak_event_ids() } else { Vec::new() },
+            args_first: if streak { self.streak_args.clone() } else { String::new() },
         };
         self.halt(step, verdict, thresholds);
         Some(finding)
+    }
+
+    /// The streak's event ids for its evidence: the first, then the most recent others.
+    fn streak_event_ids(&self) -> Vec<String> {
+        std::iter::once(cut_id(&self.streak_first_event_id).to_owned())
+            .chain(self.streak_ids.iter().cloned())
+            .collect()
     }
 
     /// A halting finding's effect: halted, or in shadow mode as if halted and resumed at once.
@@ -466,6 +503,8 @@ impl RunState {
             let mut advice = Finding::advice(verdict, count, outcome);
             advice.budget = budget;
             advice.first_event_id = self.streak_first_event_id.clone();
+            advice.event_ids = self.streak_event_ids();
+            advice.args_first = self.streak_args.clone();
             return Some(advice);
         }
         if near > 0 && self.advised & 2 == 0 {
@@ -548,6 +587,8 @@ impl RunState {
         self.streak_fuzzy = false;
         self.streak_ts.clear();
         self.streak_first_event_id.clear();
+        self.streak_ids.clear();
+        self.streak_args.clear();
         self.recent_sigs.clear();
         self.recent_ts.clear();
         self.recent_failing = 0;
@@ -650,16 +691,18 @@ impl RunState {
         } else {
             None
         };
-        if self.streak_key == Some(key) {
+        if self.streak_key == Some(key) || (fp_key.is_some() && fp_key == self.streak_fp) {
+            if self.streak_key != Some(key) {
+                self.streak_key = Some(key);
+                self.streak_fuzzy = true;
+            }
             if step.call != self.streak_call {
                 self.streak_varied = true;
             }
-        } else if fp_key.is_some() && fp_key == self.streak_fp {
-            self.streak_key = Some(key);
-            self.streak_fuzzy = true;
-            if step.call != self.streak_call {
-                self.streak_varied = true;
+            if self.streak_ids.len() >= STREAK_IDS - 1 {
+                self.streak_ids.pop_front();
             }
+            self.streak_ids.push_back(cut_id(step.event_id).to_owned());
         } else {
             self.streak_key = Some(key);
             self.streak_call = step.call;
@@ -671,6 +714,11 @@ impl RunState {
             self.streak_first_event_id.clear();
             self.streak_first_event_id.push_str(step.event_id);
             self.streak_fp = fp_key;
+            self.streak_ids.clear();
+            self.streak_args.clear();
+            if failing {
+                self.streak_args.push_str(step.args);
+            }
         }
         let budget = step.retry_budget.unwrap_or(thresholds.retry_budget);
         let times = &mut self.streak_ts;
@@ -877,6 +925,18 @@ impl RunState {
             tokens: spend("tokens")?,
             model_streak: spend("model_streak")?,
             tool_counts,
+            streak_ids: match record.get("streak_ids") {
+                None | Some(Value::Null) => VecDeque::new(),
+                Some(value) => value
+                    .as_array()?
+                    .iter()
+                    .map(|id| id.as_str().map(str::to_owned))
+                    .collect::<Option<VecDeque<_>>>()?,
+            },
+            streak_args: match record.get("streak_args") {
+                None => String::new(),
+                Some(value) => value.as_str()?.to_owned(),
+            },
             recent_sigs: chunks(&unhex(text("recent_sigs")?)?)?,
             recent_ts: times("recent_ts")?,
             recent_failing: record.get("recent_failing")?.as_u64()?,
@@ -1014,6 +1074,20 @@ impl RunState {
             }
             if self.advised != 0 {
                 write!(out, ",\"advised\":{}", self.advised).expect("writing to a Vec cannot fail");
+            }
+            if !self.streak_ids.is_empty() {
+                out.extend_from_slice(b",\"streak_ids\":[");
+                for (i, id) in self.streak_ids.iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    string(out, id);
+                }
+                out.push(b']');
+            }
+            if !self.streak_args.is_empty() {
+                out.extend_from_slice(b",\"streak_args\":");
+                string(out, &self.streak_args);
             }
         }
         write!(out, ",\"offset\":{offset}").expect("writing to a Vec cannot fail");

@@ -34,10 +34,18 @@ const FIELD_CACHE_LIMIT: usize = 4096;
 const POLICY_CACHE_LIMIT: usize = 10_000;
 
 /// A finding as the reference's `Finding` fields: verdict, count, budget, period, first_event_id,
-/// args_hash, args_verified, result_hash, result_fp, fuzzy, effective_outcome, (rule, advise): read by
-/// the reference's `Finding.of_native` (PyO3 converts tuples of at most 12).
-type FindingTuple =
-    (&'static str, i64, i64, i64, String, String, bool, String, String, bool, &'static str, (&'static str, bool));
+/// args_hash, args_verified, result_hash, result_fp, fuzzy, effective_outcome, (rule, advise, event_ids,
+/// args_first, args_last): read by the reference's `Finding.of_native` (PyO3 converts tuples of at most 12).
+type FindingTuple = (
+    &'static str, i64, i64, i64, String, String, bool, String, String, bool, &'static str,
+    (&'static str, bool, Vec<String>, String, String),
+);
+
+/// The reference's hashes of a call it decoded: args, verified, result, fingerprint, canonical args.
+type Given<'a> = (HashOf<'a>, bool, HashOf<'a>, Option<HashOf<'a>>, &'a str);
+
+/// The largest canonical arguments kept for an args diff (the reference's `_ARGS_BYTES`).
+const ARGS_BYTES: usize = 512;
 
 /// Compiled masks, one per pattern text (a policy has few).
 type Masks = HashMap<String, Rc<fancy_regex::Regex>>;
@@ -201,6 +209,8 @@ struct Resolver {
     policy_key: String,
     masks: Masks,
     scratch: Vec<u8>,
+    /// The canonical arguments of the call being folded, when raw and at most `ARGS_BYTES`.
+    args_text: String,
 }
 
 impl Resolver {
@@ -211,6 +221,7 @@ impl Resolver {
             policy_key: String::new(),
             masks: HashMap::new(),
             scratch: Vec::with_capacity(1024),
+            args_text: String::with_capacity(ARGS_BYTES),
         }
     }
 
@@ -255,9 +266,10 @@ impl Resolver {
         state: &mut RunState,
         policy: &CallPolicy,
         call: &Call,
-        given: Option<(HashOf, bool, HashOf, Option<HashOf>)>,
+        given: Option<Given>,
     ) -> PyResult<Vec<FindingTuple>> {
         let thresholds = &policy.thresholds;
+        self.args_text.clear();
         if call.model_call {
             let step = Step {
                 run_id: call.run_id,
@@ -273,6 +285,7 @@ impl Resolver {
                 write: None,
                 cost_micro: call.cost_micro,
                 tokens: call.tokens,
+                args: "",
             };
             return Ok(state
                 .model_call(&step, thresholds)
@@ -280,16 +293,25 @@ impl Resolver {
                 .map(|f| {
                     let outcome = OUTCOMES[f.outcome as usize];
                     (f.verdict, f.count, 0, 0, f.first_event_id, String::new(), true, String::new(),
-                     String::new(), false, outcome, (f.rule, f.advise))
+                     String::new(), false, outcome, (f.rule, f.advise, f.event_ids, f.args_first, String::new()))
                 })
                 .collect());
         }
         let (args, verified, result, given_fp) = match given {
-            Some((args, verified, result, fp)) => (args, verified, result, Some(fp)),
+            Some((args, verified, result, fp, text)) => {
+                self.args_text.push_str(text);
+                (args, verified, result, Some(fp))
+            }
             None => {
                 let (args, verified) = match call.args {
                     Hashed::Raw(value) => match policy.hash(py, value, &mut self.scratch)? {
-                        Some(sha) => (HashOf::Computed(sha), true),
+                        Some(sha) => {
+                            if self.scratch.len() <= ARGS_BYTES {
+                                // The canonical form just hashed: JSON text, so UTF-8.
+                                self.args_text.push_str(std::str::from_utf8(&self.scratch).expect("canonical JSON"));
+                            }
+                            (HashOf::Computed(sha), true)
+                        }
                         None => (HashOf::Missing, false),
                     },
                     Hashed::Hash(text) => (HashOf::Given(text), !thresholds.strict_args),
@@ -321,6 +343,7 @@ impl Resolver {
             },
             cost_micro: call.cost_micro,
             tokens: call.tokens,
+            args: &self.args_text,
         };
         // The fingerprint, computed only when the fold asks for it (as the reference does).
         let mut fp: Option<HashOf> = None;
@@ -351,6 +374,7 @@ impl Resolver {
         }
         let fp_text = fp.as_ref().map_or_else(String::new, |fp| fp.text("unhashable"));
         Ok(findings.into_iter().map(|f| {
+            let args_last = if f.event_ids.is_empty() || f.outcome == 0 { String::new() } else { self.args_text.clone() };
             (
                 f.verdict,
                 f.count,
@@ -363,7 +387,7 @@ impl Resolver {
                 fp_text.clone(),
                 f.fuzzy,
                 OUTCOMES[f.outcome as usize],
-                (f.rule, f.advise),
+                (f.rule, f.advise, f.event_ids, f.args_first, args_last),
             )
         }).collect())
     }
@@ -456,7 +480,7 @@ impl Replayer {
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (run_id, event_id, tool, agent_id, ts_ms, outcome, args_hash, args_verified,
                         result_hash, result_fp, retry_budget, plan_step, side_effect, tool_class,
-                        target, state_hash, model_call, tokens, cost_micro))]
+                        target, state_hash, model_call, tokens, cost_micro, args_text))]
     fn observe(
         &mut self,
         py: Python<'_>,
@@ -479,6 +503,7 @@ impl Replayer {
         model_call: bool,
         tokens: i64,
         cost_micro: i64,
+        args_text: &str,
     ) -> PyResult<(bool, Vec<FindingTuple>)> {
         let tool_class = match tool_class {
             None => None,
@@ -518,6 +543,7 @@ impl Replayer {
             args_verified,
             HashOf::Given(result_hash),
             Some(HashOf::Given(result_fp)),
+            args_text,
         );
         let finding = self.fold_call(py, &call, Some(given))?;
         Ok((self.duplicates > duplicates, finding))
@@ -542,7 +568,7 @@ impl Replayer {
         &mut self,
         py: Python<'_>,
         call: &Call,
-        given: Option<(HashOf, bool, HashOf, Option<HashOf>)>,
+        given: Option<Given>,
     ) -> PyResult<Vec<FindingTuple>> {
         self.events += 1;
         if !self.runs_seen.contains(call.run_id) {

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import re
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -37,6 +36,8 @@ from ..bus.kafka import KafkaClientConfig, KafkaConfigError
 from ..bus.wire import encode_telemetry
 from ..core import FieldFilter, NormalisationError, Outcome, Policy, semantic_hash
 from ..core.contract import MAX_ERROR_HEAD_BYTES
+from ..core.secrets import DEFAULT_REDACTED_FIELDS as DEFAULT_REDACTED_FIELDS
+from ..core.secrets import mask_secrets_in_text
 from .errors import InvalidArgumentType, UsageError
 from .lifecycle import StartStop
 
@@ -45,22 +46,6 @@ if TYPE_CHECKING:
     from aiokafka.structs import RecordMetadata
 
 logger = logging.getLogger(__name__)
-
-#: Field names removed from arguments, results and attrs before hashing or sending, matched after folding
-#: like the normaliser's (``apiKey``, ``X-API-Key`` and ``api_key`` end alike; globs by fnmatch). Whole
-#: names and ``*_suffix`` forms only, never substrings: ``max_tokens``, ``page_token``, ``primary_key``
-#: and ``body`` are kept. Two calls that differ only in a redacted field hash the same, so a bare
-#: ``body`` is not here: different e-mails to one recipient would look like one duplicated side effect.
-DEFAULT_REDACTED_FIELDS: Final[tuple[str, ...]] = (
-    "password", "*_password", "passwd", "passphrase", "*_passphrase",
-    "secret", "*_secret", "secret_key", "*_secret_key", "secret_access_key", "*_secret_access_key",
-    "token", "access_token", "*_access_token", "refresh_token", "*_refresh_token", "id_token",
-    "auth_token", "*_auth_token", "bearer_token", "session_token", "api_token", "csrf_token", "xsrf_token",
-    "api_key", "apikey", "*_api_key", "private_key", "*_private_key", "credentials",
-    "authorization", "proxy_authorization", "cookie", "cookies", "set_cookie",
-    "email_body", "e_mail_body", "mail_body", "html_body", "text_body", "body_html", "body_text",
-    "body_plain",
-)
 
 #: Hash sent for a value with no JSON form. Every such value of a tool compares equal, which can only
 #: halt sooner (the core treats an unhashable result the same way): fail closed.
@@ -212,23 +197,10 @@ class TelemetryBuilder:
         )
 
 
-#: Secrets inside free text: a value after a secret's name (``token=...``, ``password: ...``), a bearer
-#: token, credentials in a URL. An error message is text, not fields, so names cannot be matched.
-_SECRET_IN_TEXT: Final = (
-    re.compile(r"(?i)\b((?:[a-z]+[_-])?(?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|"
-               r"authorization|cookie|session))(\s*[:=]\s*)(\"[^\"]*\"|'[^']*'|[^\s,;&]+)"),
-    re.compile(r"(?i)\b(bearer|basic)(\s+)([a-z0-9._~+/=-]{8,})"),
-    re.compile(r"(?i)(://)([^/\s:@]+:[^/\s@]+)(@)"),
-)
-
-
 def error_head(message: str) -> str:
     """The start of an error message as ``error_head``: secrets masked, then cut to at most
     ``MAX_ERROR_HEAD_BYTES`` of UTF-8 (on a character boundary)."""
-    masked = _SECRET_IN_TEXT[2].sub(r"\1***\3", message)
-    masked = _SECRET_IN_TEXT[1].sub(r"\1\2***", masked)
-    masked = _SECRET_IN_TEXT[0].sub(r"\1\2***", masked)
-    return masked.encode()[:MAX_ERROR_HEAD_BYTES].decode("utf-8", "ignore")
+    return mask_secrets_in_text(message).encode()[:MAX_ERROR_HEAD_BYTES].decode("utf-8", "ignore")
 
 
 def _without(value: Any, secrets: FieldFilter, removed: list[str]) -> Any:

@@ -216,12 +216,13 @@ def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer, engi
 
 def _observe(engine: Any, event: TelemetryEvent, policy: Policy) -> list[tuple[Any, ...]]:
     """Fold an event the reference decoded into the native engine, with the reference's hashes."""
-    args_hash, args_verified, result_hash, result_fp = event_hashes(event, policy.resolve(event.agent_id, event.tool))
+    args_hash, args_verified, result_hash, result_fp, args_text = event_hashes(
+        event, policy.resolve(event.agent_id, event.tool))
     findings: list[tuple[Any, ...]] = engine.observe(
         event.run_id, event.event_id, event.tool, event.agent_id, event.ts_ms, event.outcome, args_hash,
         args_verified, result_hash, result_fp, event.retry_budget, event.plan_step, event.side_effect,
         event.tool_class, event.target, event.state_hash, event.kind == "model_call", token_count(event.tokens),
-        micro_usd(event.cost_usd))[1]
+        micro_usd(event.cost_usd), args_text)[1]
     return findings
 
 

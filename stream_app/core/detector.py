@@ -56,9 +56,10 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from .argsdiff import args_diff
 from .contract import Action, Decision, OperatorCommand, TelemetryEvent, Verdict, micro_usd, token_count
 from .errors import NormalisationError
-from .normalize import semantic_hash
+from .normalize import canonical_json, normalise, semantic_hash
 from .policy import CallPolicy, Policy, Thresholds
 
 # Digests are 8 bytes: a collision needs ~2**32 distinct values within one run's small windows. They are
@@ -75,6 +76,9 @@ _TARGET_SLOTS = 8  # written targets remembered per run...
 _STATE_SLOTS = 8  # ...and after-states per target
 _TOOL_COUNT_SLOTS = 32  # tools with a max_calls counted per run, least recently called evicted
 _SPEND_CAP = 1 << 62
+_STREAK_IDS = 10  # event ids of a streak its evidence lists: the first and the most recent 9
+_ID_CHARS = 64  # ...each cut to this many characters
+_ARGS_BYTES = 512  # the largest canonical arguments a failing streak keeps for its args diff
 
 
 def _nears(before: int, after: int, limit: int) -> bool:
@@ -154,6 +158,11 @@ class RunState:
     tool_counts: dict[bytes, int] | None = None
     #: Advice given (bit 1: for the current streak, bit 2: for the current cycle): at most one each.
     advised: int = 0
+    #: Ids of the streak's members after the first, the most recent ``_STREAK_IDS - 1``, each cut to
+    #: ``_ID_CHARS`` (None: the streak has one member); the canonical arguments of its first call if it
+    #: failed with raw arguments of at most ``_ARGS_BYTES`` ("" otherwise): the evidence's story.
+    streak_ids: list[str] | None = None
+    streak_args: bytes = b""
 
     def reset_streaks(self) -> None:
         """Forget repetition evidence (progress was made, or an operator resumed the run)."""
@@ -161,6 +170,8 @@ class RunState:
         self.streak_varied = self.streak_alerted = self.streak_fuzzy = False
         self.streak_ts = array("q")
         self.streak_first_event_id = ""
+        self.streak_args = b""
+        self.streak_ids = None
         self.recent_sigs = b""
         self.recent_ts = array("q")
         self.recent_failing = 0
@@ -179,6 +190,7 @@ class RunState:
             {k: list(v) for k, v in self.targets.items()} if self.targets is not None else None,
             self.cost_micro, self.tokens, self.model_streak,
             dict(self.tool_counts) if self.tool_counts is not None else None, self.advised,
+            list(self.streak_ids) if self.streak_ids is not None else None, self.streak_args,
         )
 
 
@@ -234,7 +246,7 @@ class Detector:
                 state.reset_streaks()
             state.plan_step = event.plan_step
 
-        args_hash, args_verified = _args_hash(event, call_policy)
+        args_hash, args_verified, args_text = _args_hash(event, call_policy)
         result_hash = _result_hash(event, call_policy)
         call = _short(args_hash) if args_verified else _short(_UNVERIFIED)
         tool_sum = call_policy.tool_digest
@@ -258,7 +270,7 @@ class Detector:
         # The fingerprint only matters when the exact hash breaks the streak: computed then, not before.
         result_fp = _result_fp(event, call_policy, result_hash) if failing and key != state.streak_key else ""
         count, budget = self._streak(state, event, call, key, _short(result_fp) + code + tool_sum if result_fp else b"",
-                                     thresholds)
+                                     args_text if failing else b"", thresholds)
         period, near = self._cycle(state, call + key, failing, event.ts_ms, thresholds)
 
         stuck = 0 < thresholds.no_progress_at <= reads
@@ -278,7 +290,8 @@ class Detector:
             result_fp = _result_fp(event, call_policy, result_hash)  # for the evidence
         decisions = tuple(explain(event, thresholds, f._replace(
             args_hash=args_hash, args_verified=args_verified, result_hash=result_hash, result_fp=result_fp,
-            effective_outcome=outcome)) for f in (advice, finding) if f is not None)
+            effective_outcome=outcome, args_last=args_text.decode() if f.event_ids and failing else "")) for f in (advice, finding)
+            if f is not None)
         return Evaluation(False, decisions) if decisions else _NOTHING
 
     def _judge(self, state: RunState, event: TelemetryEvent, thresholds: Thresholds, failing: bool,
@@ -305,11 +318,11 @@ class Detector:
             return Finding("duplicate_call", occurrences)
         elif not failing and not state.streak_varied and not state.streak_alerted:
             state.streak_alerted = True
-            return Finding("polling", count, first_event_id=state.streak_first_event_id)
+            return Finding("polling", count, first_event_id=state.streak_first_event_id, **_story(state, "polling"))
         else:
             return None
         finding = Finding(verdict, count, budget, period, state.streak_first_event_id, fuzzy=state.streak_fuzzy,
-                          rule=rule)
+                          rule=rule, **(_story(state, verdict) if verdict in _STREAK_VERDICTS else {}))
         self._halt(state, event, thresholds, verdict)
         return finding
 
@@ -367,7 +380,7 @@ class Detector:
         if failing and budget and count == budget and not state.advised & 1:
             state.advised |= 1
             return Finding("semantic_loop" if state.streak_varied else "recursion", count, budget,
-                           first_event_id=state.streak_first_event_id, advise=True)
+                           first_event_id=state.streak_first_event_id, advise=True, **_story(state, "recursion"))
         if near and not state.advised & 2:
             state.advised |= 2
             return Finding("cycle", thresholds.cycle_occurrences - 1, period=near, advise=True)
@@ -490,19 +503,24 @@ class Detector:
         return (entry[1] if revisited else 0), False
 
     @staticmethod
-    def _streak(state: RunState, event: TelemetryEvent, call: bytes, key: bytes, fp_key: bytes,
+    def _streak(state: RunState, event: TelemetryEvent, call: bytes, key: bytes, fp_key: bytes, args_text: bytes,
                 thresholds: Thresholds) -> tuple[int, int]:
         """Extend or restart the streak of calls with this (tool, outcome, result) key, or failing that
         the streak's fingerprint key (``fp_key``: given only when the exact key differs); return the number
-        of its calls within the window, and the budget that applies."""
-        if key == state.streak_key:
+        of its calls within the window, and the budget that applies. ``args_text``: the call's canonical
+        arguments if it failed with raw ones (kept if it starts a streak)."""
+        if key == state.streak_key or (fp_key and fp_key == state.streak_fp):
+            if key != state.streak_key:
+                state.streak_key = key
+                state.streak_fuzzy = True
             if call != state.streak_call:
                 state.streak_varied = True
-        elif fp_key and fp_key == state.streak_fp:
-            state.streak_key = key
-            state.streak_fuzzy = True
-            if call != state.streak_call:
-                state.streak_varied = True
+            ids = state.streak_ids
+            if ids is None:
+                ids = state.streak_ids = []
+            elif len(ids) >= _STREAK_IDS - 1:
+                del ids[0]
+            ids.append(event.event_id[:_ID_CHARS])
         else:
             state.streak_key = key
             state.streak_call = call
@@ -511,6 +529,8 @@ class Detector:
             del state.streak_ts[:]
             state.streak_first_event_id = event.event_id
             state.streak_fp = fp_key
+            state.streak_ids = None
+            state.streak_args = args_text
         budget = event.retry_budget if event.retry_budget is not None else thresholds.retry_budget
         times = state.streak_ts
         ts_ms = event.ts_ms
@@ -591,16 +611,31 @@ class Finding(NamedTuple):
     rule: str = ""
     #: A warning before the halt of ``verdict`` (action ``advise``), not the halt itself.
     advise: bool = False
+    #: The streak's story (streak verdicts only): its event ids (the first and the most recent, each cut to
+    #: 64 characters), the canonical arguments of its first and of the triggering call ("": not raw).
+    event_ids: tuple[str, ...] = ()
+    args_first: str = ""
+    args_last: str = ""
 
     @classmethod
     def of_native(cls, found: tuple[Any, ...]) -> Finding:
-        """A finding as the native engine returns it: the fields in order, ``rule`` and ``advise`` as one
-        last pair."""
-        *fields, (rule, advise) = found
-        return cls(*fields)._replace(rule=rule, advise=advise)
+        """A finding as the native engine returns it: the fields in order, the rest (``rule``, ``advise``,
+        ``event_ids``, ``args_first``, ``args_last``) as one last tuple (PyO3 converts at most 12)."""
+        *fields, (rule, advise, event_ids, args_first, args_last) = found
+        return cls(*fields)._replace(rule=rule, advise=advise, event_ids=tuple(event_ids), args_first=args_first,
+                                     args_last=args_last)
 
 
 _ACTIONS: dict[str, Action] = {"duplicate_call": "suppress", "polling": "alert"}
+_STREAK_VERDICTS = ("recursion", "semantic_loop")
+
+
+def _story(state: RunState, verdict: str) -> dict[str, Any]:
+    """The streak's event ids (and, for a failing streak, its first call's arguments) for a finding."""
+    ids = (state.streak_first_event_id[:_ID_CHARS], *(state.streak_ids or ()))
+    if verdict == "polling":
+        return {"event_ids": ids}
+    return {"event_ids": ids, "args_first": state.streak_args.decode()}
 
 
 def explain(event: TelemetryEvent, thresholds: Thresholds, finding: Finding) -> Decision:
@@ -634,6 +669,7 @@ def explain(event: TelemetryEvent, thresholds: Thresholds, finding: Finding) -> 
         evidence.update(count=count, budget=finding.budget, window_ms=thresholds.window_ms,
                         window_calls=thresholds.window_calls, first_event_id=finding.first_event_id,
                         match="fingerprint" if finding.fuzzy else "exact")
+        _streak_story(finding, evidence)
         same = "with mutating arguments" if verdict == "semantic_loop" else "with identical arguments"
         if finding.fuzzy:
             evidence["result_fp"] = finding.result_fp
@@ -684,7 +720,7 @@ def explain(event: TelemetryEvent, thresholds: Thresholds, finding: Finding) -> 
                   f"{thresholds.side_effect_window_ms // 1000} s); hand back the earlier result instead of "
                   "acting again")
     else:
-        evidence.update(count=count, first_event_id=finding.first_event_id)
+        evidence.update(count=count, first_event_id=finding.first_event_id, event_ids=list(finding.event_ids))
         reason = (f"{event.tool} returned the same successful result {count} times in a row "
                   "(polling?); advisory only")
     action = "advise" if finding.advise else _ACTIONS.get(verdict, "halt")
@@ -714,6 +750,8 @@ def _advice_text(event: TelemetryEvent, thresholds: Thresholds, finding: Finding
     evidence.update(advice_for=verdict, count=count)
     if verdict in ("recursion", "semantic_loop"):
         evidence.update(budget=finding.budget, first_event_id=finding.first_event_id)
+        _streak_story(finding, evidence)
+        _failure(event, evidence)
         how = "the same way" if verdict == "recursion" else "the same way, with different arguments,"
         return (f"{tool} failed {how} {count} times; the next identical failure stops this run; change the "
                 "approach or the arguments, or report the failure")
@@ -746,6 +784,12 @@ def _advice_text(event: TelemetryEvent, thresholds: Thresholds, finding: Finding
             "finish the task or report what is left")
 
 
+def _streak_story(finding: Finding, evidence: dict[str, Any]) -> None:
+    """A failing streak's event ids and what changed in its arguments (``core/argsdiff.py``)."""
+    evidence["event_ids"] = list(finding.event_ids)
+    evidence["args_diff"] = args_diff(finding.args_first, finding.args_last)
+
+
 def _failure(event: TelemetryEvent, evidence: dict[str, Any]) -> str:
     """The failure as the telemetry named it (error class, start of the message), added to the
     evidence; '' when the event names none."""
@@ -756,19 +800,21 @@ def _failure(event: TelemetryEvent, evidence: dict[str, Any]) -> str:
     return ": ".join(part for part in (event.error_class, event.error_head) if part)
 
 
-def event_hashes(event: TelemetryEvent, call_policy: CallPolicy) -> tuple[str, bool, str, str]:
-    """The call's argument hash, whether it was verified here, its result hash and its result fingerprint:
-    what the native engine is given for events only the reference decoder accepts."""
+def event_hashes(event: TelemetryEvent, call_policy: CallPolicy) -> tuple[str, bool, str, str, str]:
+    """The call's argument hash, whether it was verified here, its result hash, its result fingerprint
+    and its canonical arguments ("" unless raw and short): what the native engine is given for events
+    only the reference decoder accepts."""
     if event.kind == "model_call":
-        return "", True, "", ""  # a model call is folded without hashes
-    args_hash, args_verified = _args_hash(event, call_policy)
+        return "", True, "", "", ""  # a model call is folded without hashes
+    args_hash, args_verified, args_text = _args_hash(event, call_policy)
     result_hash = _result_hash(event, call_policy)
     # Whatever the reported outcome: a write that changed nothing fails (noop) and may need it.
-    return args_hash, args_verified, result_hash, _result_fp(event, call_policy, result_hash)
+    return args_hash, args_verified, result_hash, _result_fp(event, call_policy, result_hash), args_text.decode()
 
 
-def _args_hash(event: TelemetryEvent, call_policy: CallPolicy) -> tuple[str, bool]:
-    """The call's argument hash and whether it was verified by normalising here.
+def _args_hash(event: TelemetryEvent, call_policy: CallPolicy) -> tuple[str, bool, bytes]:
+    """The call's argument hash, whether it was verified by normalising here, and the canonical JSON
+    of its normalised arguments if they were raw and at most ``_ARGS_BYTES`` long (else b"").
 
     Fail closed: arguments that cannot be normalised, or a bare hash for a tool whose policy demands
     normalisation here, make the call comparable by tool name alone, which can only halt sooner.
@@ -776,11 +822,12 @@ def _args_hash(event: TelemetryEvent, call_policy: CallPolicy) -> tuple[str, boo
     thresholds = call_policy.thresholds
     if event.args is not None:
         try:
-            return semantic_hash(event.args, call_policy.fields, thresholds.collapse_whitespace), True
+            canonical = canonical_json(normalise(event.args, call_policy.fields, thresholds.collapse_whitespace))
         except NormalisationError:
-            return _UNVERIFIED, False
+            return _UNVERIFIED, False, b""
+        return hashlib.sha256(canonical).hexdigest(), True, canonical if len(canonical) <= _ARGS_BYTES else b""
     assert event.args_hash is not None  # the contract guarantees one of the two
-    return event.args_hash, not thresholds.strict_args
+    return event.args_hash, not thresholds.strict_args, b""
 
 
 def _result_fp(event: TelemetryEvent, call_policy: CallPolicy, result_hash: str) -> str:

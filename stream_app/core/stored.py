@@ -16,7 +16,9 @@ Versions:
   ``reads`` (null, or ``[[digest hex, occurrences], ...]`` least recently seen first) and ``targets``
   (null, or ``[[target digest hex, after-states hex, revisits], ...]`` least recently written first),
   ``cost_micro``, ``tokens``, ``model_streak`` (integers) and ``tool_counts`` (null, or ``[[tool digest hex,
-  calls], ...]``), ``advised`` (bits: advice given for the current streak, cycle).
+  calls], ...]``), ``advised`` (bits: advice given for the current streak, cycle), ``streak_ids`` (the
+  streak's member ids after the first, most recent last, each at most 64 characters) and ``streak_args``
+  (the canonical JSON text of its first call's arguments): the evidence's story of a streak.
   Written as version 0 or 1 they are left out: the run's current streak then goes on by exact hashes only,
   its read and write history starts again, and what it spent and its per-tool and model-call counts are
   lost at every write, so budgets, ``max_calls`` and ``max_model_calls_without_tool`` cannot fire while
@@ -95,6 +97,10 @@ def encode_run(run: StoredRun, version: int = FORMAT_VERSION) -> bytes:
             record["tool_counts"] = [[k.hex(), n] for k, n in state.tool_counts.items()]
         if state.advised:
             record["advised"] = state.advised
+        if state.streak_ids:
+            record["streak_ids"] = state.streak_ids
+        if state.streak_args:
+            record["streak_args"] = state.streak_args.decode()
     record["offset"] = run.offset
     if version >= 1:
         record[VERSION_KEY] = version
@@ -108,7 +114,7 @@ def decode_run(raw: bytes | None) -> StoredRun:
     record = _load(raw)
     try:
         return StoredRun(_state_of(record), record.get("offset", -1))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise StoredRecordError(f"stored run record is damaged ({type(exc).__name__}: {exc})") from exc
 
 
@@ -186,6 +192,8 @@ def _state_of(record: dict[str, Any]) -> RunState:
         model_streak=record.get("model_streak", 0),
         tool_counts={bytes.fromhex(k): n for k, n in counts} if (counts := record.get("tool_counts")) else None,
         advised=record.get("advised", 0),
+        streak_ids=list(ids) if (ids := record.get("streak_ids")) else None,
+        streak_args=record.get("streak_args", "").encode(),
         side_effects=(
             {bytes.fromhex(k): list(v) for k, v in side_effects.items()} if side_effects else None
         ),
