@@ -149,8 +149,45 @@ pub struct RunState {
     advised: i64,
     /// The streak's member ids after the first (the most recent `STREAK_IDS - 1`, each cut to `ID_CHARS`
     /// characters), and its first call's canonical arguments if it failed with raw ones (else empty).
-    streak_ids: VecDeque<String>,
+    streak_ids: StreakIds,
     streak_args: String,
+}
+
+/// A streak's member ids after the first, oldest first: one text and each id's length in bytes (a
+/// continuing streak appends to buffers it keeps, not an allocation per call).
+#[derive(Default, Clone, Debug, PartialEq)]
+pub struct StreakIds {
+    text: String,
+    lens: VecDeque<u16>,
+}
+
+impl StreakIds {
+    fn push(&mut self, id: &str) {
+        if self.lens.len() >= STREAK_IDS - 1 {
+            let first = self.lens.pop_front().expect("not empty") as usize;
+            self.text.drain(..first);
+        }
+        self.text.push_str(id);
+        self.lens.push_back(id.len() as u16); // at most 64 characters: at most 256 bytes
+    }
+
+    fn clear(&mut self) {
+        self.text.clear();
+        self.lens.clear();
+    }
+
+    fn is_empty(&self) -> bool {
+        self.lens.is_empty()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &str> {
+        let mut at = 0;
+        self.lens.iter().map(move |len| {
+            let id = &self.text[at..at + *len as usize];
+            at += *len as usize;
+            id
+        })
+    }
 }
 
 /// Event ids a streak's evidence lists (the first and the most recent), each cut to `ID_CHARS`.
@@ -440,7 +477,7 @@ impl RunState {
     /// The streak's event ids for its evidence: the first, then the most recent others.
     fn streak_event_ids(&self) -> Vec<String> {
         std::iter::once(cut_id(&self.streak_first_event_id).to_owned())
-            .chain(self.streak_ids.iter().cloned())
+            .chain(self.streak_ids.iter().map(str::to_owned))
             .collect()
     }
 
@@ -699,10 +736,7 @@ impl RunState {
             if step.call != self.streak_call {
                 self.streak_varied = true;
             }
-            if self.streak_ids.len() >= STREAK_IDS - 1 {
-                self.streak_ids.pop_front();
-            }
-            self.streak_ids.push_back(cut_id(step.event_id).to_owned());
+            self.streak_ids.push(cut_id(step.event_id));
         } else {
             self.streak_key = Some(key);
             self.streak_call = step.call;
@@ -926,12 +960,14 @@ impl RunState {
             model_streak: spend("model_streak")?,
             tool_counts,
             streak_ids: match record.get("streak_ids") {
-                None | Some(Value::Null) => VecDeque::new(),
-                Some(value) => value
-                    .as_array()?
-                    .iter()
-                    .map(|id| id.as_str().map(str::to_owned))
-                    .collect::<Option<VecDeque<_>>>()?,
+                None | Some(Value::Null) => StreakIds::default(),
+                Some(value) => {
+                    let mut ids = StreakIds::default();
+                    for id in value.as_array()? {
+                        ids.push(cut_id(id.as_str()?));
+                    }
+                    ids
+                }
             },
             streak_args: match record.get("streak_args") {
                 None => String::new(),
