@@ -21,7 +21,8 @@ Versions:
   (the canonical JSON text of its first call's arguments): the evidence's story of a streak.
   Written as version 0 or 1 they are left out: the run's current streak then goes on by exact hashes only,
   its read and write history starts again, and what it spent and its per-tool and model-call counts are
-  lost at every write, so budgets, ``max_calls`` and ``max_model_calls_without_tool`` cannot fire while
+  lost at every write (and with them the warnings given and a streak's member ids and first arguments,
+  so a warning may come once more and a halt's story starts at the upgrade), so budgets, ``max_calls`` and ``max_model_calls_without_tool`` cannot fire while
   workers write version 1 (keep it only for the roll-out; the worker warns at start-up).
 
 A reader decodes every version up to ``FORMAT_VERSION``, and a worker writes the version its operator
