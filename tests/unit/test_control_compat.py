@@ -1,0 +1,76 @@
+"""Control v1 is open to new actions, verdicts and evidence fields: the ControlBoard of the release before
+detection round 2 (``tests/fixtures/control_board/listener_2e9ea20.py``, verbatim) given every kind of
+message this release writes. A warning (``advise``, also its shadow alert) changes no run's state there; a
+halt with a new verdict halts, as a halt must."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import orjson
+
+from stream_app.commands.replay import replay
+from stream_app.core import Policy
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "control_board" / "listener_2e9ea20.py"
+
+
+def _board_of_2e9ea20() -> ModuleType:
+    name = "stream_app.client._listener_2e9ea20"
+    spec = importlib.util.spec_from_file_location(name, FIXTURE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _line(run_id: str, n: int, tool: str, outcome: str, args: Any, result: Any, **fields: Any) -> bytes:
+    return orjson.dumps({"run_id": run_id, "event_id": f"{run_id}-{n}", "tool": tool, "ts_ms": 1_700_000_000_000 + n,
+                         "outcome": outcome, "args": args, "result": result, **fields}) + b"\n"
+
+
+#: A run per rule that warns before it halts.
+LINES = [
+    *(_line("recursion", n, "search", "error", {"q": "a"}, "HTTP 503") for n in range(4)),
+    *(_line("semantic", n, "search", "error", {"q": n}, "HTTP 503") for n in range(4)),
+    *(_line("cycle", n, *(("read", "success", {"p": 1}, "x") if n % 2 else ("patch", "error", {"p": 1}, "no")))
+      for n in range(8)),
+    *(_line("reads", n, "read_file", "success", {"p": 1}, "same", tool_class="read") for n in range(4)),
+    *(_line("edits", n, "apply_patch", "success", {"n": n}, "ok", tool_class="write", target="/a",
+            state_hash=str(n % 2) * 64) for n in range(5)),
+    *(_line("spender", n, "fetch", "success", {"u": n}, n, tokens=45) for n in range(3)),
+]
+
+
+def _decisions(policy: Policy) -> list[dict[str, Any]]:
+    out = io.BytesIO()
+    replay(LINES, policy, out, io.StringIO(), engine="python")
+    return [orjson.loads(line) for line in out.getvalue().splitlines()]
+
+
+def test_every_new_kind_of_message_leaves_an_old_runtime_as_it_was() -> None:
+    decisions = _decisions(Policy.from_mapping({"defaults": {"max_tokens": 100}}))
+    shadow = [d for d in _decisions(Policy.from_mapping({"defaults": {"shadow": True, "max_tokens": 100}}))
+              if d["evidence"].get("would") == "advise"]
+    warnings = [d for d in decisions if d["action"] == "advise"]
+    assert {d["verdict"] for d in warnings} == {"recursion", "semantic_loop", "cycle", "no_progress", "oscillation",
+                                                "budget_exceeded"}
+    assert shadow
+    old = _board_of_2e9ea20().ControlBoard(watch_all=True)
+    for message in [*warnings, *shadow]:
+        assert old.apply(message) in ("ignored", "applied")
+        assert old.halt_decision(message["run_id"]) is None, message
+        assert not old.is_suppressed(message["run_id"], message["evidence"]["tool"],
+                                     message["evidence"]["args_hash"], message["ts_ms"] + 1)
+    new_halts = [d for d in decisions if d["action"] == "halt"
+                 and d["verdict"] in ("no_progress", "oscillation", "budget_exceeded")]
+    assert {d["verdict"] for d in new_halts} == {"no_progress", "oscillation", "budget_exceeded"}
+    for halt in new_halts:
+        assert old.apply(halt) == "applied"
+        assert old.halt_decision(halt["run_id"]) == halt  # a halt with a verdict it never heard of still halts
