@@ -115,8 +115,30 @@ async def run_trial(scenario: str, trial: int, fleet: Fleet, fault: Fault, seed:
     finally:
         await publisher.stop()
         await listener.stop()
-    return compare(scenario, trial, fault_info, stream, expected, applied, listener.counters,
-                   publisher.failed, time.monotonic() - started)
+    result = compare(scenario, trial, fault_info, stream, expected, applied, listener.counters,
+                     publisher.failed, time.monotonic() - started)
+    if result.missing_halts or result.missing_other:
+        await _diagnose_missing(fleet, expected, applied, dict(listener.counters), result)
+    return result
+
+
+async def _diagnose_missing(fleet: Fleet, expected: dict[str, dict[str, Any]], applied: list[dict[str, Any]],
+                            counters: dict[str, int], result: TrialResult) -> None:
+    """Where the missing decisions went: published by the workers (the runtime's listener missed them) or
+    never published (a worker did not decide them), by control partition; and the workers' metrics."""
+    records = await consume(fleet.bootstrap, fleet.control_topic, len(expected), timeout=20, settle=1.0)
+    published = {orjson.loads(r.value)["decision_id"]: r.partition for r in records}
+    missing = expected.keys() - {d["decision_id"] for d in applied}
+    result.notes["missing_published"] = dict(Counter(published[i] for i in missing if i in published))
+    result.notes["missing_unpublished"] = sum(1 for i in missing if i not in published)
+    result.notes["listener_counters"] = counters
+    result.notes["worker_metrics"] = []
+    for worker in fleet.workers:
+        with contextlib.suppress(Exception):
+            metrics = worker.metrics()
+            result.notes["worker_metrics"].append({k: v for k, v in metrics.items()
+                                                   if k.startswith("loopwarden_") and "_created" not in k
+                                                   and "_bucket" not in k})
 
 
 def compare(scenario: str, trial: int, fault: dict[str, Any], stream: list[dict[str, Any]],

@@ -39,7 +39,7 @@ def _check(result: harness.TrialResult) -> None:
 def test_worker_crash(kafka_bootstrap: str, tmp_path: Path, trial: int) -> None:
     """SIGKILL the worker at a random moment and restart it (alternately on its local state and on
     none): every halt replay makes arrives, none other, and the runtime applies each decision once."""
-    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4)
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4, settings={"log_level": "info"})
     fleet.start_worker(0)
     try:
         fault = harness.worker_crash(fleet, fresh_state=trial % 2 == 1)
