@@ -4,7 +4,8 @@
 event triggers. It reads no clock and does no I/O: time is the events' ``ts_ms``, so replaying a
 telemetry file, a Kafka partition or an in-process run gives the same decisions every time.
 
-The rules, in the order they win when several fire on one event (at most one decision per event):
+The rules, in the order they win when several fire on one event (at most one decision per event, beside
+a warning):
 
 1. ``iteration_ceiling`` halt: the run made more calls than its ceiling, whatever they were.
 1b. ``budget_exceeded`` halt: the call's cost or tokens took the run strictly past its budget
@@ -30,6 +31,15 @@ The rules, in the order they win when several fire on one event (at most one dec
 Model calls (``kind: model_call``, an inference; its ``tool`` is the model) never count toward the
 ceiling, streaks, cycles or side effects: they spend (budgets), and ``max_model_calls_without_tool`` of
 them in a row with no tool call between halt (``no_progress``, ``evidence.rule: model_calls``).
+
+A warning (``advise``, on unless the policy's ``advise`` is false) comes one step before a halt: at a
+streak's budget, one cycle short, one read and one revisit short, and at the first call reaching 80% of a
+budget; at most one per rule per streak (``RunState.advised``). When the same call also decides, the
+warning goes out first. Halt points never move.
+
+Streak decisions tell their story in the evidence: ``event_ids`` (the first and the most recent 9 of the
+streak) and, for failing streaks, ``args_diff`` (``core/argsdiff.py``: what changed in the normalised
+arguments since the streak's first call).
 
 A write whose ``state_hash`` equals its target's previous one changed nothing: the rules see its outcome
 as ``noop`` (so repeating it halts by recursion); the evidence keeps the reported ``outcome`` beside the
