@@ -169,10 +169,21 @@ class RunState:
     #: Advice given (bit 1: for the current streak, bit 2: for the current cycle): at most one each.
     advised: int = 0
     #: Ids of the streak's members after the first, the most recent ``_STREAK_IDS - 1``, each cut to
-    #: ``_ID_CHARS`` (None: the streak has one member); the canonical arguments of its first call if it
-    #: failed with raw arguments of at most ``_ARGS_BYTES`` ("" otherwise): the evidence's story.
-    streak_ids: list[str] | None = None
+    #: ``_ID_CHARS``: one text, and each id's length in characters (a byte each; ``streak_id_list``
+    #: splits them); the canonical arguments of its first call if it failed with raw arguments of at
+    #: most ``_ARGS_BYTES`` (b"" otherwise): the evidence's story. One str and one bytes, not a list of
+    #: strings: a run's state stays small.
+    streak_ids: str = ""
+    streak_id_lens: bytes = b""
     streak_args: bytes = b""
+
+    def streak_id_list(self) -> list[str]:
+        """The streak's member ids after the first, oldest first."""
+        ids, at = [], 0
+        for length in self.streak_id_lens:
+            ids.append(self.streak_ids[at : at + length])
+            at += length
+        return ids
 
     def reset_streaks(self) -> None:
         """Forget repetition evidence (progress was made, or an operator resumed the run)."""
@@ -180,8 +191,8 @@ class RunState:
         self.streak_varied = self.streak_alerted = self.streak_fuzzy = False
         self.streak_ts = array("q")
         self.streak_first_event_id = ""
-        self.streak_args = b""
-        self.streak_ids = None
+        self.streak_args = self.streak_id_lens = b""
+        self.streak_ids = ""
         self.recent_sigs = b""
         self.recent_ts = array("q")
         self.recent_failing = 0
@@ -200,7 +211,7 @@ class RunState:
             {k: list(v) for k, v in self.targets.items()} if self.targets is not None else None,
             self.cost_micro, self.tokens, self.model_streak,
             dict(self.tool_counts) if self.tool_counts is not None else None, self.advised,
-            list(self.streak_ids) if self.streak_ids is not None else None, self.streak_args,
+            self.streak_ids, self.streak_id_lens, self.streak_args,
         )
 
 
@@ -525,12 +536,11 @@ class Detector:
                 state.streak_fuzzy = True
             if call != state.streak_call:
                 state.streak_varied = True
-            ids = state.streak_ids
-            if ids is None:
-                ids = state.streak_ids = []
-            elif len(ids) >= _STREAK_IDS - 1:
-                del ids[0]
-            ids.append(event.event_id[:_ID_CHARS])
+            member = event.event_id[:_ID_CHARS]
+            ids, lens = state.streak_ids, state.streak_id_lens
+            if len(lens) >= _STREAK_IDS - 1:
+                ids, lens = ids[lens[0] :], lens[1:]
+            state.streak_ids, state.streak_id_lens = ids + member, lens + bytes((len(member),))
         else:
             state.streak_key = key
             state.streak_call = call
@@ -539,8 +549,9 @@ class Detector:
             del state.streak_ts[:]
             state.streak_first_event_id = event.event_id
             state.streak_fp = fp_key
-            state.streak_ids = None
-            state.streak_args = args_text
+            state.streak_ids, state.streak_id_lens = "", b""
+            # A copy of exactly its size: orjson's output keeps the buffer it was written into (~1 KiB).
+            state.streak_args = bytes(memoryview(args_text)) if args_text else b""
         budget = event.retry_budget if event.retry_budget is not None else thresholds.retry_budget
         times = state.streak_ts
         ts_ms = event.ts_ms
@@ -642,7 +653,7 @@ _STREAK_VERDICTS = ("recursion", "semantic_loop")
 
 def _story(state: RunState, verdict: str) -> dict[str, Any]:
     """The streak's event ids (and, for a failing streak, its first call's arguments) for a finding."""
-    ids = (state.streak_first_event_id[:_ID_CHARS], *(state.streak_ids or ()))
+    ids = (state.streak_first_event_id[:_ID_CHARS], *state.streak_id_list())
     if verdict == "polling":
         return {"event_ids": ids}
     return {"event_ids": ids, "args_first": state.streak_args.decode()}

@@ -98,8 +98,8 @@ def encode_run(run: StoredRun, version: int = FORMAT_VERSION) -> bytes:
             record["tool_counts"] = [[k.hex(), n] for k, n in state.tool_counts.items()]
         if state.advised:
             record["advised"] = state.advised
-        if state.streak_ids:
-            record["streak_ids"] = state.streak_ids
+        if state.streak_id_lens:
+            record["streak_ids"] = state.streak_id_list()
         if state.streak_args:
             record["streak_args"] = state.streak_args.decode()
     record["offset"] = run.offset
@@ -193,7 +193,8 @@ def _state_of(record: dict[str, Any]) -> RunState:
         model_streak=record.get("model_streak", 0),
         tool_counts={bytes.fromhex(k): n for k, n in counts} if (counts := record.get("tool_counts")) else None,
         advised=record.get("advised", 0),
-        streak_ids=list(ids) if (ids := record.get("streak_ids")) else None,
+        streak_ids="".join(ids := [i[:64] for i in record.get("streak_ids") or ()][-9:]),
+        streak_id_lens=bytes(map(len, ids)),
         streak_args=record.get("streak_args", "").encode(),
         side_effects=(
             {bytes.fromhex(k): list(v) for k, v in side_effects.items()} if side_effects else None
