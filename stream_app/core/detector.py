@@ -774,19 +774,19 @@ def _advice_text(event: TelemetryEvent, thresholds: Thresholds, finding: Finding
         _streak_story(finding, evidence)
         _failure(event, evidence)
         how = "the same way" if verdict == "recursion" else "the same way, with different arguments,"
-        return (f"{tool} failed {how} {count} times; the next identical failure stops this run; change the "
+        return (f"{tool} failed {how} {_times(count)}; the next identical failure stops this run; change the "
                 "approach or the arguments, or report the failure")
     if verdict == "cycle":
         evidence.update(period=finding.period)
-        return (f"the same {finding.period} calls, ending in {tool}, repeated {count} times with the same results; "
+        return (f"the same {finding.period} calls, ending in {tool}, repeated {_times(count)} with the same results; "
                 "one more repetition stops this run; try something different")
     if verdict == "no_progress":
         evidence["rule"] = "reads"
-        return (f"{tool} returned the same result {count} times with nothing written since; reading it again "
+        return (f"{tool} returned the same result {_times(count)} with nothing written since; reading it again "
                 "stops this run; act on what you have read")
     if verdict == "oscillation":
         evidence["target"] = event.target
-        return (f"{str(event.target)[:80]} went back to an earlier state {count} times; undoing and redoing it "
+        return (f"{str(event.target)[:80]} went back to an earlier state {_times(count)}; undoing and redoing it "
                 "again stops this run; settle on one version")
     budget = finding.rule
     evidence["budget"] = budget
@@ -799,10 +799,14 @@ def _advice_text(event: TelemetryEvent, thresholds: Thresholds, finding: Finding
     else:
         limit = thresholds.max_calls
         evidence.update(limit=limit)
-        return (f"{tool} has been called {count} times of the {limit} this run allows; use the remaining calls "
+        return (f"{tool} has been called {_times(count)} of the {limit} this run allows; use the remaining calls "
                 "carefully")
     return (f"this run has used {count * 100 // limit}% of its {budget} budget; going past it stops the run; "
             "finish the task or report what is left")
+
+
+def _times(count: int) -> str:
+    return f"{count} time" if count == 1 else f"{count} times"
 
 
 def _streak_story(finding: Finding, evidence: dict[str, Any]) -> None:

@@ -127,3 +127,10 @@ async def test_the_guarded_run_exposes_the_advice_for_the_model() -> None:
             await run.call("search", search, {"q": "x"})
     assert run.advice is not None and "the next identical failure stops this run" in run.advice
     assert not run.halted
+
+
+def test_a_warning_at_a_budget_of_1_says_1_time() -> None:
+    run = Run(Policy.from_mapping({"defaults": {"retry_budget": 1}}))
+    run.feed_all([event(ts_ms=n) for n in range(2)])
+    (_, warning), = run.advice
+    assert "failed the same way 1 time;" in warning.reason
