@@ -228,8 +228,8 @@ pub struct Step<'a> {
     pub write: Option<(Digest, Digest)>,
     pub cost_micro: i64,
     pub tokens: i64,
-    /// The call's canonical arguments if they were raw and at most 512 bytes, else empty.
-    pub args: &'a str,
+    /// The call's canonical arguments (JSON text) if they were raw and at most 512 bytes, else empty.
+    pub args: &'a [u8],
 }
 
 /// The rule that fired and the numbers its decision reports (the reference's `Finding`).
@@ -258,7 +258,8 @@ fn nears(before: i64, after: i64, limit: i64) -> bool {
 }
 
 impl Finding {
-    fn advice(verdict: &'static str, count: i64, outcome: u8) -> Finding {
+    /// A finding of `verdict` with only its count and outcome; the rest as the rule sets it.
+    fn new(verdict: &'static str, count: i64, outcome: u8) -> Finding {
         Finding {
             verdict,
             count,
@@ -268,10 +269,14 @@ impl Finding {
             fuzzy: false,
             outcome,
             rule: "",
-            advise: true,
+            advise: false,
             event_ids: Vec::new(),
             args_first: String::new(),
         }
+    }
+
+    fn advice(verdict: &'static str, count: i64, outcome: u8) -> Finding {
+        Finding { advise: true, ..Finding::new(verdict, count, outcome) }
     }
 }
 
@@ -425,33 +430,13 @@ impl RunState {
         } else if oscillating {
             ("oscillation", revisit)
         } else if occurrences >= 2 {
-            return Some(Finding {
-                verdict: "duplicate_call",
-                count: occurrences,
-                budget: 0,
-                period: 0,
-                first_event_id: String::new(),
-                fuzzy: false,
-                outcome,
-                rule: "",
-                advise: false,
-                event_ids: Vec::new(),
-                args_first: String::new(),
-            });
+            return Some(Finding::new("duplicate_call", occurrences, outcome));
         } else if !failing && !self.streak_varied && !self.streak_alerted {
             self.streak_alerted = true;
             return Some(Finding {
-                verdict: "polling",
-                count,
-                budget: 0,
-                period: 0,
                 first_event_id: self.streak_first_event_id.clone(),
-                fuzzy: false,
-                outcome,
-                rule: "",
-                advise: false,
                 event_ids: self.streak_event_ids(),
-                args_first: String::new(),
+                ..Finding::new("polling", count, outcome)
             });
         } else {
             return None;
@@ -512,10 +497,7 @@ impl RunState {
         };
         if let Some((verdict, rule, count)) = halting {
             self.halt(step, verdict, thresholds);
-            let mut finding = Finding::advice(verdict, count, step.outcome);
-            finding.advise = false;
-            finding.rule = rule;
-            findings.push(finding);
+            findings.push(Finding { rule, ..Finding::new(verdict, count, step.outcome) });
         }
         findings
     }
@@ -751,7 +733,7 @@ impl RunState {
             self.streak_ids.clear();
             self.streak_args.clear();
             if failing {
-                self.streak_args.push_str(step.args);
+                self.streak_args.push_str(std::str::from_utf8(step.args).unwrap_or_default());
             }
         }
         let budget = step.retry_budget.unwrap_or(thresholds.retry_budget);

@@ -209,8 +209,8 @@ struct Resolver {
     policy_key: String,
     masks: Masks,
     scratch: Vec<u8>,
-    /// The canonical arguments of the call being folded, when raw and at most `ARGS_BYTES`.
-    args_text: String,
+    /// The canonical form of the call's arguments, as hashed (or as the reference gave it).
+    args_scratch: Vec<u8>,
 }
 
 impl Resolver {
@@ -221,7 +221,7 @@ impl Resolver {
             policy_key: String::new(),
             masks: HashMap::new(),
             scratch: Vec::with_capacity(1024),
-            args_text: String::with_capacity(ARGS_BYTES),
+            args_scratch: Vec::with_capacity(ARGS_BYTES),
         }
     }
 
@@ -269,7 +269,9 @@ impl Resolver {
         given: Option<Given>,
     ) -> PyResult<Vec<FindingTuple>> {
         let thresholds = &policy.thresholds;
-        self.args_text.clear();
+        self.args_scratch.clear();
+        // Whether `args_scratch` holds the call's canonical arguments (raw, normalisable, short enough).
+        let mut args_kept = false;
         if call.model_call {
             let step = Step {
                 run_id: call.run_id,
@@ -285,7 +287,7 @@ impl Resolver {
                 write: None,
                 cost_micro: call.cost_micro,
                 tokens: call.tokens,
-                args: "",
+                args: &[],
             };
             return Ok(state
                 .model_call(&step, thresholds)
@@ -299,17 +301,15 @@ impl Resolver {
         }
         let (args, verified, result, given_fp) = match given {
             Some((args, verified, result, fp, text)) => {
-                self.args_text.push_str(text);
+                self.args_scratch.extend_from_slice(text.as_bytes());
+                args_kept = true;
                 (args, verified, result, Some(fp))
             }
             None => {
                 let (args, verified) = match call.args {
-                    Hashed::Raw(value) => match policy.hash(py, value, &mut self.scratch)? {
+                    Hashed::Raw(value) => match policy.hash(py, value, &mut self.args_scratch)? {
                         Some(sha) => {
-                            if self.scratch.len() <= ARGS_BYTES {
-                                // The canonical form just hashed: JSON text, so UTF-8.
-                                self.args_text.push_str(std::str::from_utf8(&self.scratch).expect("canonical JSON"));
-                            }
+                            args_kept = self.args_scratch.len() <= ARGS_BYTES;
                             (HashOf::Computed(sha), true)
                         }
                         None => (HashOf::Missing, false),
@@ -343,7 +343,7 @@ impl Resolver {
             },
             cost_micro: call.cost_micro,
             tokens: call.tokens,
-            args: &self.args_text,
+            args: if args_kept { &self.args_scratch } else { &[] },
         };
         // The fingerprint, computed only when the fold asks for it (as the reference does).
         let mut fp: Option<HashOf> = None;
@@ -374,7 +374,11 @@ impl Resolver {
         }
         let fp_text = fp.as_ref().map_or_else(String::new, |fp| fp.text("unhashable"));
         Ok(findings.into_iter().map(|f| {
-            let args_last = if f.event_ids.is_empty() || f.outcome == 0 { String::new() } else { self.args_text.clone() };
+            let args_last = if f.event_ids.is_empty() || f.outcome == 0 || !args_kept {
+                String::new()
+            } else {
+                String::from_utf8_lossy(&self.args_scratch).into_owned() // canonical JSON: UTF-8
+            };
             (
                 f.verdict,
                 f.count,

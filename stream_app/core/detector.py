@@ -339,11 +339,11 @@ class Detector:
             return Finding("duplicate_call", occurrences)
         elif not failing and not state.streak_varied and not state.streak_alerted:
             state.streak_alerted = True
-            return Finding("polling", count, first_event_id=state.streak_first_event_id, **_story(state, "polling"))
+            return Finding("polling", count, first_event_id=state.streak_first_event_id, **_story(state))
         else:
             return None
         finding = Finding(verdict, count, budget, period, state.streak_first_event_id, fuzzy=state.streak_fuzzy,
-                          rule=rule, **(_story(state, verdict) if verdict in _STREAK_VERDICTS else {}))
+                          rule=rule, **(_story(state) if verdict in _STREAK_VERDICTS else {}))
         self._halt(state, event, thresholds, verdict)
         return finding
 
@@ -401,7 +401,7 @@ class Detector:
         if failing and budget and count == budget and not state.advised & 1:
             state.advised |= 1
             return Finding("semantic_loop" if state.streak_varied else "recursion", count, budget,
-                           first_event_id=state.streak_first_event_id, advise=True, **_story(state, "recursion"))
+                           first_event_id=state.streak_first_event_id, advise=True, **_story(state))
         if near and not state.advised & 2:
             state.advised |= 2
             return Finding("cycle", thresholds.cycle_occurrences - 1, period=near, advise=True)
@@ -651,12 +651,10 @@ _ACTIONS: dict[str, Action] = {"duplicate_call": "suppress", "polling": "alert"}
 _STREAK_VERDICTS = ("recursion", "semantic_loop")
 
 
-def _story(state: RunState, verdict: str) -> dict[str, Any]:
-    """The streak's event ids (and, for a failing streak, its first call's arguments) for a finding."""
-    ids = (state.streak_first_event_id[:_ID_CHARS], *state.streak_id_list())
-    if verdict == "polling":
-        return {"event_ids": ids}
-    return {"event_ids": ids, "args_first": state.streak_args.decode()}
+def _story(state: RunState) -> dict[str, Any]:
+    """The streak's event ids and its first call's arguments (kept for failing streaks only) for a finding."""
+    return {"event_ids": (state.streak_first_event_id[:_ID_CHARS], *state.streak_id_list()),
+            "args_first": state.streak_args.decode()}
 
 
 def explain(event: TelemetryEvent, thresholds: Thresholds, finding: Finding) -> Decision:
