@@ -38,6 +38,12 @@ agents' topics: telemetry, OTLP) skip it:
 * revoke and stop: faust suspends and clears its flow control (which clears the sinks: pending batches
   are dropped unacknowledged), then waits in ``wait_empty``, which here first waits for the batch in
   hand to finish, so that no state, changelog or decision of a revoked partition is written after it.
+* every record of an input topic that left aiokafka and is not processed is fetched again: the
+  partitions of batches a sink's ``clear`` dropped, and of records fetched for a partition paused while
+  the fetch was under way, are sought back to their expected offsets before the next fetch. faust ends an
+  assignment's recovery by seeking to the committed offsets and only then resuming its flow control,
+  which clears the sinks: a backlog's tail fetched in between was never fetched again (chaos trials: a
+  restarted worker that never processed some of its partitions).
 * the livelock monitor reads ``stream_inbound_time[tp]``: set for each partition of each batch.
 
 ``FatalStop`` is the error the worker must not work around (a stored record it cannot read): from then
@@ -189,9 +195,10 @@ class Sequencer:
                 self._next[tp] = expected
         return admitted
 
-    async def refetch(self, batch: Records) -> None:
-        """``batch`` was dropped before admission: seek its partitions back to their expected offsets."""
-        for tp in batch:
+    async def refetch(self, partitions: Iterable[TP]) -> None:
+        """Records of ``partitions`` were dropped before admission: seek them back to their expected
+        offsets."""
+        for tp in partitions:
             expected = self._next.get(tp)
             if expected is not None:
                 await self._seek(tp, expected)
@@ -242,6 +249,9 @@ class BatchSink:
         self._pending: deque[tuple[int, Records]] = deque()
         self._pending_records = 0
         self._buffered: set[TP] = set()
+        #: Partitions whose records were dropped without a seek back (``clear``): the consumer seeks
+        #: them back to their expected offsets before its next fetch (``BatchConsumer.getmany``).
+        self.dropped: set[TP] = set()
         self._ready = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -257,9 +267,12 @@ class BatchSink:
                     self.consumer.on_buffer_full(tp)
 
     def clear(self) -> None:
-        """Drop every pending batch, unacknowledged (faust's flow control calls this)."""
+        """Drop every pending batch, unacknowledged (faust's flow control calls this); their partitions
+        are fetched again from their expected offsets (``dropped``)."""
         if self._pending_records:
             self.on_dropped(self._pending_records)
+        for _, records in self._pending:
+            self.dropped.update(records)
         self._pending.clear()
         self._pending_records = 0
         self._ready.clear()
@@ -420,13 +433,17 @@ class BatchConsumer(Consumer):
         rest = {}
         monitor = self.app.monitor
         for tp, tp_records in records.items():
-            if not tp_records or not (active is None or tp in active or tp in buffered):
+            if not tp_records:
                 continue
             if tp.topic in sinks:
                 tp = TP(tp.topic, tp.partition)  # faust's own tuple type (aiokafka hands its TopicPartition)
+                if not (active is None or tp in active or tp in buffered):
+                    # paused while the fetch was under way: the position is past these records now
+                    sinks[tp.topic].dropped.add(tp)
+                    continue
                 batches.setdefault(tp.topic, {})[tp] = tp_records
                 monitor.track_tp_end_offset(tp, self.highwater(tp))
-            else:
+            elif active is None or tp in active or tp in buffered:
                 rest[tp] = tp_records
         for topic, batch in batches.items():
             sinks[topic].offer(generation, batch)
@@ -440,8 +457,15 @@ class BatchConsumer(Consumer):
                 yield tp, to_message(tp, record)
 
     async def _wait_next_records(self, timeout: float) -> tuple[Any, set[TP] | None]:
-        """faust's, except when every partition is held back by a full sink: faust would sleep a whole
+        """faust's, except that partitions whose records a sink dropped are first sought back to their
+        expected offsets, and when every partition is held back by a full sink: faust would sleep a whole
         second before fetching again; this waits until a sink has drained (at most that second)."""
+        if not self.flow_active:
+            await self.wait(self.can_resume_flow)  # type: ignore[arg-type]  # as faust's: an asyncio.Event
+        for sink in self.sinks.values():
+            if sink.dropped:
+                dropped, sink.dropped = sink.dropped, set()
+                await self.sequencer.refetch(dropped)
         if self.flow_active and self._buffered_partitions and not self._get_active_partitions():
             self._drained.clear()
             with contextlib.suppress(TimeoutError):
