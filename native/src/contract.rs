@@ -8,12 +8,15 @@ use serde_json::{Map, Value};
 const MAX_ID_LENGTH: usize = 512;
 const MAX_RETRY_BUDGET: i64 = 10_000;
 const MAX_ERROR_HEAD_BYTES: usize = 256;
+const MAX_DEPTH: i64 = 10_000;
+const TRIGGERS: [&str; 4] = ["user", "schedule", "webhook", "agent"];
 
 pub const OUTCOMES: [&str; 4] = ["success", "error", "empty", "noop"];
 /// Tool classes, in the reference's `TOOL_CLASSES` order.
 pub const TOOL_CLASSES: [&str; 6] = ["read", "write", "poll", "spawn", "handoff", "other"];
 pub const READ: u8 = 0;
 pub const WRITE: u8 = 1;
+pub const SPAWN: u8 = 3;
 
 /// Where a call's arguments or result come from: the raw JSON, or a hash the runtime computed.
 pub enum Hashed<'a> {
@@ -77,6 +80,15 @@ pub struct Call<'a> {
     /// `tokens` and `cost_usd` (numbers >= 0) as integers: tokens and micro-USD.
     pub tokens: i64,
     pub cost_micro: i64,
+    /// Trees (fleet-wide rules): the run's parent and root, its declared depth, and the child a
+    /// spawn-class call names.
+    pub parent_run_id: Option<&'a str>,
+    pub root_run_id: Option<&'a str>,
+    pub depth: Option<i64>,
+    pub child_run_id: Option<&'a str>,
+    pub child_agent_id: Option<&'a str>,
+    pub task_hash: Option<&'a str>,
+    pub tenant: Option<&'a str>,
 }
 
 /// The call in `obj`, or None when the reference decoder must look at it.
@@ -132,6 +144,13 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
         plan_step: None,
         side_effect: None,
         policy_digest: None,
+        parent_run_id: None,
+        root_run_id: None,
+        depth: None,
+        child_run_id: None,
+        child_agent_id: None,
+        task_hash: None,
+        tenant: None,
     };
     for (name, value) in obj {
         if value.is_null() {
@@ -141,9 +160,23 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
             "run_id" | "event_id" | "tool" | "ts_ms" | "outcome" | "args" | "args_hash"
             | "result" | "result_hash" => {}
             "agent_id" => call.agent_id = Some(identifier(Some(value), false)?),
-            "tenant" | "trace_id" | "span_id" | "parent_span_id" | "error_class" => {
+            "tenant" => call.tenant = Some(identifier(Some(value), false)?),
+            "trace_id" | "span_id" | "parent_span_id" | "error_class" | "upstream"
+            | "caused_by_run_id" | "thread_key" => {
                 identifier(Some(value), false)?;
             }
+            "parent_run_id" => call.parent_run_id = Some(identifier(Some(value), false)?),
+            "root_run_id" => call.root_run_id = Some(identifier(Some(value), false)?),
+            "child_run_id" => call.child_run_id = Some(identifier(Some(value), false)?),
+            "child_agent_id" => call.child_agent_id = Some(identifier(Some(value), false)?),
+            "task_hash" if is_hash(value) => call.task_hash = value.as_str(),
+            "task_hash" => return None,
+            "depth" => call.depth = Some(integer(value).filter(|d| (0..=MAX_DEPTH).contains(d))?),
+            "retry_after_ms" => {
+                integer(value).filter(|ms| *ms >= 0)?;
+            }
+            "trigger" if TRIGGERS.contains(&value.as_str()?) => {}
+            "trigger" => return None,
             "policy_digest" => call.policy_digest = Some(identifier(Some(value), false)?),
             "result_fp" if is_hash(value) => call.result_fp = value.as_str(),
             "result_fp" => return None,
@@ -175,6 +208,9 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
             "schema_version" if value.as_str()? != "1" => return None,
             _ => {} // unknown fields are ignored: forward compatible
         }
+    }
+    if call.parent_run_id.is_some() && call.root_run_id.is_none() {
+        return None; // a child names its tree's root
     }
     Some(call)
 }

@@ -416,6 +416,50 @@ struct Replayer {
     duplicates: u64,
     #[pyo3(get)]
     evicted: u64,
+    /// Tree facts of the lines `feed` folded since `take_facts`, as ``(index, fact)``.
+    facts: Vec<(usize, TreeFactTuple)>,
+}
+
+/// `core.fleet.TreeFact` as a tuple: root, run, event id, ts_ms, parent, declared depth, cost
+/// (micro-USD), spawn, child run, child agent, task hash, tenant.
+type TreeFactTuple = (
+    String,
+    String,
+    String,
+    i64,
+    Option<String>,
+    Option<i64>,
+    i64,
+    bool,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+);
+
+/// The tree fact of a new call (`core.fleet.trees.tree_fact`), or None when it is in no tree.
+fn tree_fact(call: &Call, tool_class: u8) -> Option<TreeFactTuple> {
+    let spawn = tool_class == contract::SPAWN;
+    let root = match call.root_run_id {
+        Some(root) => root,
+        None if spawn => call.run_id,
+        None => return None,
+    };
+    let own = |v: Option<&str>| v.map(str::to_owned);
+    Some((
+        root.to_owned(),
+        call.run_id.to_owned(),
+        call.event_id.to_owned(),
+        call.ts_ms,
+        own(call.parent_run_id),
+        call.depth,
+        call.cost_micro,
+        spawn,
+        own(call.child_run_id.filter(|_| spawn)),
+        own(call.child_agent_id.filter(|_| spawn)),
+        own(call.task_hash.filter(|_| spawn)),
+        own(call.tenant),
+    ))
 }
 
 #[pymethods]
@@ -443,7 +487,14 @@ impl Replayer {
             events: 0,
             duplicates: 0,
             evicted: 0,
+            facts: Vec::new(),
         })
+    }
+
+    /// The tree facts of the lines `feed` folded (not redeliveries) since the last call, as ``(index,
+    /// fact)`` in line order.
+    fn take_facts(&mut self) -> Vec<(usize, TreeFactTuple)> {
+        std::mem::take(&mut self.facts)
     }
 
     /// Fold `lines[start:]` in order. Returns where it stopped (``len(lines)``, or the index of a line
@@ -472,8 +523,16 @@ impl Replayer {
             let Some(call) = contract::decode(&obj) else {
                 return Ok((index, findings));
             };
+            let duplicates = self.duplicates;
             for finding in self.fold_call(py, &call, None)? {
                 findings.push((index, finding));
+            }
+            if self.duplicates == duplicates {
+                let policy = self.resolver.resolve(py, call.agent_id, call.tool)?;
+                let class = call.tool_class.unwrap_or(policy.thresholds.tool_class);
+                if let Some(fact) = tree_fact(&call, class) {
+                    self.facts.push((index, fact));
+                }
             }
         }
         Ok((total, findings))
@@ -540,6 +599,13 @@ impl Replayer {
             plan_step,
             side_effect,
             policy_digest: None,
+            parent_run_id: None,
+            root_run_id: None,
+            depth: None,
+            child_run_id: None,
+            child_agent_id: None,
+            task_hash: None,
+            tenant: None,
         };
         let duplicates = self.duplicates;
         let given = (

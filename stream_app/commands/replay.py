@@ -38,6 +38,7 @@ from ..core import (
     parse_event,
 )
 from ..core.contract import MAX_EVENT_BYTES, micro_usd, token_count
+from ..core.fleet import ScopeDecision, TreeFact, TreeFold, tree_fact
 from ..core.runs import DEFAULT_MAX_RUNS
 
 Engine = Literal["auto", "native", "python"]
@@ -72,6 +73,8 @@ class ReplaySummary:
     #: Halted runs in the order of their halts (the first ``HALTED_LISTED`` of them), and how many in all.
     halted: list[str] = field(default_factory=list)
     halted_runs: int = 0
+    #: Halted sub-agent trees (root run ids) in the order of their first halts.
+    halted_trees: list[str] = field(default_factory=list)
     #: The newest event time seen (0: none).
     newest_ts_ms: int = 0
 
@@ -85,6 +88,10 @@ class ReplaySummary:
         if self.halted_runs:
             more = self.halted_runs - len(self.halted)
             text += (f"\nhalted: {', '.join(self.halted)}" + (f" and {_count(more, 'more run')}" if more else ""))
+        if self.halted_trees:
+            listed = self.halted_trees[:HALTED_LISTED]
+            more = len(self.halted_trees) - len(listed)
+            text += (f"\nhalted trees: {', '.join(listed)}" + (f" and {_count(more, 'more tree')}" if more else ""))
         if self.events and self.newest_ts_ms < SECONDS_LIKE_TS:
             text += ("\nwarning: every ts_ms is below 10^11, which looks like seconds, not milliseconds: windows "
                      "and run expiry would be a thousand times too long; send epoch milliseconds")
@@ -140,6 +147,15 @@ class _Writer:
         if self.flush_each:
             self.out.flush()
 
+    def scope_decision(self, decision: ScopeDecision) -> None:
+        summary = self.summary
+        summary.decisions[(decision.action, decision.verdict)] += 1
+        if decision.action == "halt" and decision.scope == "tree" and decision.key[0] not in summary.halted_trees:
+            summary.halted_trees.append(decision.key[0])
+        self.out.write(orjson.dumps(decision.to_control()) + b"\n")
+        if self.flush_each:
+            self.out.flush()
+
     def bad_line(self, number: int, error: InvalidEvent) -> None:
         self.summary.bad_lines += 1
         self.err.write(f"line {number}: {error}\n")
@@ -158,6 +174,7 @@ class _Writer:
 
 def _replay_python(lines: Iterable[bytes], policy: Policy, writer: _Writer) -> None:
     table = RunTable(Detector(policy))
+    trees = TreeFold(policy.fleet)
     summary = writer.summary
     runs: set[str] = set()
     for number, line in enumerate(lines, start=1):
@@ -178,12 +195,24 @@ def _replay_python(lines: Iterable[bytes], policy: Policy, writer: _Writer) -> N
             continue
         for decision in evaluation.decisions:
             writer.decision(decision)
+        _fold_tree(trees, writer, event, policy)
         if number % 4096 == 0:
             writer.progress(number, len(table))
     summary.runs = len(runs)
 
 
+def _fold_tree(trees: TreeFold, writer: _Writer, event: TelemetryEvent, policy: Policy) -> None:
+    """The tree rules on a new event (after its run's decisions)."""
+    if event.root_run_id is None and event.tool_class not in (None, "spawn"):
+        return
+    fact = tree_fact(event, event.tool_class or policy.resolve(event.agent_id, event.tool).thresholds.tool_class)
+    if fact is not None:
+        for decision in trees.observe(fact):
+            writer.scope_decision(decision)
+
+
 def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer, engine: Any) -> None:
+    trees = TreeFold(policy.fleet)
 
     def decide(event: TelemetryEvent, finding: tuple[Any, ...]) -> None:
         writer.decision(explain(event, policy.resolve(event.agent_id, event.tool).thresholds,
@@ -194,8 +223,19 @@ def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer, engi
         start = 0
         while True:
             stop, findings = engine.feed(chunk, start)
-            for index, finding in findings:
-                decide(parse_event(chunk[index]), finding)  # rare: the reference decodes it for the text
+            facts = engine.take_facts()
+            if facts:  # the tree rules after each line's run decisions, in line order
+                steps = sorted([(index, 0, n, finding) for n, (index, finding) in enumerate(findings)]
+                               + [(index, 1, n, fact) for n, (index, fact) in enumerate(facts)])
+                for index, is_fact, _, item in steps:
+                    if is_fact:
+                        for decision in trees.observe(TreeFact(*item)):
+                            writer.scope_decision(decision)
+                    else:
+                        decide(parse_event(chunk[index]), item)
+            else:
+                for index, finding in findings:
+                    decide(parse_event(chunk[index]), finding)  # rare: the reference decodes it for the text
             if stop == len(chunk):
                 break
             # A line the fast path did not decode: the reference reports it, or decodes and hashes it.
@@ -204,8 +244,11 @@ def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer, engi
             except InvalidEvent as exc:
                 writer.bad_line(done + stop + 1, exc)
             else:
-                for finding in _observe(engine, event, policy):
+                duplicate, event_findings = _observe(engine, event, policy)
+                for finding in event_findings:
                     decide(event, finding)
+                if not duplicate:
+                    _fold_tree(trees, writer, event, policy)
             start = stop + 1
         done += len(chunk)
         writer.progress(done, len(engine))
@@ -214,16 +257,17 @@ def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer, engi
     summary.newest_ts_ms = engine.watermark_ms
 
 
-def _observe(engine: Any, event: TelemetryEvent, policy: Policy) -> list[tuple[Any, ...]]:
-    """Fold an event the reference decoded into the native engine, with the reference's hashes."""
+def _observe(engine: Any, event: TelemetryEvent, policy: Policy) -> tuple[bool, list[tuple[Any, ...]]]:
+    """Fold an event the reference decoded into the native engine, with the reference's hashes: whether
+    it was a redelivery, and its findings."""
     args_hash, args_verified, result_hash, result_fp, args_text = event_hashes(
         event, policy.resolve(event.agent_id, event.tool))
-    findings: list[tuple[Any, ...]] = engine.observe(
+    duplicate, findings = engine.observe(
         event.run_id, event.event_id, event.tool, event.agent_id, event.ts_ms, event.outcome, args_hash,
         args_verified, result_hash, result_fp, event.retry_budget, event.plan_step, event.side_effect,
         event.tool_class, event.target, event.state_hash, event.kind == "model_call", token_count(event.tokens),
-        micro_usd(event.cost_usd), args_text)[1]
-    return findings
+        micro_usd(event.cost_usd), args_text)
+    return bool(duplicate), list(findings)
 
 
 def _chunks(lines: Iterable[bytes], size: int) -> Iterator[list[bytes]]:

@@ -115,13 +115,35 @@ class TelemetryEvent:
     #: What the call cost: tokens, and USD (as given; budgets sum ``micro_usd`` of it).
     tokens: int | float | None = None
     cost_usd: int | float | None = None
+    # Fleet-wide rules (optional; see ``core/fleet``). Trees: the run's parent and the tree's root run
+    # (a root run names itself or nothing), its depth (0 for a root), and on a spawn-class call the child
+    # it starts (``task_hash``: a semantic hash of the delegated task, computed like args).
+    parent_run_id: str | None = None
+    root_run_id: str | None = None
+    depth: int | None = None
+    child_run_id: str | None = None
+    child_agent_id: str | None = None
+    task_hash: str | None = None
+    #: Storms: the host or MCP server the tool calls, and the wait it asked for.
+    upstream: str | None = None
+    retry_after_ms: int | None = None
+    #: Chains: what started the run (``TRIGGERS``), the run that caused it, and the thread (a PR, an
+    #: issue, a channel, a session) that runs on the same subject share.
+    trigger: str | None = None
+    caused_by_run_id: str | None = None
+    thread_key: str | None = None
 
 
+#: What starts a run (``trigger``).
+TRIGGERS: Final = ("user", "schedule", "webhook", "agent")
+#: Deepest declared ``depth`` accepted (a tree is halted long before).
+MAX_DEPTH: Final = 10_000
 #: Longest accepted ``error_head``, in UTF-8 bytes.
 MAX_ERROR_HEAD_BYTES: Final = 256
 
 _OPTIONAL_STRINGS: Final = frozenset(
-    ("agent_id", "tenant", "trace_id", "span_id", "parent_span_id", "error_class", "policy_digest", "target")
+    ("agent_id", "tenant", "trace_id", "span_id", "parent_span_id", "error_class", "policy_digest", "target",
+     "parent_run_id", "root_run_id", "child_run_id", "child_agent_id", "upstream", "caused_by_run_id", "thread_key")
 )
 _OPTIONAL_NUMBERS: Final = frozenset(("latency_ms", "tokens", "cost_usd"))
 _CHECKED_ELSEWHERE: Final = frozenset(
@@ -192,8 +214,16 @@ def _check_optional(obj: dict[str, Any], name: str) -> None:
             raise InvalidEvent(name, f"must be a string, got {_json_type(value)}")
         if len(value.encode()) > MAX_ERROR_HEAD_BYTES:
             raise InvalidEvent(name, f"longer than {MAX_ERROR_HEAD_BYTES} bytes")
-    elif name == "result_fp" or name == "state_hash":
+    elif name == "result_fp" or name == "state_hash" or name == "task_hash":
         _hash_string(obj, name)
+    elif name == "depth":
+        if _integer(obj, name, 0) > MAX_DEPTH:  # type: ignore[operator]
+            raise InvalidEvent(name, f"must be <= {MAX_DEPTH}, got {value}")
+    elif name == "retry_after_ms":
+        _integer(obj, name, 0)
+    elif name == "trigger":
+        if value not in TRIGGERS:
+            raise InvalidEvent(name, f"must be one of {', '.join(TRIGGERS)}; got {value!r}"[:200])
     elif name == "kind":
         if value == "operator":
             raise InvalidEvent(name, "an operator command, not a telemetry event (send it with loopwarden halt|resume)")
@@ -270,13 +300,17 @@ def decode_event(obj: Any) -> TelemetryEvent:
         raise InvalidEvent("result", "one of result or result_hash is required")
     for name in obj.keys() - _CHECKED_ELSEWHERE:
         _check_optional(obj, name)
+    if get("parent_run_id") is not None and get("root_run_id") is None:
+        raise InvalidEvent("root_run_id", "required when parent_run_id is set (the id of the tree's root run)")
 
     return TelemetryEvent(
         run_id, event_id, tool, ts_ms, outcome, args, args_hash, get("result"), has_result, result_hash,
         get("agent_id"), get("tenant"), get("seq"), get("trace_id"), get("span_id"), get("parent_span_id"),
         get("retry_budget"), get("plan_step"), get("side_effect"), get("error_class"), get("error_head"),
         get("policy_digest"), get("result_fp"), get("tool_class"), get("target"), get("state_hash"), get("kind"),
-        get("tokens"), get("cost_usd"),
+        get("tokens"), get("cost_usd"), get("parent_run_id"), get("root_run_id"), get("depth"), get("child_run_id"),
+        get("child_agent_id"), get("task_hash"), get("upstream"), get("retry_after_ms"), get("trigger"),
+        get("caused_by_run_id"), get("thread_key"),
     )
 
 

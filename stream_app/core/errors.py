@@ -19,6 +19,7 @@ The whole tree, by the module that defines each::
     ├── KeyFileError             bus.signing     a key file that cannot be used (also ValueError)
     ├── SignatureRejected        bus.signing     a signature that does not verify (``reason``)
     ├── RunHalted                client.errors   the run was halted: stop calling tools (carries the decision)
+    │   ├── TreeHalted           client.errors   the run's sub-agent tree was halted (no child starts in it)
     │   ├── AgentRunHalted       integrations.openai_agents  (also the SDK's AgentsException)
     │   └── GuardrailHalted      integrations.openai_agents  (also its ToolInputGuardrailTripwireTriggered)
     ├── DuplicateSuppressed      client.errors   a duplicate side effect refused where no earlier result

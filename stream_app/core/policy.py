@@ -113,6 +113,42 @@ class Thresholds:
         check_tokens("volatile_keywords", self.volatile_keywords)
 
 
+#: Runs a tree fold tracks at most (``max_tree_runs`` must be below it).
+MAX_TREE_RUNS_TRACKED = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class FleetThresholds:
+    """The rules across runs (``core/fleet``): the policy's ``fleet`` section, one for the whole fleet."""
+
+    #: A run deeper than this in its sub-agent tree halts the tree (``tree_depth``); 0 for a root.
+    max_tree_depth: int = 5
+    #: The spawn of the same task (child agent and ``task_hash``) this many times in one tree halts it
+    #: (``tree_recursion``: self-delegation chains and duplicate siblings alike); 0 disables.
+    tree_task_repeats: int = 3
+    #: Runs in one tree: one more halts it (``tree_fanout``), more than half raises an alert.
+    max_tree_runs: int = 100
+    #: The tree's summed ``cost_usd`` (integer micro-USD): the call taking it strictly past halts the
+    #: tree (``tree_budget``); 0: none.
+    max_tree_cost_usd: float = 0.0
+    #: A tree with no event for this much event time is forgotten.
+    tree_ttl_ms: int = 3_600_000
+    #: Publish what would be a halt across runs as an ``alert`` (``would: halt``).
+    shadow: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_tree_depth", "tree_task_repeats"):
+            _check_int(name, getattr(self, name), 0)
+        _check_int("max_tree_runs", self.max_tree_runs, 1)
+        _check_int("tree_ttl_ms", self.tree_ttl_ms, 1)
+        if self.max_tree_runs >= MAX_TREE_RUNS_TRACKED:
+            raise PolicyError(f"max_tree_runs: must be below {MAX_TREE_RUNS_TRACKED}, got {self.max_tree_runs!r}")
+        if self.tree_task_repeats == 1:
+            raise PolicyError("tree_task_repeats: must be 0 (off) or >= 2, got 1 (every spawn would halt)")
+        if type(self.max_tree_cost_usd) is not float or not 0 <= self.max_tree_cost_usd < 1e12:
+            raise PolicyError(f"max_tree_cost_usd: must be a number of USD >= 0, got {self.max_tree_cost_usd!r}")
+
+
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if type(value) is not int or value < minimum:
         raise PolicyError(f"{name}: must be an integer >= {minimum}, got {value!r}")
@@ -143,8 +179,10 @@ class Policy:
         defaults: Thresholds | None = None,
         agents: dict[str, dict[str, Any]] | None = None,
         tools: dict[str, dict[str, Any]] | None = None,
+        fleet: FleetThresholds | None = None,
     ) -> None:
         self.defaults = defaults or Thresholds()
+        self.fleet = fleet or FleetThresholds()
         self._agents = list((agents or {}).items())
         self._tools = list((tools or {}).items())
         self._cache: dict[tuple[str | None, str], CallPolicy] = {}
@@ -159,6 +197,8 @@ class Policy:
             "agents": [[pattern, overrides] for pattern, overrides in self._agents],
             "tools": [[pattern, overrides] for pattern, overrides in self._tools],
         }
+        if self.fleet != FleetThresholds():  # a policy without a fleet section keeps its digest
+            document["fleet"] = {f.name: getattr(self.fleet, f.name) for f in fields(FleetThresholds)}
         return hashlib.sha256(canonical_json(document)).hexdigest()
 
     @classmethod
@@ -168,9 +208,9 @@ class Policy:
             return cls()
         if not isinstance(document, dict):
             raise PolicyError("policy: must be a mapping with defaults, agents and tools")
-        unknown = set(document) - {"version", "defaults", "agents", "tools"}
+        unknown = set(document) - {"version", "defaults", "agents", "tools", "fleet"}
         if unknown:
-            raise PolicyError(f"policy: unknown section(s) {sorted(unknown)}; expected defaults, agents, tools")
+            raise PolicyError(f"policy: unknown section(s) {sorted(unknown)}; expected defaults, agents, tools, fleet")
         if document.get("version", 1) != 1:
             raise PolicyError(f"version: unsupported policy version {document['version']!r}; expected 1")
         defaults = replace(Thresholds(), **_overrides("defaults", document.get("defaults") or {}))
@@ -182,7 +222,7 @@ class Policy:
             sections[section] = {
                 str(name): _overrides(f"{section}.{name}", value or {}) for name, value in entries.items()
             }
-        return cls(defaults, sections["agents"], sections["tools"])
+        return cls(defaults, sections["agents"], sections["tools"], _fleet(document.get("fleet") or {}))
 
     def resolve(self, agent_id: str | None, tool: str) -> CallPolicy:
         key = (agent_id, tool)
@@ -258,3 +298,25 @@ def _overrides(path: str, raw: Any) -> dict[str, Any]:
     except PolicyError as exc:
         raise PolicyError(f"{path}.{exc}") from exc
     return out
+
+
+_FLEET_TYPES: dict[str, type] = {f.name: type(getattr(FleetThresholds(), f.name)) for f in fields(FleetThresholds)}
+
+
+def _fleet(raw: Any) -> FleetThresholds:
+    if not isinstance(raw, dict):
+        raise PolicyError("fleet: must be a mapping of settings")
+    out: dict[str, Any] = {}
+    for name, value in raw.items():
+        expected = _FLEET_TYPES.get(name)
+        if expected is None:
+            raise PolicyError(f"fleet.{name}: unknown setting; known: {', '.join(sorted(_FLEET_TYPES))}")
+        if expected is float and type(value) is int:
+            value = float(value)
+        if type(value) is not expected:
+            raise PolicyError(f"fleet.{name}: must be {expected.__name__}, got {value!r}")
+        out[name] = value
+    try:
+        return FleetThresholds(**out)
+    except PolicyError as exc:
+        raise PolicyError(f"fleet.{exc}") from exc

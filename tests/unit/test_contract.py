@@ -45,6 +45,19 @@ def _validator(name: str) -> Draft202012Validator:
         ({"latency_ms": "fast"}, "latency_ms", "must be a number"),
         ({"schema_version": "2"}, "schema_version", "unsupported version"),
         ({"tool": "x" * 600}, "tool", "longer than 512"),
+        ({"parent_run_id": "p"}, "root_run_id", "required when parent_run_id is set"),
+        ({"root_run_id": 3}, "root_run_id", "must be a string"),
+        ({"depth": -1}, "depth", "must be >= 0"),
+        ({"depth": 10_001}, "depth", "must be <= 10000"),
+        ({"depth": "deep"}, "depth", "must be an integer"),
+        ({"task_hash": ""}, "task_hash", "must be a non-empty string"),
+        ({"child_run_id": "x" * 513}, "child_run_id", "longer than 512"),
+        ({"upstream": 443}, "upstream", "must be a string"),
+        ({"retry_after_ms": -5}, "retry_after_ms", "must be >= 0"),
+        ({"retry_after_ms": 1.5}, "retry_after_ms", "must be an integer"),
+        ({"trigger": "cron"}, "trigger", "must be one of user, schedule, webhook, agent"),
+        ({"thread_key": ["pr", 7]}, "thread_key", "must be a string"),
+        ({"caused_by_run_id": 9}, "caused_by_run_id", "must be a string"),
     ],
 )
 def test_bad_fields_are_named(change: dict[str, Any], field: str, reason: str) -> None:
@@ -139,3 +152,32 @@ def test_every_round_2_decision_validates() -> None:
                     ("recursion", "exact"), ("no_progress", "model_calls"), ("budget_exceeded", "tokens"),
                     ("budget_exceeded", "cost"), ("budget_exceeded", "calls")}
     assert advised == {"recursion", "no_progress", "oscillation", "budget_exceeded"}
+
+
+def test_every_tree_decision_validates_and_names_no_run() -> None:
+    """Scope-tree decisions (each tree rule, its shadow form) validate against control.v1.json, which
+    refuses a run_id on them (runtimes that do not know scopes must not act on them)."""
+    from stream_app.core.fleet import TreeFact, TreeFold
+    from stream_app.core.policy import FleetThresholds
+
+    validator = _validator("control.v1.json")
+
+    def fact(run: str, n: int, **kw: Any) -> TreeFact:
+        fields = {"parent": None, "depth": None, "cost_micro": 0, "spawn": False, "child_run_id": None,
+                  "child_agent_id": None, "task_hash": None, **kw}
+        return TreeFact("root", run, f"{run}-{n}", n, fields["parent"], fields["depth"], fields["cost_micro"],
+                        fields["spawn"], fields["child_run_id"], fields["child_agent_id"], fields["task_hash"], "t")
+
+    facts = [fact("root", i, spawn=True, child_run_id=f"c{i}", child_agent_id="w", task_hash="a" * 16)
+             for i in range(4)] + [fact("deep", 9, parent="c1", depth=7, cost_micro=3_000_000)]
+    verdicts = set()
+    for shadow in (False, True):
+        fold = TreeFold(FleetThresholds(max_tree_runs=4, max_tree_cost_usd=1.0, shadow=shadow))
+        for f in facts:
+            for decision in fold.observe(f):
+                message = decision.to_control()
+                validator.validate(message)
+                verdicts.add(decision.verdict)
+                with pytest.raises(Exception, match="should not be valid"):
+                    validator.validate({**message, "run_id": "root"})
+    assert verdicts == {"tree_depth", "tree_recursion", "tree_fanout", "tree_budget"}

@@ -39,7 +39,7 @@ def test_the_worker_and_the_bus_never_import_the_sdk(module: str) -> None:
 @pytest.mark.parametrize("folder", ["worker", "bus", "core", "sources"])
 def test_no_module_of_the_lower_layers_names_the_sdk(folder: str) -> None:
     """The same rule read off the source, so a lazy import inside a function cannot slip past."""
-    for path in (PACKAGE / folder).glob("*.py"):
+    for path in (PACKAGE / folder).rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 target = ("." * node.level) + (node.module or "")

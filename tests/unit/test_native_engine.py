@@ -101,6 +101,9 @@ POLICIES = [
     Policy.from_mapping({"defaults": {"window_ms": 50, "side_effect_window_ms": 30, "run_ttl_ms": 200,
                                       "shadow": True},
                          "agents": {"b*": {"shadow": False, "retry_budget": 0}}}),
+    Policy.from_mapping({"tools": {"code": {"tool_class": "spawn"}},
+                         "fleet": {"max_tree_depth": 1, "max_tree_runs": 3, "tree_task_repeats": 2,
+                                   "max_tree_cost_usd": 1.0}}),
 ]
 
 tools = st.sampled_from(["search", "send", "code", "log", "fetch"])
@@ -144,7 +147,7 @@ def telemetry_lines(draw) -> list[bytes]:
             if draw(st.integers(0, 3)) == 0:
                 event[name] = draw(st.sampled_from([0, 1, 7, 2.5, 0.3, 10**6, 1e300]))
         if draw(st.integers(0, 2)) == 0:  # tool classes: reads that repeat, writes that revisit states
-            event["tool_class"] = draw(st.sampled_from(["read", "write", "write", "poll", "other"]))
+            event["tool_class"] = draw(st.sampled_from(["read", "write", "write", "poll", "other", "spawn"]))
             if draw(st.integers(0, 3)):
                 event["target"] = draw(st.sampled_from(["/a", "/b", ""]))
             if draw(st.integers(0, 3)):
@@ -156,6 +159,14 @@ def telemetry_lines(draw) -> list[bytes]:
                              ("attrs", st.just({"k": 1})), ("schema_version", st.just("1"))):
             if draw(st.integers(0, 5)) == 0:
                 event[name] = draw(values)
+        if draw(st.integers(0, 2)) == 0:  # sub-agent trees: children, spawns naming them, their tasks
+            event["root_run_id"] = draw(st.sampled_from(["r1", "r2", "root"]))
+            for name, values in (("parent_run_id", st.sampled_from(["r1", "r2", "r3"])),
+                                 ("depth", st.integers(0, 3)), ("child_run_id", st.sampled_from(["r2", "r3", "k"])),
+                                 ("child_agent_id", st.just("w")), ("task_hash", st.sampled_from(["a" * 16, "b" * 16])),
+                                 ("cost_usd", st.sampled_from([0.4, 0.7]))):
+                if draw(st.booleans()):
+                    event[name] = draw(values)
         line = orjson.dumps(event)
         mutation = draw(st.integers(0, 14))
         if mutation == 1:
@@ -203,12 +214,14 @@ field_values = st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.flo
     | st.text(max_size=3) | st.just({}) | st.just([]) | st.sampled_from(
         ["success", "error", "1", "", "r", "x" * 512, "x" * 513, "é" * 512, "é" * 513, 10_000, 10_001, -1, 0,
          2**63 - 1, 2**63, -(2**63), 0.0, -0.5, 1.0, "read", "write", "poll", "Read", "model_call", "tool_call",
-         "operator"])
+         "operator", "user", "schedule", "webhook", "agent", "User", "a" * 64])
 field_names = st.sampled_from(["run_id", "event_id", "tool", "ts_ms", "outcome", "args", "args_hash", "result",
                                "result_hash", "agent_id", "tenant", "seq", "plan_step", "retry_budget",
                                "side_effect", "latency_ms", "tokens", "cost_usd", "attrs", "schema_version",
                                "trace_id", "span_id", "parent_span_id", "error_class", "result_fp", "tool_class",
-                               "target", "state_hash", "kind", "other"])
+                               "target", "state_hash", "kind", "other", "parent_run_id", "root_run_id", "depth",
+                               "child_run_id", "child_agent_id", "task_hash", "upstream", "retry_after_ms",
+                               "trigger", "caused_by_run_id", "thread_key"])
 
 
 @given(st.dictionaries(field_names, field_values, max_size=3))

@@ -1,0 +1,273 @@
+"""Sub-agent trees: runs spawning runs, folded by the tree's root run id.
+
+Each run of a tree says so in its events (``root_run_id``; ``parent_run_id`` and ``depth`` for a child),
+and a spawn-class call may name the child it starts (``child_run_id``, ``child_agent_id``, ``task_hash``).
+A run without a ``root_run_id`` whose spawn-class call starts a child is the root of its tree. Every
+rule fires at most once per tree (``tree_recursion`` once per task), whatever else fired before, so the
+set of decisions depends on the facts and not on the order they came in:
+
+* ``tree_depth``: a run deeper than ``max_tree_depth``: at the spawn call that would create it, or at
+  the first event of such a run if its spawn was not seen. A run's depth is the larger of what it
+  declares and what the parent chain seen so far gives (its parent's + 1, a non-root at least 1); a
+  parent seen late deepens its descendants then.
+* ``tree_recursion``: the ``tree_task_repeats``-th spawn of the same task (child agent, ``task_hash``)
+  in one tree: a self-delegation chain and duplicate siblings alike. Distinct tasks never count.
+* ``tree_fanout``: the event that makes the tree's known runs (the root, every run that sent an event,
+  every child a spawn named) exceed ``max_tree_runs``; an ``alert`` when they pass half of it.
+* ``tree_budget``: the call whose ``cost_usd`` takes the tree's sum (integer micro-USD) strictly past
+  ``max_tree_cost_usd``.
+
+Every decision halts (or alerts on) the whole tree: a runtime refuses the calls of every run of it and
+new children at ``Guard.run``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ..contract import SPEND_CAP, TelemetryEvent, micro_usd
+from ..policy import MAX_TREE_RUNS_TRACKED, FleetThresholds
+from .scope import ScopeDecision, scope_decision_id
+
+#: Trees tracked at most by one fold (the least recently active are forgotten first).
+DEFAULT_MAX_TREES = 1_000_000
+#: Run ids an evidence chain lists at most (the deepest run and its ancestors).
+CHAIN_LISTED = 10
+
+
+@dataclass(frozen=True, slots=True)
+class TreeFact:
+    """What one new event tells the tree fold."""
+
+    root: str
+    run_id: str
+    event_id: str
+    ts_ms: int
+    parent: str | None
+    depth: int | None
+    cost_micro: int
+    spawn: bool
+    child_run_id: str | None
+    child_agent_id: str | None
+    task_hash: str | None
+    tenant: str | None
+
+    def to_tuple(self) -> tuple[Any, ...]:
+        return (self.root, self.run_id, self.event_id, self.ts_ms, self.parent, self.depth, self.cost_micro,
+                self.spawn, self.child_run_id, self.child_agent_id, self.task_hash, self.tenant)
+
+
+def tree_fact(event: TelemetryEvent, tool_class: str) -> TreeFact | None:
+    """The fact of ``event`` (its resolved ``tool_class``), or None when it is in no tree."""
+    spawn = tool_class == "spawn"
+    root = event.root_run_id
+    if root is None:
+        if not spawn:
+            return None
+        root = event.run_id
+    return TreeFact(root, event.run_id, event.event_id, event.ts_ms, event.parent_run_id, event.depth,
+                    micro_usd(event.cost_usd), spawn, event.child_run_id if spawn else None,
+                    event.child_agent_id if spawn else None, event.task_hash if spawn else None, event.tenant)
+
+
+class TreeState:
+    """One tree: its known runs with their depths (capped one past ``max_tree_depth``: all a rule needs,
+    and a cycle in bad parent links ends), parent links, summed cost, spawn counts per task and the
+    rules that fired."""
+
+    __slots__ = ("children", "cost_micro", "depth", "fired", "last_ts_ms", "parent", "tasks")
+
+    def __init__(self) -> None:
+        self.depth: dict[str, int] = {}
+        self.parent: dict[str, str] = {}
+        self.children: dict[str, list[str]] = {}
+        self.cost_micro = 0
+        #: "child_agent_id\x1ftask_hash" -> the runs that spawned it (up to ``tree_task_repeats``).
+        self.tasks: dict[str, list[str]] = {}
+        self.fired: set[str] = set()
+        self.last_ts_ms = 0
+
+    def encode(self) -> bytes:
+        """The stored form (the worker's tree table)."""
+        return orjson.dumps({"v": 1, "d": self.depth, "p": self.parent, "c": self.cost_micro, "t": self.tasks,
+                             "f": sorted(self.fired), "ts": self.last_ts_ms})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> TreeState:
+        obj = orjson.loads(raw)
+        state = cls()
+        state.depth, state.parent, state.cost_micro = obj["d"], obj["p"], obj["c"]
+        state.tasks, state.fired, state.last_ts_ms = obj["t"], set(obj["f"]), obj["ts"]
+        for child, parent in state.parent.items():
+            state.children.setdefault(parent, []).append(child)
+        return state
+
+
+class TreeFold:
+    """Root run id -> TreeState, least recently active first, forgotten after ``tree_ttl_ms`` of event
+    time without a fact (or beyond ``max_trees``)."""
+
+    def __init__(self, fleet: FleetThresholds | None = None, max_trees: int = DEFAULT_MAX_TREES) -> None:
+        self.fleet = fleet or FleetThresholds()
+        self.max_trees = max_trees
+        self.trees: OrderedDict[str, TreeState] = OrderedDict()
+        self._watermark_ms = 0
+
+    def __len__(self) -> int:
+        return len(self.trees)
+
+    def observe(self, fact: TreeFact) -> tuple[ScopeDecision, ...]:
+        trees = self.trees
+        state = trees.get(fact.root)
+        if state is None:
+            state = trees[fact.root] = TreeState()
+        else:
+            trees.move_to_end(fact.root)
+        decisions = fold(self.fleet, state, fact)
+        if fact.ts_ms > self._watermark_ms:
+            self._watermark_ms = fact.ts_ms
+        horizon = self._watermark_ms - self.fleet.tree_ttl_ms
+        while trees:
+            oldest = next(iter(trees.values()))
+            if oldest.last_ts_ms >= horizon and len(trees) <= self.max_trees:
+                break
+            trees.popitem(last=False)
+        return decisions
+
+
+def fold(fleet: FleetThresholds, state: TreeState, fact: TreeFact) -> tuple[ScopeDecision, ...]:
+    """Fold one fact into its tree; the decisions it crossed."""
+    if fact.ts_ms > state.last_ts_ms:
+        state.last_ts_ms = fact.ts_ms
+    cap = fleet.max_tree_depth + 1
+    root, run_id = fact.root, fact.run_id
+    deeper: str | None = None  # a run that reached the cap with this fact
+    _know(state, root, 0, cap)
+    if run_id != root:
+        deeper = _know(state, run_id, max(1, fact.depth or 0), cap) or deeper
+        if fact.parent is not None and fact.parent != run_id:
+            deeper = _link(state, root, fact.parent, run_id, cap) or deeper
+    elif fact.depth:
+        deeper = _know(state, root, fact.depth, cap) or deeper
+    spawn_depth = 0
+    if fact.spawn:
+        spawn_depth = min(state.depth.get(run_id, 0) + 1, cap)
+        if fact.child_run_id is not None and fact.child_run_id not in (run_id, root):
+            deeper = _know(state, fact.child_run_id, spawn_depth, cap) or deeper
+            deeper = _link(state, root, run_id, fact.child_run_id, cap) or deeper
+    if fact.cost_micro:
+        state.cost_micro = min(state.cost_micro + fact.cost_micro, SPEND_CAP)
+
+    out: list[ScopeDecision] = []
+    fired = state.fired
+    if "tree_depth" not in fired and (deeper is not None or spawn_depth >= cap):
+        fired.add("tree_depth")
+        deepest = deeper if deeper is not None else run_id
+        depth = state.depth.get(deepest, cap) if deeper is not None else spawn_depth
+        chain = _chain(state, deepest)
+        how = (f"run {run_id} at depth {spawn_depth - 1} spawned a child at depth {spawn_depth}"
+               if deeper is None or deeper == fact.child_run_id else f"run {deepest} is at depth {depth} or more")
+        evidence: dict[str, Any] = {"rule": "depth", "depth": depth, "max_tree_depth": fleet.max_tree_depth,
+                                    "chain": chain}
+        if fact.depth is not None:
+            evidence["declared_depth"] = fact.depth
+        out.append(_decision(fleet, fact, "halt", "tree_depth", "", evidence,
+                             f"sub-agent tree {root} is more than {fleet.max_tree_depth} level{'s' if fleet.max_tree_depth != 1 else ''} deep: {how}"))
+    if fact.spawn and fact.task_hash is not None and fleet.tree_task_repeats:
+        task = f"{fact.child_agent_id or ''}\x1f{fact.task_hash}"
+        spawners = state.tasks.get(task)
+        if spawners is None:
+            if len(state.tasks) < MAX_TREE_RUNS_TRACKED:
+                state.tasks[task] = [run_id]
+        elif len(spawners) < fleet.tree_task_repeats:
+            spawners.append(run_id)
+            if len(spawners) == fleet.tree_task_repeats and ("tree_recursion\x1f" + task) not in fired:
+                fired.add("tree_recursion\x1f" + task)
+                agent = fact.child_agent_id or "(unnamed)"
+                out.append(_decision(
+                    fleet, fact, "halt", "tree_recursion", task,
+                    {"rule": "task", "child_agent_id": fact.child_agent_id, "task_hash": fact.task_hash,
+                     "spawns": len(spawners), "spawned_by": list(spawners)},
+                    f"sub-agent tree {root} spawned the same task {len(spawners)} times (agent {agent}, task "
+                    f"{fact.task_hash[:16]}): a self-delegation chain or duplicate siblings"))
+    runs = len(state.depth)
+    if runs > fleet.max_tree_runs // 2 and "tree_fanout_half" not in fired:
+        fired.add("tree_fanout_half")
+        out.append(_decision(fleet, fact, "alert", "tree_fanout", "half",
+                             {"rule": "runs", "runs": runs, "max_tree_runs": fleet.max_tree_runs},
+                             f"sub-agent tree {root} has {runs} runs, more than half of max_tree_runs "
+                             f"{fleet.max_tree_runs}", shadowable=False))
+    if runs > fleet.max_tree_runs and "tree_fanout" not in fired:
+        fired.add("tree_fanout")
+        out.append(_decision(fleet, fact, "halt", "tree_fanout", "",
+                             {"rule": "runs", "runs": runs, "max_tree_runs": fleet.max_tree_runs},
+                             f"sub-agent tree {root} has {runs} runs, over max_tree_runs {fleet.max_tree_runs}"))
+    limit = micro_usd(fleet.max_tree_cost_usd)
+    if limit and state.cost_micro > limit and "tree_budget" not in fired:
+        fired.add("tree_budget")
+        spent = state.cost_micro / 1_000_000
+        out.append(_decision(fleet, fact, "halt", "tree_budget", "",
+                             {"rule": "cost", "cost_usd": spent, "max_tree_cost_usd": fleet.max_tree_cost_usd},
+                             f"sub-agent tree {root} spent ${spent:.6f}, over max_tree_cost_usd "
+                             f"${fleet.max_tree_cost_usd:g}: run {run_id}'s call took it past"))
+    return tuple(out)
+
+
+def _know(state: TreeState, run_id: str, depth: int, cap: int) -> str | None:
+    """Record ``run_id`` at least at ``depth``, deepening its known descendants; the first run that
+    reached ``cap`` by it, if any."""
+    depths = state.depth
+    if run_id not in depths:
+        if len(depths) >= MAX_TREE_RUNS_TRACKED:
+            return None
+        depths[run_id] = 0
+    reached = None
+    stack = [(run_id, min(depth, cap))]
+    while stack:
+        run, d = stack.pop()
+        if d <= depths.get(run, -1):
+            continue
+        depths[run] = d
+        if d >= cap and reached is None:
+            reached = run
+        stack.extend((child, min(d + 1, cap)) for child in state.children.get(run, ()))
+    return reached
+
+
+def _link(state: TreeState, root: str, parent: str, child: str, cap: int) -> str | None:
+    """``parent`` started ``child`` (the first parent named wins); the run that reached ``cap``, if any."""
+    if child == root or child in state.parent or child not in state.depth:
+        return None
+    reached = None
+    if parent not in state.depth:
+        reached = _know(state, parent, 0 if parent == root else 1, cap)
+        if parent not in state.depth:  # not tracked: the tree is past MAX_TREE_RUNS_TRACKED
+            return reached
+    state.parent[child] = parent
+    state.children.setdefault(parent, []).append(child)
+    return _know(state, child, state.depth[parent] + 1, cap) or reached
+
+
+def _chain(state: TreeState, run_id: str) -> list[str]:
+    """``run_id`` and its ancestors, deepest first (at most ``CHAIN_LISTED``)."""
+    chain = [run_id]
+    parent = state.parent.get(run_id)
+    while parent is not None and len(chain) < CHAIN_LISTED and parent not in chain:
+        chain.append(parent)
+        parent = state.parent.get(parent)
+    return chain
+
+
+def _decision(fleet: FleetThresholds, fact: TreeFact, action: str, verdict: str, part: str,
+              evidence: dict[str, Any], reason: str, shadowable: bool = True) -> ScopeDecision:
+    key = (fact.root,)
+    if fleet.shadow and shadowable:
+        evidence = {**evidence, "shadow": True, "would": action}
+        action = "alert"
+    return ScopeDecision("tree", key, action, verdict, fact.event_id, fact.run_id,
+                         scope_decision_id("tree", key, action, verdict, part), fact.ts_ms, reason, evidence,
+                         fact.tenant)

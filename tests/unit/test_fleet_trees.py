@@ -1,0 +1,178 @@
+"""Sub-agent trees (core/fleet/trees.py): one test per row of the rules table, and the property that the
+set of decisions does not depend on the order the facts came in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stream_app.core import Policy, decode_event
+from stream_app.core.fleet import ScopeDecision, TreeFact, TreeFold, tree_fact
+from stream_app.core.policy import FleetThresholds
+
+
+def _fact(run: str, n: int, *, root: str = "root", parent: str | None = None, spawn: bool = False,
+          child: str | None = None, agent: str | None = None, task: str | None = None, cost: int = 0,
+          depth: int | None = None, ts: int = 1_000) -> TreeFact:
+    return TreeFact(root, run, f"{run}-{n}", ts + n, parent, depth, cost, spawn, child, agent, task, "acme")
+
+
+def _fold(facts: list[TreeFact], **fleet: Any) -> list[ScopeDecision]:
+    fold = TreeFold(FleetThresholds(**fleet))
+    return [d for f in facts for d in fold.observe(f)]
+
+
+def _chain(levels: int) -> list[TreeFact]:
+    """root spawns c1, c1 spawns c2, ...; each child's first event names its parent."""
+    facts, parent = [], "root"
+    for level in range(1, levels + 1):
+        child = f"c{level}"
+        facts.append(_fact(parent, level, spawn=True, child=child, parent=None if parent == "root" else f"c{level - 2}"
+                           if level > 2 else "root"))
+        parent = child
+    return facts
+
+
+def test_a_spawn_that_would_create_a_run_deeper_than_max_tree_depth_halts_the_tree() -> None:
+    decisions = _fold(_chain(7))
+    assert [(d.action, d.verdict, d.trigger_event_id) for d in decisions] == [("halt", "tree_depth", "c5-6")]
+    control = decisions[0].to_control()
+    assert control["scope"] == "tree" and control["root_run_id"] == "root" and "run_id" not in control
+    assert control["evidence"]["depth"] == 6 and control["evidence"]["chain"][:3] == ["c6", "c5", "c4"]
+    assert _fold(_chain(5)) == []  # depth 5 is allowed
+
+
+def test_a_run_deeper_than_allowed_whose_spawn_was_not_seen_halts_at_its_first_event() -> None:
+    decisions = _fold([_fact("deep", 1, parent="p", depth=6)])
+    assert [(d.verdict, d.trigger_event_id) for d in decisions] == [("tree_depth", "deep-1")]
+    assert decisions[0].evidence["declared_depth"] == 6
+
+
+def test_depth_is_derived_from_the_parent_chain_when_a_run_declares_less() -> None:
+    """Each run says depth 1; the chain seen says 6."""
+    facts = [_fact(f"c{i}", i, parent="root" if i == 1 else f"c{i - 1}", depth=1) for i in range(1, 7)]
+    assert [d.verdict for d in _fold(facts)] == ["tree_depth"]
+    assert [d.verdict for d in _fold(facts[:5])] == []
+
+
+def test_the_third_spawn_of_the_same_task_halts_the_tree() -> None:
+    spawns = [_fact("root", i, spawn=True, child=f"c{i}", agent="explorer", task="t" * 16) for i in range(1, 4)]
+    decisions = _fold(spawns)
+    assert [(d.verdict, d.trigger_event_id) for d in decisions] == [("tree_recursion", "root-3")]
+    assert decisions[0].evidence["spawns"] == 3 and decisions[0].evidence["spawned_by"] == ["root"] * 3
+    assert _fold(spawns[:2]) == []
+
+
+def test_a_self_delegation_chain_counts_across_levels() -> None:
+    """explore spawns explore spawns explore: the same task at three levels."""
+    facts = [_fact("root", 1, spawn=True, child="a", agent="explore", task="x" * 16),
+             _fact("a", 2, parent="root", spawn=True, child="b", agent="explore", task="x" * 16),
+             _fact("b", 3, parent="a", spawn=True, child="c", agent="explore", task="x" * 16)]
+    assert [d.verdict for d in _fold(facts)] == ["tree_recursion"]
+
+
+def test_a_distinct_task_fan_out_up_to_max_tree_runs_never_halts() -> None:
+    spawns = [_fact("root", i, spawn=True, child=f"c{i}", agent="reviewer", task=f"{i:016d}") for i in range(99)]
+    decisions = _fold(spawns)
+    assert [(d.action, d.verdict) for d in decisions] == [("alert", "tree_fanout")]  # past half only
+
+
+def test_the_run_that_takes_the_tree_past_max_tree_runs_halts_it_and_half_alerts_first() -> None:
+    spawns = [_fact("root", i, spawn=True, child=f"c{i}") for i in range(1, 101)]
+    decisions = _fold(spawns)
+    assert [(d.action, d.verdict, d.trigger_event_id) for d in decisions] == [
+        ("alert", "tree_fanout", "root-50"), ("halt", "tree_fanout", "root-100")]
+    assert decisions[1].evidence == {"rule": "runs", "runs": 101, "max_tree_runs": 100}
+
+
+def test_the_call_that_takes_the_tree_past_its_cost_budget_halts_it() -> None:
+    facts = [_fact(f"c{i}", i, parent="root", cost=400_000) for i in range(1, 4)]
+    decisions = _fold(facts, max_tree_cost_usd=1.0)
+    assert [(d.verdict, d.trigger_event_id) for d in decisions] == [("tree_budget", "c3-3")]
+    assert _fold(facts) == []  # 0: no budget
+    assert _fold([*facts[:2], _fact("c3", 3, parent="root", cost=200_000)], max_tree_cost_usd=1.0) == []  # not past
+
+
+def test_each_rule_fires_once_per_tree_and_shadow_mode_alerts() -> None:
+    facts = [*_chain(8), _fact("c8", 99, parent="c7")]
+    assert [d.verdict for d in _fold(facts)] == ["tree_depth"]
+    shadow = _fold(_chain(7), shadow=True)
+    assert [(d.action, d.evidence["would"]) for d in shadow] == [("alert", "halt")]
+
+
+def test_a_cycle_of_parent_links_ends() -> None:
+    facts = [_fact("a", 1, parent="b"), _fact("b", 2, parent="a"), _fact("a", 3, parent="b", spawn=True, child="b")]
+    assert [d.verdict for d in _fold(facts)] == ["tree_depth"]  # a loop of parents is infinitely deep
+
+
+def test_the_decision_id_names_the_tree_and_the_rule_not_the_trigger() -> None:
+    one = _fold(_chain(7))[0]
+    other = _fold([_fact("deep", 1, parent="p", depth=9)])[0]
+    assert one.trigger_event_id != other.trigger_event_id and one.decision_id == other.decision_id
+
+
+def test_the_tree_state_round_trips_through_its_stored_form() -> None:
+    fold = TreeFold()
+    for fact in _chain(4):
+        fold.observe(fact)
+    from stream_app.core.fleet import TreeState
+
+    state = fold.trees["root"]
+    again = TreeState.decode(state.encode())
+    assert (again.depth, again.parent, again.children, again.fired) == (state.depth, state.parent, state.children,
+                                                                       state.fired)
+
+
+def test_events_say_which_tree_they_are_in() -> None:
+    policy = Policy.from_mapping({"tools": {"Task": {"tool_class": "spawn"}}})
+
+    def event(**fields: Any) -> Any:
+        return decode_event({"run_id": "r", "event_id": "e", "tool": "Task", "ts_ms": 1, "outcome": "success",
+                             "args": {}, "result": None, **fields})
+
+    spawn = tree_fact(event(child_run_id="kid", task_hash="a" * 16),
+                      policy.resolve(None, "Task").thresholds.tool_class)
+    assert spawn is not None and spawn.root == "r" and spawn.spawn and spawn.child_run_id == "kid"
+    assert tree_fact(event(), "other") is None  # not in a tree
+    child = tree_fact(event(root_run_id="r0", parent_run_id="p", depth=2), "other")
+    assert child is not None and (child.root, child.parent, child.depth, child.spawn) == ("r0", "p", 2, False)
+
+
+# --- order: the same facts in any order make the same set of decisions ------------------------------------
+
+@st.composite
+def _trees(draw: st.DrawFn) -> list[TreeFact]:
+    """A random tree: each run's facts in its own order, runs spawning children of a few tasks."""
+    runs = ["root"]
+    facts: list[TreeFact] = []
+    for n in range(draw(st.integers(1, 40))):
+        parent = draw(st.sampled_from(runs))
+        child = f"r{n}"
+        task = draw(st.sampled_from(["a", "b", "c", "d", "e"])) * 16
+        facts.append(_fact(parent, n, spawn=True, child=child if draw(st.booleans()) else None, agent="w",
+                           task=task, cost=draw(st.integers(0, 300_000)),
+                           parent=None if parent == "root" else "?"))
+        runs.append(child)
+        if draw(st.booleans()):
+            facts.append(_fact(child, 1000 + n, parent=parent, depth=draw(st.none() | st.integers(0, 8))))
+    return facts
+
+
+@given(_trees(), st.randoms(use_true_random=False))
+@settings(max_examples=150, deadline=None)
+def test_the_set_of_decisions_does_not_depend_on_the_order_of_the_facts(facts: list[TreeFact], rnd: Any) -> None:
+    # the "?" parents stand for the spawner, known from its spawn: fix them up per run
+    spawner = {f.child_run_id: f.run_id for f in facts if f.child_run_id}
+    facts = [f if f.parent != "?" else TreeFact(f.root, f.run_id, f.event_id, f.ts_ms, spawner.get(f.run_id),
+                                                f.depth, f.cost_micro, f.spawn, f.child_run_id, f.child_agent_id,
+                                                f.task_hash, f.tenant) for f in facts]
+    shuffled = list(facts)
+    rnd.shuffle(shuffled)
+    fleet = {"max_tree_depth": 3, "max_tree_runs": 12, "max_tree_cost_usd": 2.0}
+
+    def keys(decisions: list[ScopeDecision]) -> set[tuple[Any, ...]]:
+        return {(d.scope, d.key, d.action, d.verdict, d.decision_id) for d in decisions}
+
+    assert keys(_fold(facts, **fleet)) == keys(_fold(shuffled, **fleet))
