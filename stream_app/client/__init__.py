@@ -11,6 +11,7 @@ Errors (``LoopwardenError`` is the core's root; the whole tree is drawn in ``str
 
     LoopwardenError
     ├── RunHalted             the run was halted: stop calling tools for it (carries the decision)
+    │   └── TreeHalted        its sub-agent tree was halted: every run of it stops, no child starts
     ├── DuplicateSuppressed   a duplicate side effect refused where the earlier result cannot be handed back
     ├── InvalidCall           an argument the contract would refuse (also a ValueError)
     │   └── InvalidArgumentType                                     (also a TypeError)
@@ -21,8 +22,8 @@ Errors (``LoopwardenError`` is the core's root; the whole tree is drawn in ``str
 from __future__ import annotations
 
 from ..bus.kafka import KafkaClientConfig, KafkaConfigError
-from .errors import DuplicateSuppressed, InvalidArgumentType, InvalidCall, RunHalted, UsageError
-from .guard import CallIds, Guard, GuardedRun, PendingCall, ToolOutcome
+from .errors import DuplicateSuppressed, InvalidArgumentType, InvalidCall, RunHalted, TreeHalted, UsageError
+from .guard import CallIds, Guard, GuardedRun, PendingCall, Spawn, ToolOutcome
 from .listener import ControlBoard, DecisionCallback, HaltListener
 from .publisher import DEFAULT_REDACTED_FIELDS, FinishedCall, TelemetryBuilder, TelemetryPublisher
 
@@ -42,8 +43,10 @@ __all__ = [
     "KafkaConfigError",
     "PendingCall",
     "RunHalted",
+    "Spawn",
     "TelemetryBuilder",
     "TelemetryPublisher",
     "ToolOutcome",
+    "TreeHalted",
     "UsageError",
 ]

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..core import LoopwardenError
 
-__all__ = ["DuplicateSuppressed", "InvalidArgumentType", "InvalidCall", "RunHalted", "UsageError"]
+__all__ = ["DuplicateSuppressed", "InvalidArgumentType", "InvalidCall", "RunHalted", "TreeHalted", "UsageError"]
 
 
 class RunHalted(LoopwardenError):
@@ -24,6 +24,18 @@ class RunHalted(LoopwardenError):
             f"run {self.run_id} was halted by loopwarden ({self.verdict}): {self.reason} "
             f"[decision {self.decision_id}]"
         )
+
+
+class TreeHalted(RunHalted):
+    """loopwarden halted the sub-agent tree this run is in (a control v1 decision of scope ``tree``): every
+    run of the tree stops, and no new child starts in it. ``run_id`` is the run refused."""
+
+    def __init__(self, decision: Mapping[str, Any], run_id: str) -> None:
+        self.root_run_id = str(decision.get("root_run_id", ""))
+        super().__init__({**decision, "run_id": run_id})
+        self.decision = dict(decision)
+        self.args = (f"run {run_id}: sub-agent tree {self.root_run_id} was halted by loopwarden ({self.verdict}): "
+                     f"{self.reason} [decision {self.decision_id}]",)
 
 
 class DuplicateSuppressed(LoopwardenError):

@@ -25,6 +25,13 @@ result handed back. Without local rules the fleet's ``suppress`` arrives after t
 
 A halt that arrives while a bound task (``bind_task``, ``bound()``) awaits a tool cancels the tool's
 await, and the call raises ``RunHalted`` in its place, so ``except RunHalted`` sees every halt.
+
+Sub-agent trees: ``guard.run(child_id, parent_run_id=...)`` (or ``run.child(child_id)``) starts a run in
+its parent's tree; every event of a run carries its tree's ``root_run_id`` (a root names itself), a
+child's also its parent and depth, and a spawn-class call (``spawn=Spawn(...)``) the child it starts and
+the hash of its task. The tree rules (``core/fleet/trees.py``) fold here too, for the runs this process
+sees; a tree halt (this fold's or the fleet's) refuses every call of the tree's runs and every new
+child, with ``TreeHalted`` (a ``RunHalted``).
 """
 
 from __future__ import annotations
@@ -51,8 +58,9 @@ from ..core import (
     RunTable,
     decode_event,
 )
-from ..core.contract import MAX_ID_LENGTH, MAX_RETRY_BUDGET, TOOL_CLASSES
-from .errors import InvalidCall, RunHalted, UsageError
+from ..core.contract import MAX_ID_LENGTH, MAX_RETRY_BUDGET, TOOL_CLASSES, TRIGGERS
+from ..core.fleet import TreeFold, tree_fact
+from .errors import InvalidCall, RunHalted, TreeHalted, UsageError
 from .lifecycle import StartStop
 from .listener import ControlBoard, DecisionCallback, HaltListener
 from .publisher import (
@@ -102,6 +110,24 @@ class CallIds:
 _NO_IDS: Final = CallIds()
 
 
+@dataclass(frozen=True, slots=True)
+class Spawn:
+    """What a spawn-class call starts: the child's run id and agent, and the task delegated to it
+    (``task``: the raw task, hashed here like arguments; or its ``task_hash``). Passing it makes the call
+    spawn-class. Start the child with ``run.child(child_run_id)`` to put it in this run's tree."""
+
+    child_run_id: str | None = None
+    child_agent_id: str | None = None
+    task: Any = None
+    task_hash: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("child_run_id", "child_agent_id", "task_hash"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_ID_LENGTH):
+                raise InvalidCall(f"spawn.{name}: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+
+
 @dataclass(slots=True)
 class _Earlier:
     """A call's last outcome: what its caller got (value or exception) and what was reported."""
@@ -127,12 +153,22 @@ class _LocalRules:
 
     def __init__(self, policy: Policy, board: ControlBoard) -> None:
         self.table = RunTable(Detector(policy))
+        self.trees = TreeFold(policy.fleet)
+        self.policy = policy
         self.board = board
         board.follow_fleet(self.follow)
 
     def fold(self, event: dict[str, Any]) -> None:
-        for decision in self.table.observe(decode_event(event)).decisions:
+        decoded = decode_event(event)
+        evaluation = self.table.observe(decoded)
+        for decision in evaluation.decisions:
             self.board.apply(decision.to_control(), source="local")
+        if not evaluation.duplicate:
+            tool_class = decoded.tool_class or self.policy.resolve(decoded.agent_id, decoded.tool).thresholds.tool_class
+            fact = tree_fact(decoded, tool_class)
+            if fact is not None:
+                for tree_decision in self.trees.observe(fact):
+                    self.board.apply(tree_decision.to_control(), source="local")
 
     def would_stop(self, event: dict[str, Any]) -> bool:
         """Whether recording ``event`` would suppress or halt, judged on a scratch copy of the run."""
@@ -144,6 +180,8 @@ class _LocalRules:
 
     def follow(self, message: dict[str, Any]) -> None:
         """A fleet decision this fold did not make: the run's state follows it as the worker's does."""
+        if message.get("scope", "run") != "run":
+            return  # a tree's halt lives on the board, not in the runs' states
         if message["action"] == "halt":
             self.table.halt(message["run_id"], message["decision_id"])
         elif message["action"] == "resume":
@@ -299,26 +337,54 @@ class Guard(StartStop):
         self.board.add_callback(callback)
 
     def run(self, run_id: str, agent_id: str | None = None, tenant: str | None = None, *,
-            local_rules: bool = True) -> GuardedRun:
+            local_rules: bool = True, parent_run_id: str | None = None, root_run_id: str | None = None,
+            thread_key: str | None = None, trigger: str | None = None,
+            caused_by_run_id: str | None = None) -> GuardedRun:
         """The guarded handle of a run: the same object for the same run id (the 10 000 most recent).
 
         ``local_rules=False``: this run's rules are left to the fleet, for a run whose calls several
         processes publish (each would see only part of it locally); its halts then arrive from the
-        control topic, some milliseconds after the call that triggered them."""
-        for name, value in (("run_id", run_id), ("agent_id", agent_id), ("tenant", tenant)):
+        control topic, some milliseconds after the call that triggered them.
+
+        ``parent_run_id``: the run that started this one (a sub-agent); ``root_run_id`` its tree's root
+        (default: the parent's root when the parent is guarded here, else the parent). Raises
+        ``TreeHalted`` when that tree is halted: no new child starts in it. ``thread_key``, ``trigger``
+        (user, schedule, webhook, agent) and ``caused_by_run_id`` say what started the run, for the
+        rules on chains of runs."""
+        for name, value in (("run_id", run_id), ("agent_id", agent_id), ("tenant", tenant),
+                            ("parent_run_id", parent_run_id), ("root_run_id", root_run_id),
+                            ("thread_key", thread_key), ("caused_by_run_id", caused_by_run_id)):
             if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_ID_LENGTH):
                 raise InvalidCall(f"{name}: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+        if trigger is not None and trigger not in TRIGGERS:
+            raise InvalidCall(f"trigger: must be one of {', '.join(TRIGGERS)}; got {trigger!r}")
         if not local_rules and self._fleet is None:
             raise InvalidCall("local_rules=False needs the fleet: an in-process guard has only local rules")
         guarded = self._runs.get(run_id)
         if guarded is None:
+            parent = self._runs.get(parent_run_id) if parent_run_id is not None else None
+            if root_run_id is None:
+                root_run_id = (parent.root_run_id if parent is not None else parent_run_id) or run_id
+            depth = 0 if parent_run_id is None else parent.depth + 1 if parent is not None else 1
+            halt = self.board.tree_halt(root_run_id)
+            if halt is not None:
+                raise TreeHalted(halt, run_id)
             guarded = self._runs[run_id] = GuardedRun(self, run_id, agent_id, tenant,
-                                                      local_rules and self._local is not None)
+                                                      local_rules and self._local is not None,
+                                                      _Lineage(root_run_id, parent_run_id, depth, thread_key, trigger,
+                                                               caused_by_run_id))
             if len(self._runs) > _MAX_RUNS:
                 self._runs.popitem(last=False)
-            self.board.watch(run_id)
+            self.board.watch(run_id, root_run_id)
         else:
             self._runs.move_to_end(run_id)
+            asked = (parent_run_id, root_run_id, thread_key, trigger, caused_by_run_id)
+            lineage = guarded._lineage
+            known = (lineage.parent_run_id, lineage.root_run_id, lineage.thread_key, lineage.trigger,
+                     lineage.caused_by_run_id)
+            if any(a is not None and a != k for a, k in zip(asked, known, strict=True)):
+                raise InvalidCall(f"run {run_id} is already guarded with parent {lineage.parent_run_id!r}, root "
+                                  f"{lineage.root_run_id!r}, thread {lineage.thread_key!r}")
         if (guarded.agent_id, guarded.tenant) != (agent_id, tenant):
             raise InvalidCall(
                 f"run {run_id} is already guarded as agent {guarded.agent_id!r}, tenant {guarded.tenant!r}"
@@ -328,11 +394,35 @@ class Guard(StartStop):
         return guarded
 
 
+@dataclass(frozen=True, slots=True)
+class _Lineage:
+    """Where a run comes from: its tree, and what started it."""
+
+    root_run_id: str
+    parent_run_id: str | None
+    depth: int
+    thread_key: str | None
+    trigger: str | None
+    caused_by_run_id: str | None
+
+    def fields(self) -> dict[str, Any]:
+        """The telemetry fields every event of the run carries."""
+        out: dict[str, Any] = {"root_run_id": self.root_run_id}
+        if self.parent_run_id is not None:
+            out["parent_run_id"] = self.parent_run_id
+            out["depth"] = self.depth
+        for name in ("thread_key", "trigger", "caused_by_run_id"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+
 class GuardedRun:
     """One agent run's tool calls, through the guard. Not thread-safe; use it from one event loop."""
 
     def __init__(self, guard: Guard, run_id: str, agent_id: str | None, tenant: str | None,
-                 local_rules: bool) -> None:
+                 local_rules: bool, lineage: _Lineage | None = None) -> None:
         self.run_id = run_id
         self.agent_id = agent_id
         self.tenant = tenant
@@ -344,14 +434,32 @@ class GuardedRun:
         self._clock = guard.clock
         self._local = guard._local if local_rules else None
         self._fleet = guard._fleet
+        self._lineage = lineage or _Lineage(run_id, None, 0, None, None, None)
+        self._fleet_fields = self._lineage.fields()
         self._seq = 0
         self._advice_taken: str | None = None
         self._earlier: OrderedDict[tuple[str, str], _Earlier] = OrderedDict()
 
     @property
     def decision(self) -> dict[str, Any] | None:
-        """The halt decision in force (control v1 object), or None."""
+        """The halt decision in force (control v1 object: the run's, or its tree's), or None."""
         return self._board.halt_decision(self.run_id)
+
+    @property
+    def root_run_id(self) -> str:
+        """The root of the sub-agent tree this run is in (its own id for a root)."""
+        return self._lineage.root_run_id
+
+    @property
+    def depth(self) -> int:
+        """The run's depth in its tree (0 for a root)."""
+        return self._lineage.depth
+
+    def child(self, run_id: str, agent_id: str | None = None, *, local_rules: bool = True) -> GuardedRun:
+        """Start (or get) a sub-agent run of this one, in this run's tree and tenant; ``TreeHalted`` if
+        the tree is halted."""
+        return self._guard.run(run_id, agent_id, self.tenant, local_rules=local_rules, parent_run_id=self.run_id,
+                               root_run_id=self.root_run_id)
 
     @property
     def halted(self) -> bool:
@@ -397,7 +505,7 @@ class GuardedRun:
             yield self
         except asyncio.CancelledError:
             if self._halt_cancelled(task):
-                raise RunHalted(self.decision or {}) from None
+                raise self._halted_error(self.decision or {}) from None
             raise
         finally:
             self._board.unbind_task(self.run_id, task)
@@ -425,6 +533,7 @@ class GuardedRun:
         target: str | None = None,
         tokens: int | float | None = None,
         cost_usd: int | float | None = None,
+        spawn: Spawn | None = None,
     ) -> Any:
         """Run ``fn(**args)`` (sync or async) as tool ``tool`` and return its result, unless the run is
         halted (``RunHalted``) or the call is a suppressed duplicate (the earlier result, or the earlier
@@ -439,10 +548,11 @@ class GuardedRun:
         ``ToolOutcome(..., state_hash=)`` with the target's content hash after it.
         ``tokens``, ``cost_usd``: what the call cost, for the run's budgets (``max_tokens``,
         ``max_cost_usd``).
+        ``spawn``: the call starts a sub-agent (``Spawn``: its run id, agent and task); spawn-class.
         Sync tools run on the event loop's thread; wrap a blocking one in ``asyncio.to_thread``.
         """
         pending = await self.begin(tool, args, side_effect=side_effect, retry_budget=retry_budget,
-                                   plan_step=plan_step, ids=ids, tool_class=tool_class, target=target)
+                                   plan_step=plan_step, ids=ids, tool_class=tool_class, target=target, spawn=spawn)
         if pending.earlier is not None:
             return pending.earlier.replay()
         started = time.perf_counter()
@@ -452,7 +562,7 @@ class GuardedRun:
                 value = await value
         except asyncio.CancelledError:
             if self._halt_cancelled(asyncio.current_task()):
-                raise RunHalted(self.decision or {}) from None  # the tool was cut off: nothing to report
+                raise self._halted_error(self.decision or {}) from None  # the tool was cut off: nothing to report
             raise
         except Exception as exc:
             await self.finish(pending, error=exc, latency_ms=(time.perf_counter() - started) * 1000,
@@ -478,7 +588,7 @@ class GuardedRun:
         await self._record(self._builder.build(FinishedCall(
             self.run_id, model, {}, outcome, None, self._clock(), 0.0, seq=self._seq, agent_id=self.agent_id,
             tenant=self.tenant, trace_id=ids.trace_id, span_id=ids.span_id, parent_span_id=ids.parent_span_id,
-            kind="model_call", tokens=tokens, cost_usd=cost_usd)))
+            kind="model_call", tokens=tokens, cost_usd=cost_usd, fleet=self._fleet_fields)))
         self._raise_if_halted()
 
     async def begin(
@@ -492,6 +602,7 @@ class GuardedRun:
         ids: CallIds | None = None,
         tool_class: str | None = None,
         target: str | None = None,
+        spawn: Spawn | None = None,
     ) -> PendingCall:
         """The first half of ``call``, for frameworks that report a tool call in two hooks (before it
         runs, after it ran): raises ``RunHalted`` if the run is halted; returns a ``PendingCall`` whose
@@ -505,6 +616,10 @@ class GuardedRun:
             )
         self._raise_if_halted()
         arguments = dict(args or {})
+        fleet_fields = self._fleet_fields
+        if spawn is not None:
+            tool_class = tool_class or "spawn"
+            fleet_fields = {**fleet_fields, **self._spawn_fields(tool, spawn)}
         spec = _CallSpec(
             tool,
             arguments,
@@ -515,6 +630,7 @@ class GuardedRun:
             ids,
             tool_class,
             target,
+            fleet_fields,
         )
         thresholds = self._builder.policy.resolve(self.agent_id, tool).thresholds
         side_effecting = side_effect if side_effect is not None else thresholds.side_effect
@@ -562,6 +678,19 @@ class GuardedRun:
         await self._record(self._event(pending.spec, done, end_ms, latency_ms))
         return value
 
+    def _spawn_fields(self, tool: str, spawn: Spawn) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if spawn.child_run_id is not None:
+            out["child_run_id"] = spawn.child_run_id
+        if spawn.child_agent_id is not None:
+            out["child_agent_id"] = spawn.child_agent_id
+        task_hash = spawn.task_hash
+        if task_hash is None and spawn.task is not None:
+            task_hash = self._builder.args_hash(self.agent_id, tool, {"task": spawn.task})
+        if task_hash is not None:
+            out["task_hash"] = task_hash
+        return out
+
     def _event(
         self, spec: _CallSpec, done: _Earlier, ts_ms: int, latency_ms: float, repeat: bool = False
     ) -> dict[str, Any]:
@@ -597,6 +726,7 @@ class GuardedRun:
                 state_hash=done.state_hash,
                 tokens=None if repeat else done.tokens,  # a suppressed repeat cost nothing
                 cost_usd=None if repeat else done.cost_usd,
+                fleet=spec.fleet,
             ),
             args_hash=spec.args_hash,
         )
@@ -624,7 +754,12 @@ class GuardedRun:
     def _raise_if_halted(self) -> None:
         decision = self.decision
         if decision is not None:
-            raise RunHalted(decision)
+            raise self._halted_error(decision)
+
+    def _halted_error(self, decision: Mapping[str, Any]) -> RunHalted:
+        if decision.get("scope") == "tree":
+            return TreeHalted(decision, self.run_id)
+        return RunHalted(decision)
 
 
 @dataclass(frozen=True, slots=True)
@@ -655,6 +790,8 @@ class _CallSpec:
     ids: CallIds
     tool_class: str | None = None
     target: str | None = None
+    #: The run's (and a spawn's) fields for the rules across runs.
+    fleet: Mapping[str, Any] | None = None
 
     @property
     def key(self) -> tuple[str, str]:

@@ -68,7 +68,13 @@ class _RunView:
 
 class ControlBoard:
     """The decisions that concern this runtime's runs, applied once each. Memory is bounded: the most
-    recent ``max_runs`` runs, ``max_decision_ids`` decision ids and ``max_parked_runs`` unwatched runs."""
+    recent ``max_runs`` runs, ``max_decision_ids`` decision ids and ``max_parked_runs`` unwatched runs
+    (and as many sub-agent trees).
+
+    Decisions of scope ``tree`` (control v1 ``scope``, keyed by ``root_run_id``) halt every run of the
+    tree: the runs watched with that root (``watch(run_id, root_run_id=)``) and any started in it later.
+    A tree halt is kept whether or not a run of the tree is watched yet. Scopes this board does not know
+    (``tool``, ``thread``) are counted as ``ignored``."""
 
     def __init__(
         self,
@@ -92,6 +98,9 @@ class ControlBoard:
                                          "unsigned": 0, "unknown_key": 0, "bad_signature": 0, "expired": 0,
                                          "local": 0, "confirmed": 0, "fleet_only": 0}
         self._runs: OrderedDict[str, _RunView] = OrderedDict()
+        #: Root run id -> the tree halt in force; run id -> its tree's root (watched runs of a tree).
+        self._tree_halts: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._roots: OrderedDict[str, str] = OrderedDict()
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._local_ids: OrderedDict[str, None] = OrderedDict()
         self._parked: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
@@ -113,8 +122,14 @@ class ControlBoard:
         local fold mirrors an operator's halt or resume on the run's state)."""
         self._follow = follow
 
-    def watch(self, run_id: str) -> None:
-        """Apply decisions for ``run_id`` from now on, starting with any parked for it."""
+    def watch(self, run_id: str, root_run_id: str | None = None) -> None:
+        """Apply decisions for ``run_id`` from now on, starting with any parked for it; ``root_run_id``:
+        the sub-agent tree it is in (its tree's halts halt it)."""
+        if root_run_id is not None:
+            self._roots[run_id] = root_run_id
+            self._roots.move_to_end(run_id)
+            if len(self._roots) > self.max_runs:
+                self._roots.popitem(last=False)
         view = self._view(run_id)
         for message in self._parked.pop(run_id, ()):
             self._act(run_id, view, message)
@@ -129,9 +144,16 @@ class ControlBoard:
         return view.advice if view is not None else None
 
     def halt_decision(self, run_id: str) -> dict[str, Any] | None:
-        """The halt in force for the run (its control v1 object), or None."""
+        """The halt in force for the run (its control v1 object, or its tree's), or None."""
         view = self._runs.get(run_id)
-        return None if view is None else view.halt
+        if view is not None and view.halt is not None:
+            return view.halt
+        root = self._roots.get(run_id)
+        return None if root is None else self._tree_halts.get(root)
+
+    def tree_halt(self, root_run_id: str) -> dict[str, Any] | None:
+        """The halt in force for the sub-agent tree of ``root_run_id``, or None."""
+        return self._tree_halts.get(root_run_id)
 
     def is_suppressed(self, run_id: str, tool: str, args_hash: str, now_ms: int) -> bool:
         """Whether this call must be handed the earlier result instead of being executed."""
@@ -150,7 +172,7 @@ class ControlBoard:
         """Cancel ``task`` when the run is halted (at once if it already is)."""
         view = self._view(run_id)
         view.tasks.add(task)
-        if view.halt is not None:
+        if self.halt_decision(run_id) is not None:
             _cancel(run_id, [task])
 
     def unbind_task(self, run_id: str, task: asyncio.Task[Any]) -> None:
@@ -185,10 +207,17 @@ class ControlBoard:
             self._local_ids[decision_id] = None
             if len(self._local_ids) > self.max_decision_ids:
                 self._local_ids.popitem(last=False)
-        run_id = message["run_id"]
         if message["action"] not in _ACTIONS:  # a newer writer's action: forward compatible
             self.counters["ignored"] += 1
             return "ignored"
+        scope = message.get("scope", "run")
+        if scope == "tree":
+            self._act_on_tree(message["root_run_id"], message, source)
+            return "applied"
+        if scope != "run":  # a scope this board does not know yet: forward compatible
+            self.counters["ignored"] += 1
+            return "ignored"
+        run_id = message["run_id"]
         view = self._runs.get(run_id)
         if view is None and not self.watch_all:
             self._park(run_id, message)
@@ -234,6 +263,29 @@ class ControlBoard:
             self.counters["fleet_only"] += 1
             if self._follow is not None:
                 self._follow(message)
+        for callback in self._callbacks:
+            self._notify(callback, message)
+
+    def _act_on_tree(self, root: str, message: dict[str, Any], source: Source) -> None:
+        action = message["action"]
+        log_extra = {"root_run_id": root, "decision_id": message["decision_id"], "verdict": message.get("verdict")}
+        if action == "halt":
+            if root not in self._tree_halts:
+                self._tree_halts[root] = message
+                if len(self._tree_halts) > self.max_parked_runs:
+                    self._tree_halts.popitem(last=False)
+                logger.info("sub-agent tree halted: %s", message.get("reason"), extra=log_extra)
+                for run_id, run_root in list(self._roots.items()):
+                    view = self._runs.get(run_id)
+                    if run_root == root and view is not None:
+                        _cancel(run_id, list(view.tasks))
+        elif action == "resume":
+            self._tree_halts.pop(root, None)
+            logger.info("sub-agent tree resumed", extra=log_extra)
+        else:
+            logger.info("sub-agent tree %s: %s", action, message.get("reason"), extra=log_extra)
+        self.counters["applied"] += 1
+        self.counters["local" if source == "local" else "fleet_only"] += 1
         for callback in self._callbacks:
             self._notify(callback, message)
 
@@ -283,8 +335,10 @@ def _well_formed(message: object) -> TypeGuard[dict[str, Any]]:
     """The fields the board acts on are present and typed (the rest is the writer's business)."""
     if type(message) is not dict:
         return False
-    if not all(
-        type(message.get(name)) is str and message[name] for name in ("decision_id", "run_id", "action")
+    scope = message.get("scope", "run")
+    key = "run_id" if scope == "run" else "root_run_id" if scope == "tree" else "decision_id"
+    if type(scope) is not str or not all(
+        type(message.get(name)) is str and message[name] for name in ("decision_id", key, "action")
     ):
         return False
     if message["action"] != "suppress":

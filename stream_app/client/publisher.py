@@ -86,6 +86,10 @@ class FinishedCall:
     kind: str | None = None
     tokens: int | float | None = None
     cost_usd: int | float | None = None
+    #: The run's fields for the rules across runs (``root_run_id``, ``parent_run_id``, ``depth``,
+    #: ``thread_key``, ``trigger``, ``caused_by_run_id``) and a spawn's (``child_run_id``,
+    #: ``child_agent_id``, ``task_hash``), already checked.
+    fleet: Mapping[str, Any] | None = None
 
 
 class TelemetryBuilder:
@@ -151,6 +155,8 @@ class TelemetryBuilder:
             value = getattr(call, name)
             if value is not None:
                 event[name] = value
+        if call.fleet:
+            event.update(call.fleet)
         if call.attrs:
             attrs = self._redacted(call.tool, "attrs", call.attrs)
             if attrs:

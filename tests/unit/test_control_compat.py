@@ -74,3 +74,32 @@ def test_every_new_kind_of_message_leaves_an_old_runtime_as_it_was() -> None:
     for halt in new_halts:
         assert old.apply(halt) == "applied"
         assert old.halt_decision(halt["run_id"]) == halt  # a halt with a verdict it never heard of still halts
+
+
+FIXTURE_73FBECA = FIXTURE.with_name("listener_73fbeca.py")
+
+
+def test_a_tree_scoped_message_is_acted_on_by_no_runtime_that_does_not_know_scopes() -> None:
+    """The ControlBoard of the release before scopes (73fbeca, verbatim), watching every run, given each
+    tree rule's halt (and the fanout alert): it names no run, so no run there changes state; the board
+    counts it and goes on."""
+    spec = importlib.util.spec_from_file_location("stream_app.client._listener_73fbeca", FIXTURE_73FBECA)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    lines = [_line("root", n, "Task", "success", {"n": n}, "ok", tool_class="spawn", child_run_id=f"kid{n}",
+                   child_agent_id="explorer", task_hash="f" * 16, cost_usd=0.4) for n in range(4)]
+    lines += [_line("kid9", 0, "search", "success", {}, "ok", root_run_id="root", parent_run_id="kid3", depth=9)]
+    out = io.BytesIO()
+    replay(lines, Policy.from_mapping({"fleet": {"max_tree_runs": 4, "max_tree_cost_usd": 1.0}}), out,
+           io.StringIO(), engine="python")
+    tree = [orjson.loads(line) for line in out.getvalue().splitlines()]
+    assert {m["verdict"] for m in tree} == {"tree_depth", "tree_recursion", "tree_fanout", "tree_budget"}
+    old = module.ControlBoard(watch_all=True)
+    for run in ("root", "kid0", "kid3", "kid9"):
+        old.watch(run)
+    for message in tree:
+        assert "run_id" not in message
+        assert old.apply(message) == "malformed"
+        assert all(old.halt_decision(run) is None for run in ("root", "kid0", "kid3", "kid9"))
