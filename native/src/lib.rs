@@ -440,11 +440,10 @@ type TreeFactTuple = (
 /// The tree fact of a new call (`core.fleet.trees.tree_fact`), or None when it is in no tree.
 fn tree_fact(call: &Call, tool_class: u8) -> Option<TreeFactTuple> {
     let spawn = tool_class == contract::SPAWN;
-    let root = match call.root_run_id {
-        Some(root) => root,
-        None if spawn => call.run_id,
-        None => return None,
-    };
+    let root = call.root_run_id.unwrap_or(call.run_id);
+    if root == call.run_id && !spawn {
+        return None; // a root's own call that starts no child
+    }
     let own = |v: Option<&str>| v.map(str::to_owned);
     Some((
         root.to_owned(),
@@ -687,8 +686,8 @@ impl Replayer {
 
 /// What `BatchFolder.fold` returns: new records ``(partition, key, record)``, findings ``(index,
 /// finding)``, re-keys ``(index, run_id)``, deferred record indexes (for the reference), events folded
-/// by outcome (``OUTCOMES`` order), duplicates, watermarks ``(partition, ts_ms)`` and policy mismatches
-/// ``(index, agent_id or "", digest)``.
+/// by outcome (``OUTCOMES`` order), duplicates, watermarks ``(partition, ts_ms)``, policy mismatches
+/// ``(index, agent_id or "", digest)`` and the tree facts of the new events ``(index, fact)``.
 type BatchOut = (
     Vec<(i64, Py<PyBytes>, Py<PyBytes>)>,
     Vec<(usize, FindingTuple)>,
@@ -698,6 +697,7 @@ type BatchOut = (
     u64,
     Vec<(i64, i64)>,
     Vec<(usize, String, String)>,
+    Vec<(usize, TreeFactTuple)>,
 );
 
 /// One input record as read from the consumer's record object.
@@ -813,6 +813,7 @@ impl BatchFolder {
         let mut applied = [0u64; 4];
         let mut duplicates = 0u64;
         let mut mismatches = Vec::new();
+        let mut facts = Vec::new();
         for (partition, key, members, deferred) in groups.iter_mut() {
             let folded = if *deferred {
                 None
@@ -827,6 +828,7 @@ impl BatchFolder {
                     duplicates += run.duplicates;
                     findings.extend(run.findings);
                     mismatches.extend(run.mismatches);
+                    facts.extend(run.facts);
                     if let Some(record) = run.record {
                         out_records.push((
                             *partition,
@@ -843,7 +845,7 @@ impl BatchFolder {
             }
         }
         let deferred = (0..inputs.len()).filter(|i| deferred_set[*i]).collect();
-        Ok((out_records, findings, rekeys, deferred, applied, duplicates, watermarks, mismatches))
+        Ok((out_records, findings, rekeys, deferred, applied, duplicates, watermarks, mismatches, facts))
     }
 }
 
@@ -854,6 +856,7 @@ struct FoldedRun {
     applied: [u64; 4],
     duplicates: u64,
     mismatches: Vec<(usize, String, String)>,
+    facts: Vec<(usize, TreeFactTuple)>,
 }
 
 impl BatchFolder {
@@ -893,6 +896,7 @@ impl BatchFolder {
             applied: [0; 4],
             duplicates: 0,
             mismatches: Vec::new(),
+            facts: Vec::new(),
         };
         let mut changed = false;
         for &index in members {
@@ -907,7 +911,8 @@ impl BatchFolder {
             if policy.thresholds.cycle_occurrences > detector::MAX_STORED_CYCLE_OCCURRENCES {
                 return Ok(None);
             }
-            match state.admit(call.event_id, call.ts_ms, &policy.thresholds) {
+            let admission = state.admit(call.event_id, call.ts_ms, &policy.thresholds);
+            match admission {
                 Admission::Duplicate => run.duplicates += 1,
                 Admission::Halted => run.applied[call.outcome as usize] += 1,
                 Admission::Fold => {
@@ -918,6 +923,12 @@ impl BatchFolder {
                     for finding in self.resolver.fold(py, &mut state, &policy, &call, None)? {
                         run.findings.push((index, finding));
                     }
+                }
+            }
+            if !matches!(admission, Admission::Duplicate) {
+                let class = call.tool_class.unwrap_or(policy.thresholds.tool_class);
+                if let Some(fact) = tree_fact(&call, class) {
+                    run.facts.push((index, fact));
                 }
             }
             if let Some(digest) = call.policy_digest {

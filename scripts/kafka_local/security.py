@@ -274,11 +274,17 @@ class LoopwardenAcls:
     alerts_topic: str = "agent.alerts"
     dlq_topic: str = "agent.telemetry.dlq"
     notify_group: str = "loopwarden-notify"
+    tree_facts_topic: str = "loopwarden.facts.trees"
 
     @property
     def changelog_topic(self) -> str:
         """Faust's changelog of the worker's ``runs`` table."""
         return f"{self.app_id}-runs-changelog"
+
+    @property
+    def trees_changelog_topic(self) -> str:
+        """Faust's changelog of the worker's ``trees`` table (the rules across runs)."""
+        return f"{self.app_id}-trees-changelog"
 
     def topic_specs(self, partitions: int) -> list[TopicSpec]:
         """The topics as the worker would create them (every one with ``partitions`` partitions)."""
@@ -288,6 +294,8 @@ class LoopwardenAcls:
             TopicSpec(self.alerts_topic, partitions),
             TopicSpec(self.dlq_topic, partitions),
             TopicSpec(self.changelog_topic, partitions, compact=True),
+            TopicSpec(self.tree_facts_topic, partitions),
+            TopicSpec(self.trees_changelog_topic, partitions, compact=True),
         ]
 
     def commands(self) -> list[list[str]]:
@@ -302,9 +310,11 @@ class LoopwardenAcls:
         # operation: Read applies to topics and groups alike.
         worker = [self.worker]
         commands = [
-            allow(worker, ["Read"], topic=[self.telemetry_topic, self.changelog_topic], group=[self.app_id]),
+            allow(worker, ["Read"], topic=[self.telemetry_topic, self.changelog_topic, self.tree_facts_topic,
+                                           self.trees_changelog_topic], group=[self.app_id]),
             allow(worker, ["Write", "Create"], topic=[self.telemetry_topic, self.changelog_topic,
-                                                      self.control_topic, self.alerts_topic, self.dlq_topic]),
+                                                      self.control_topic, self.alerts_topic, self.dlq_topic,
+                                                      self.tree_facts_topic, self.trees_changelog_topic]),
             allow(self.runtimes, ["Write"], topic=[self.telemetry_topic]),
             allow(self.runtimes, ["Read"], topic=[self.control_topic]),
         ]

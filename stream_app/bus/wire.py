@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from ..core import Decision, OperatorCommand
+from ..core.fleet import ScopeDecision
 
 CE_TYPE_PREFIX = "dev.loopwarden."
 CONTENT_TYPE = b"application/json"
@@ -59,6 +60,24 @@ def encode_control(decision: Decision, source: str) -> tuple[bytes, bytes, Heade
     if parent:
         headers.append(("ce_traceparent", parent.encode()))
     return decision.run_id.encode(), value, headers
+
+
+def encode_scope_control(decision: ScopeDecision, source: str) -> tuple[bytes, bytes, Headers]:
+    """(key, value, headers) of a decision about a tree, a tool or a thread: keyed by the scope's key (the
+    root run id of a tree), ``ce_subject`` ``scope/key``; no run id anywhere a runtime would act on."""
+    key = decision.key_text.encode()
+    value = orjson.dumps(decision.to_control())
+    headers: Headers = [
+        ("ce_specversion", b"1.0"),
+        ("ce_id", decision.decision_id.encode()),
+        ("ce_source", source.encode()),
+        ("ce_type", f"{CE_TYPE_PREFIX}{decision.scope}.{decision.action}".encode()),
+        ("ce_time", _rfc3339(decision.ts_ms).encode()),
+        ("ce_subject", f"{decision.scope}/{decision.key_text}".encode()),
+        ("ce_partitionkey", key),
+        ("content-type", CONTENT_TYPE),
+    ]
+    return key, value, headers
 
 
 def encode_operator(command: OperatorCommand) -> tuple[bytes, bytes, Headers]:

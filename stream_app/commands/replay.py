@@ -203,8 +203,8 @@ def _replay_python(lines: Iterable[bytes], policy: Policy, writer: _Writer) -> N
 
 def _fold_tree(trees: TreeFold, writer: _Writer, event: TelemetryEvent, policy: Policy) -> None:
     """The tree rules on a new event (after its run's decisions)."""
-    if event.root_run_id is None and event.tool_class not in (None, "spawn"):
-        return
+    if (event.root_run_id is None or event.root_run_id == event.run_id) and event.tool_class not in (None, "spawn"):
+        return  # not a fact whatever the policy says (tree_fact)
     fact = tree_fact(event, event.tool_class or policy.resolve(event.agent_id, event.tool).thresholds.tool_class)
     if fact is not None:
         for decision in trees.observe(fact):

@@ -3,12 +3,13 @@
 This is what ``make run`` shows. It starts a worker process on the Kafka at KAFKA_BOOTSTRAP_SERVERS
 (topics and state of its own, so demos never mix), then runs agent runs concurrently through
 ``Guard.fleet``: healthy runs, legitimate retries against a flaky tool, runaway loops, argument-mutating
-loops, edit/patch cycles, polling and duplicate e-mails. Runaways keep calling until the guard refuses.
+loops, edit/patch cycles, polling and duplicate e-mails, and a sub-agent tree whose explorer agents
+keep delegating deeper. Runaways keep calling (and spawning) until the guard refuses.
 It ends with a table: calls, halts by verdict, false halts, how many calls each runaway made after the
 call that triggered its halt (the overshoot: 0, since the guard folds its runs' per-run rules itself)
 and the side effects performed (a duplicate e-mail is one too many), then where the decisions were made
 and how long the fleet's confirmations took. Exit status 1 if anything was halted that should not have
-been, a runaway was never stopped, or a side effect was repeated.
+been, a runaway was never stopped, a side effect was repeated, or the runaway tree was not halted once.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..client import Guard, GuardedRun, KafkaClientConfig, RunHalted
+from ..client import Guard, GuardedRun, KafkaClientConfig, RunHalted, Spawn, TreeHalted
 from .harness import Deployment, WorkerStartError
 from .scenarios import DEMO_MIX, Scenario, kinds
 
@@ -76,6 +77,56 @@ async def _agent(guard: Guard, scenario: Scenario, run_id: str, seed: int, recor
         trigger_seq = halted.decision.get("evidence", {}).get("seq")
         if trigger_seq is not None:
             record.overshoot = run.calls - (trigger_seq + 1)
+
+
+@dataclass
+class TreeRecord:
+    """The demo's runaway sub-agent tree: explorers that each delegate one level deeper."""
+
+    root_run_id: str
+    runs: int = 0
+    depth: int = 0
+    verdict: str | None = None
+    #: Calls and children the guard refused once the tree was halted.
+    refused: int = 0
+
+
+async def _runaway_tree(guard: Guard, record: TreeRecord, rng: random.Random) -> None:
+    """An explorer searches, then delegates "explore deeper" to a new explorer, which does the same
+    (Claude Code's sub-agents nesting 50+ levels). The guard halts the tree at the spawn that would start
+    a run deeper than max_tree_depth; every run of it is refused from then on, and so is a new child."""
+
+    def search(q: str) -> str:
+        return f"3 files match {q!r}"
+
+    def delegate(prompt: str) -> str:
+        return "sub-agent started"
+
+    runs = [guard.run(record.root_run_id, agent_id="explorer")]
+    record.runs = 1
+    try:
+        for level in range(50):
+            run = runs[-1]
+            await asyncio.sleep(rng.uniform(0.05, 0.15))  # the explorer's model turn
+            await run.call("search_code", search, {"q": f"handlers, level {level}"})
+            child_id = f"{record.root_run_id}-l{level + 1}"
+            task = f"explore the handlers one level deeper than level {level}"
+            await run.call("Task", delegate, {"prompt": task},
+                           spawn=Spawn(child_run_id=child_id, child_agent_id="explorer", task=task))
+            runs.append(run.child(child_id, agent_id="explorer"))
+            record.runs += 1
+            record.depth = runs[-1].depth
+    except TreeHalted as halted:
+        record.verdict = halted.verdict
+    for run in runs:  # every run of the halted tree is refused, the deepest one's next child too
+        try:
+            await run.call("search_code", search, {"q": "one more look"})
+        except TreeHalted:
+            record.refused += 1
+    try:
+        runs[-1].child(f"{record.root_run_id}-late", agent_id="explorer")
+    except TreeHalted:
+        record.refused += 1
 
 
 def _progress(records: list[RunRecord], started: float, done: int) -> str:
@@ -129,21 +180,26 @@ async def run_demo(bootstrap: str, runs: int, partitions: int, seed: int, workdi
         records = [RunRecord(scenario.name, scenario.expected_halt) for scenario in plan]
         config = KafkaClientConfig.from_env({**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap})
         confirmed_ms: list[float] = []
+        tree = TreeRecord(f"{name}-tree")
+        tree_confirmed: list[str] = []
         async with Guard.fleet(config, deployment.telemetry_topic, deployment.control_topic,
                                trusted_keys=deployment.trusted_keys()) as guard:
             guard.board.add_confirmation_callback(
                 lambda d: confirmed_ms.append(time.time() * 1000 - d["ts_ms"]) if d["action"] == "halt" else None)
+            guard.board.add_confirmation_callback(
+                lambda d: tree_confirmed.append(d["verdict"]) if d.get("scope") == "tree" else None)
             print(f"loopwarden demo: {len(plan)} agent runs calling tools ...", file=sys.stderr, flush=True)
             started = time.monotonic()
             tasks = [
                 asyncio.create_task(_agent(guard, scenario, f"{name}-run-{i:03d}", seed * 1000 + i, records[i]))
                 for i, scenario in enumerate(plan)
             ]
+            tasks.append(asyncio.create_task(_runaway_tree(guard, tree, random.Random(seed))))
             try:
                 while True:
-                    done = sum(task.done() for task in tasks)
+                    done = sum(task.done() for task in tasks[:len(records)])  # the runs' agents (then the tree)
                     print(_progress(records, started, done), file=sys.stderr, flush=True)
-                    if done == len(tasks):
+                    if all(task.done() for task in tasks):
                         break
                     await asyncio.wait(tasks, timeout=1.0)
             finally:
@@ -153,6 +209,10 @@ async def run_demo(bootstrap: str, runs: int, partitions: int, seed: int, workdi
                 await asyncio.gather(*tasks, return_exceptions=True)
             for task in tasks:
                 task.result()  # surface a crashed agent instead of a wrong table
+            for _ in range(50):  # the fleet's copy of the tree halt, from the tree fold (a second at most)
+                if tree_confirmed or tree.verdict is None:
+                    break
+                await asyncio.sleep(0.1)
         table, false_halts, missed = summary_table(records)
         print()
         print(table)
@@ -165,11 +225,16 @@ async def run_demo(bootstrap: str, runs: int, partitions: int, seed: int, workdi
         print(f"decisions made in the runtime by its local rules (in force before the next call): "
               f"{counters['local']}; the fleet's copies confirmed {counters['confirmed']} of them (same decision "
               f"ids, applied once); decisions only the fleet made: {counters['fleet_only']}.")
+        tree_halted = tree.verdict is not None
+        print(f"sub-agent tree {tree.root_run_id}: {tree.runs} explorer runs, {tree.depth} levels deep, then halted "
+              f"({tree.verdict}); {tree.refused} calls and children refused after it; the fleet's tree fold "
+              f"{'confirmed it' if tree_confirmed else 'did not confirm it (yet)'}." if tree_halted else
+              f"sub-agent tree {tree.root_run_id}: NOT halted after {tree.runs} runs, {tree.depth} levels deep")
         if confirmed_ms:
             cuts = statistics.quantiles(confirmed_ms, n=100) if len(confirmed_ms) > 1 else confirmed_ms * 99
             print(f"fleet path latency, end of the triggering call to the fleet's copy of the halt at the runtime: "
                   f"p50 {cuts[49]:.0f} ms, p95 {cuts[94]:.0f} ms, max {max(confirmed_ms):.0f} ms")
-        return 1 if false_halts or missed or extra else 0
+        return 1 if false_halts or missed or extra or not tree_halted else 0
     finally:
         deployment.stop()
         shutil.rmtree(deployment.root, ignore_errors=True)

@@ -71,3 +71,77 @@ def simulate_fleet(runs: int, seed: int = 7, start_ms: int = 1_764_000_000_000,
         if rng.random() < redeliver_fraction:
             stream.append(event)
     return fleet, stream
+
+
+#: Kinds of sub-agent tree and the tree decisions (action/verdict) each must get with the default policy.
+TREE_KINDS: dict[str, tuple[str, ...]] = {
+    "runaway_depth": ("halt/tree_depth",),  # explore spawns explore spawns explore...
+    "duplicate_tasks": ("halt/tree_recursion",),  # the same review delegated again and again
+    "map_reduce": (),  # 30 distinct tasks, one level: legitimate fan-out
+    "swarm": ("alert/tree_fanout", "halt/tree_fanout"),  # 120 children of distinct tasks
+}
+
+
+def simulate_trees(trees: int, seed: int = 11, start_ms: int = 1_764_000_000_000,
+                   redeliver_fraction: float = 0.02) -> tuple[dict[str, str], list[Event]]:
+    """``trees`` sub-agent trees of the ``TREE_KINDS`` in turn (root run id -> kind), and all their runs'
+    events interleaved by time, with a fraction redelivered. Every event of a run carries its tree's
+    ``root_run_id`` (a child's also its parent and depth), as the SDK sends them; a spawn call names its
+    child and the task's hash."""
+    rng = random.Random(seed)
+    kinds_of: dict[str, str] = {}
+    events: list[Event] = []
+    names = list(TREE_KINDS)
+    for t in range(trees):
+        kind = names[t % len(names)]
+        root = f"tree-{t:04d}"
+        kinds_of[root] = kind
+        start = start_ms + rng.randrange(30_000)
+        if kind == "runaway_depth":
+            chain = [root] + [f"{root}-d{level}" for level in range(1, 8)]
+            spawns = [(chain[i], chain[i + 1], "explore", f"explore the repository, level {i}") for i in range(7)]
+        elif kind == "duplicate_tasks":
+            spawns = [(root, f"{root}-r{n}", "reviewer", "review issues 1-10") for n in range(4)]
+        elif kind == "map_reduce":
+            spawns = [(root, f"{root}-m{n}", "mapper", f"summarise chapter {n}") for n in range(30)]
+        else:
+            spawns = [(root, f"{root}-s{n}", "swarm", f"probe shard {n}") for n in range(120)]
+        depth = {root: 0}
+        parent_of: dict[str, str] = {}
+        ts = start
+        for parent, child, agent, task in spawns:
+            ts += 200 + rng.randrange(200)
+            depth[child] = depth[parent] + 1
+            parent_of[child] = parent
+            events.append(_tree_event(parent, f"{parent}-spawn-{child}", ts, root, parent_of.get(parent),
+                                      depth[parent], tool="Task", args={"prompt": task}, result="started",
+                                      extra={"tool_class": "spawn", "child_run_id": child, "child_agent_id": agent,
+                                             "task_hash": _task_hash(task)}))
+            events.extend(  # the child works a little
+                _tree_event(child, f"{child}-{n}", ts + 50 + 100 * n, root, parent, depth[child], tool="search",
+                            args={"q": f"{task} {n}"}, result=f"hits {n}", extra={"agent_id": agent, "cost_usd": 0.01})
+                for n in range(3))
+    events.sort(key=lambda e: (e["ts_ms"], e["event_id"]))
+    stream: list[Event] = []
+    for event in events:
+        stream.append(event)
+        if rng.random() < redeliver_fraction:
+            stream.append(event)
+    return kinds_of, stream
+
+
+def _tree_event(run_id: str, event_id: str, ts_ms: int, root: str, parent: str | None, depth: int, *, tool: str,
+                args: dict[str, Any], result: Any, extra: dict[str, Any]) -> Event:
+    event: Event = {"schema_version": "1", "run_id": run_id, "event_id": event_id, "tool": tool, "ts_ms": ts_ms,
+                    "outcome": "success", "args": args, "result": result, "root_run_id": root, **extra}
+    if parent is not None:
+        event["parent_run_id"] = parent
+        event["depth"] = depth
+    return event
+
+
+def _task_hash(task: str) -> str:
+    from ..core import semantic_hash
+    from ..core.normalize import FieldFilter
+
+    return semantic_hash({"task": task}, FieldFilter(()), True)

@@ -175,6 +175,10 @@ class Deployment:
         return f"{self.name}-runs-changelog"
 
     @property
+    def tree_facts_topic(self) -> str:
+        return f"{self.name}.facts.trees"
+
+    @property
     def keys(self) -> Path:
         """The deployment's key pairs, generated on first use as ``loopwarden keys generate`` would:
         ``worker`` signs control messages, ``operator`` signs ``loopwarden halt|resume``."""
@@ -192,6 +196,7 @@ class Deployment:
             "control_topic": self.control_topic,
             "alerts_topic": self.alerts_topic,
             "dlq_topic": self.dlq_topic,
+            "tree_facts_topic": self.tree_facts_topic,
             "partitions": self.partitions,
             "state_dir": self.root / f"state-{index}",
             "metrics_port": metrics_port,

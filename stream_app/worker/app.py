@@ -9,7 +9,9 @@ Telemetry in, decisions out, per-run state in a RocksDB table with a changelog. 
 - ``delivery``: input records in batches straight from faust's consumer (past its per-message path),
   each processed once, in offset order, before its offset is committed;
 - ``store``: the table's RocksDB partitions and changelog, written a batch at a time;
-- ``relay``: foreign sources (``LOOPWARDEN_OTLP_TOPIC``) re-published as telemetry keyed by run id.
+- ``relay``: foreign sources (``LOOPWARDEN_OTLP_TOPIC``) re-published as telemetry keyed by run id;
+- ``trees``: the rules across runs on sub-agent trees: the batch's tree facts re-keyed by root run id,
+  folded by an agent of their own into the trees table (``LOOPWARDEN_FLEET_RULES``).
 
 One detection agent (concurrency 1, faust #606) drains the telemetry batches; the OTLP relay, when
 configured, is a second. Windows live in the core's event-time state, not in Faust windowed tables
@@ -39,10 +41,12 @@ from .metrics import WorkerMetrics
 from .relay import SourceRelay
 from .settings import SettingsError, WorkerSettings
 from .store import RunStore
+from .trees import FactsPublisher, TreeEffects
 
 log = logging.getLogger(__name__)
 
 RUNS_TABLE = "runs"
+TREES_TABLE = "trees"
 #: How often stored runs are checked for expiry (a timer, off the per-batch path).
 SWEEP_INTERVAL_S = 0.5
 
@@ -111,12 +115,29 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
             "max_open_files": settings.rocksdb_max_open_files,
         },
     )
+    trees = None
+    if settings.fleet_rules:
+        # Trees are few next to runs, and small: the two tables share the RocksDB memory budget 4:1.
+        trees = app.Table(
+            TREES_TABLE,
+            default=None,
+            partitions=settings.partitions,
+            key_type=bytes,
+            value_type=bytes,
+            options={
+                "driver": "rocksdict",
+                "block_cache_size": max(1, settings.rocksdb_block_cache_mb // 4) << 20,
+                "write_buffer_size": max(1, settings.rocksdb_write_buffer_mb // 4) << 20,
+                "max_open_files": settings.rocksdb_max_open_files,
+            },
+        )
     fold = batch_fold(settings, Detector(policy), operator_keys)
     metrics.engine.labels(engine="native" if isinstance(fold, NativeBatchFold) else "python").set(1)
     dead_letters = DeadLetters(topics.dlq, metrics)
     decisions = DecisionProducer(settings.kafka)
+    facts = FactsPublisher(settings.tree_facts_topic, settings.partitions, decisions) if trees is not None else None
     effects = Effects(app, topics, RunStore(app, runs, settings.changelog_topic), fold, metrics, dead_letters,
-                      signer, settings.event_source, settings.evict_scan_per_sweep, decisions)
+                      signer, settings.event_source, settings.evict_scan_per_sweep, decisions, facts)
 
     @app.task  # type: ignore[untyped-decorator]  # faust's decorator is untyped
     async def start_decision_producer() -> None:
@@ -133,6 +154,9 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
     sinks = [delivery.BatchSink(settings.telemetry_topic, settings.batch_max, stale)]
     if settings.otlp_topic:
         sinks.append(delivery.BatchSink(settings.otlp_topic, settings.batch_max, stale))
+    if trees is not None:
+        trees_sink = delivery.BatchSink(settings.tree_facts_topic, settings.batch_max, stale)
+        sinks.append(trees_sink)
     delivery.install(app, sinks, metrics.refetched.labels(reason="gap").inc)
 
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]  # faust's signal type wants a signal= keyword
@@ -142,10 +166,26 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
 
     runs.on_recover(effects.recount)  # loopwarden_runs_tracked: exact, for the active partitions
 
+    tree_effects = None
+    if trees is not None:
+        tree_effects = TreeEffects(app, topics, RunStore(app, trees, settings.trees_changelog_topic), policy.fleet,
+                                   metrics, dead_letters, signer, settings.event_source, decisions,
+                                   settings.evict_scan_per_sweep)
+
+        def tree_partitions() -> set[int]:
+            return {tp.partition for tp in app.consumer.assignment() if tp.topic == settings.tree_facts_topic}
+
+        async def recount_trees() -> None:
+            tree_effects.recount(tree_partitions())
+
+        trees.on_recover(recount_trees)
+
     if settings.evict_scan_per_sweep:
 
         async def expire_silent_runs() -> None:
             await fatal.run(effects.sweep())
+            if tree_effects is not None:
+                await fatal.run(tree_effects.sweep(tree_partitions()))
 
         app.timer(SWEEP_INTERVAL_S)(expire_silent_runs)
 
@@ -158,6 +198,9 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
         app.agent(topic, concurrency=1, name=name)(consume)
 
     agent("loopwarden.detect", topics.telemetry, sinks[0], effects.process)
+    if tree_effects is not None:
+        agent("loopwarden.trees", raw_topic(app, settings.tree_facts_topic, settings.partitions), trees_sink,
+              tree_effects.process)
     if settings.otlp_topic:
         relay = SourceRelay(topics.telemetry, _otlp_decoder(settings), dead_letters)
         agent("loopwarden.otlp", raw_topic(app, settings.otlp_topic), sinks[1], relay.relay)

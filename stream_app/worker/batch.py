@@ -19,8 +19,9 @@ For each record, in batch order:
 The result holds each changed run's new stored record (one per run per batch, in the format version
 the worker writes), the decisions in the order they were made, the dead letters and re-keys by record
 index, counts for the metrics (events whose ``policy_digest`` is not the worker's policy's among
-them), and ``facts``: room for what later folds keyed by something other than
-the run will need (none yet).
+them), and ``facts``: what the folds keyed by something other than the run learn from the batch's new
+events (redeliveries excluded), with the source partition and offset of each (``core/fleet``; the
+worker publishes them re-keyed: ``worker/trees.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from ..core import (
     explain,
     parse_event,
 )
+from ..core.fleet import TreeFact, tree_fact
 from ..core.stored import FORMAT_VERSION, decode_run, encode_run
 
 __all__ = ["BatchFold", "BatchResult", "DeadLetter", "InputRecord", "NativeBatchFold", "RawRecord", "Rekey", "Verifier",
@@ -119,8 +121,8 @@ class BatchResult:
     watermarks: dict[int, int] = field(default_factory=dict)
     #: Folded events whose runtime's policy is not the worker's: (agent id or "", their digest) -> count.
     policy_mismatches: Counter[tuple[str, str]] = field(default_factory=Counter)
-    #: Facts for folds keyed by something other than the run (none yet).
-    facts: list[object] = field(default_factory=list)
+    #: Tree facts of the new events: (source partition, source offset, fact), in batch order per run.
+    facts: list[tuple[int, int, TreeFact]] = field(default_factory=list)
 
 
 Item = TelemetryEvent | OperatorCommand
@@ -172,6 +174,8 @@ class BatchFold:
                 watermarks[record.partition] = item.ts_ms
 
         detector = self.detector
+        policy = detector.policy
+        facts = result.facts
         for (partition, key), items in by_run.items():
             run = decode_run(stored[(partition, key)])
             applied = False
@@ -185,6 +189,10 @@ class BatchFold:
                     evaluation = detector.evaluate(run.state, item)
                     if not evaluation.duplicate:
                         result.applied[item.outcome] += 1
+                        fact = tree_fact(item, item.tool_class or policy.resolve(item.agent_id, item.tool)
+                                         .thresholds.tool_class)
+                        if fact is not None:
+                            facts.append((partition, offset, fact))
                     if item.policy_digest is not None and item.policy_digest != self.policy_digest:
                         result.policy_mismatches[(item.agent_id or "", item.policy_digest)] += 1
                 run.offset = offset
@@ -249,7 +257,8 @@ class NativeBatchFold(BatchFold):
              now_ms: int) -> BatchResult:
         operators = [i for i, record in enumerate(records) if record.headers and is_operator(record)]
         (new_records, findings, rekeys, deferred, applied, duplicates, watermarks,
-         mismatches) = self._native.fold(records if isinstance(records, list) else list(records), operators, stored)
+         mismatches, facts) = self._native.fold(records if isinstance(records, list) else list(records), operators,
+                                                stored)
         result = BatchResult(duplicates=duplicates, watermarks=dict(watermarks))
         for partition, key, record in new_records:
             result.records.setdefault(partition, []).append((key, record))
@@ -266,6 +275,7 @@ class NativeBatchFold(BatchFold):
                 result.applied[outcome] += count
         for _, agent_id, digest in mismatches:
             result.policy_mismatches[(agent_id, digest)] += 1
+        result.facts.extend((records[index].partition, records[index].offset, TreeFact(*fact)) for index, fact in facts)
         if deferred:
             self._merge(result, deferred, super().fold([records[i] for i in deferred], stored, now_ms))
         return result

@@ -8,9 +8,10 @@ For one batch (``Effects.process``), in this order:
    topic keyed by run id;
 4. decisions are signed with the worker's Ed25519 key and published (CloudEvents on the control topic;
    halts and operator decisions also on the alerts topic) through a producer of their own
-   (``DecisionProducer``), and the broker's acknowledgement of every one is awaited *before* the new
-   state is written, so a crash can duplicate a decision (same id, deduplicated by runtimes) but never
-   lose one;
+   (``DecisionProducer``), and so are the batch's tree facts (to the facts topic: ``trees``); the
+   broker's acknowledgement of every one is awaited *before* the new state is written, so a crash can
+   duplicate a decision (same id, deduplicated by runtimes) or a fact (skipped by its source offset) but
+   never lose one;
 5. the runs' new records are written (``store.RunStore``: local RocksDB and the changelog).
 
 A batch and a sweep both read, then write stored runs, awaiting in between, so they take turns. The
@@ -92,6 +93,12 @@ class DecisionProducer:
         sent: asyncio.Future[Any] = await producer.send(topic, value, key=key, headers=list(headers))
         return sent
 
+    async def send_to(self, topic: str, partition: int, value: bytes) -> asyncio.Future[Any]:
+        """Queue one unkeyed message to ``partition``; the future resolves when the broker has it."""
+        producer = self._producer or await self.start()
+        sent: asyncio.Future[Any] = await producer.send(topic, value, partition=partition)
+        return sent
+
     async def stop(self) -> None:
         producer, self._producer = self._producer, None
         if producer is not None:
@@ -133,8 +140,10 @@ class Effects:
 
     def __init__(self, app: object, topics: Topics, store: RunStore, fold: BatchFold, metrics: WorkerMetrics,
                  dead_letters: DeadLetters, signer: Signer | None, event_source: str,
-                 evict_scan_per_sweep: int, decisions: DecisionProducer) -> None:
+                 evict_scan_per_sweep: int, decisions: DecisionProducer, facts: Any = None) -> None:
         self.app = app
+        #: Where tree facts go (``trees.FactsPublisher``); None: the rules across runs are off.
+        self.facts = facts
         self.decisions = decisions
         self.topics = topics
         self.store = store
@@ -186,8 +195,11 @@ class Effects:
             if ts_ms > watermarks.get(partition, 0):
                 watermarks[partition] = ts_ms
 
+        facts_sent = await self.facts.send(result.facts) if result.facts and self.facts is not None else []
         if result.decisions:
             await self._publish(result.decisions)
+        if facts_sent:
+            await asyncio.gather(*facts_sent)
         await store.write(result.records)
         tracked = self._tracked
         for partition, changes in result.records.items():

@@ -39,6 +39,9 @@ async def ensure_topics(settings: WorkerSettings) -> None:
         settings.dlq_topic: {},
         settings.changelog_topic: {"cleanup.policy": "compact"},
     }
+    if settings.fleet_rules:  # the tree facts (an input, co-partitioned with the trees table) and its changelog
+        specs[settings.tree_facts_topic] = {}
+        specs[settings.trees_changelog_topic] = {"cleanup.policy": "compact"}
     if settings.otlp_topic:  # the collector's topic; any partition count works (its records are relayed)
         specs[settings.otlp_topic] = {}
     admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_kwargs())
@@ -63,6 +66,8 @@ async def _wait_for_partitions(admin: AIOKafkaAdminClient, settings: WorkerSetti
     """Wait until the input and changelog topics are visible with their partitions (a topic just created
     takes a moment to appear in metadata); refuse a partition count that differs from the table's."""
     topics = [settings.telemetry_topic, settings.changelog_topic]
+    if settings.fleet_rules:
+        topics += [settings.tree_facts_topic, settings.trees_changelog_topic]
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         described = await admin.describe_topics(topics)

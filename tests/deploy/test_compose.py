@@ -271,7 +271,7 @@ def test_notify_environment_is_real_settings() -> None:
 
 def test_topic_job_creates_the_workers_topics(tmp_path: Path) -> None:
     """kafka-init's script, run with a stand-in kafka-topics.sh that records its arguments, creates
-    the four topics and the compacted changelog, with the partitions and replication the workers
+    the five topics and the two compacted changelogs, with the partitions and replication the workers
     expect (the same names the worker's ensure_topics would create)."""
     init = services()["kafka-init"]
     assert init["entrypoint"] == ["/bin/bash", "-ec"]
@@ -300,6 +300,10 @@ def test_topic_job_creates_the_workers_topics(tmp_path: Path) -> None:
                                   settings.dlq_topic)}
         expected[settings.changelog_topic] = (settings.partitions, settings.replication_factor,
                                               ["cleanup.policy=compact"])
+        assert settings.fleet_rules  # the rules across runs: the tree facts and the trees table's changelog
+        expected[settings.tree_facts_topic] = (settings.partitions, settings.replication_factor, [])
+        expected[settings.trees_changelog_topic] = (settings.partitions, settings.replication_factor,
+                                                    ["cleanup.policy=compact"])
         assert created == expected
 
 

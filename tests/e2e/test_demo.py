@@ -28,4 +28,7 @@ def test_demo_halts_every_runaway_and_nothing_else(kafka_bootstrap: str, tmp_pat
                               ("cycle", "cycle"), ("duplicate_email", "circuit_open")]:
         assert verdict in table[scenario], table[scenario]
     assert "false halts: 0; runaways not stopped: 0" in result.stdout
+    tree = next(line for line in result.stdout.splitlines() if line.startswith("sub-agent tree "))
+    assert "5 levels deep, then halted (tree_depth)" in tree and "the fleet's tree fold confirmed it" in tree, tree
+    assert sum(line.startswith("sub-agent tree ") for line in result.stdout.splitlines()) == 1  # one tree halt
     assert "runs 21" in result.stderr  # progress lines were shown

@@ -136,6 +136,7 @@ def test_events_say_which_tree_they_are_in() -> None:
                       policy.resolve(None, "Task").thresholds.tool_class)
     assert spawn is not None and spawn.root == "r" and spawn.spawn and spawn.child_run_id == "kid"
     assert tree_fact(event(), "other") is None  # not in a tree
+    assert tree_fact(event(root_run_id="r"), "other") is None  # a root's own call: its run budget's, no fact
     child = tree_fact(event(root_run_id="r0", parent_run_id="p", depth=2), "other")
     assert child is not None and (child.root, child.parent, child.depth, child.spawn) == ("r0", "p", 2, False)
 

@@ -15,7 +15,8 @@ set of decisions depends on the facts and not on the order they came in:
 * ``tree_fanout``: the event that makes the tree's known runs (the root, every run that sent an event,
   every child a spawn named) exceed ``max_tree_runs``; an ``alert`` when they pass half of it.
 * ``tree_budget``: the call whose ``cost_usd`` takes the tree's sum (integer micro-USD) strictly past
-  ``max_tree_cost_usd``.
+  ``max_tree_cost_usd``. The sum is what the tree's spawn calls and its sub-agents' calls cost: the
+  root's other calls count toward its own run budget (``max_cost_usd``), and are no fact here.
 
 Every decision halts (or alerts on) the whole tree: a runtime refuses the calls of every run of it and
 new children at ``Guard.run``.
@@ -62,13 +63,13 @@ class TreeFact:
 
 
 def tree_fact(event: TelemetryEvent, tool_class: str) -> TreeFact | None:
-    """The fact of ``event`` (its resolved ``tool_class``), or None when it is in no tree."""
+    """The fact of ``event`` (its resolved ``tool_class``), or None when it tells the tree nothing: a
+    run outside any tree, or a root's own call that starts no child (the root's calls count toward its
+    own run budget; a tree's cost is what its spawns and sub-agents spent)."""
     spawn = tool_class == "spawn"
-    root = event.root_run_id
-    if root is None:
-        if not spawn:
-            return None
-        root = event.run_id
+    root = event.root_run_id or event.run_id
+    if root == event.run_id and not spawn:
+        return None
     return TreeFact(root, event.run_id, event.event_id, event.ts_ms, event.parent_run_id, event.depth,
                     micro_usd(event.cost_usd), spawn, event.child_run_id if spawn else None,
                     event.child_agent_id if spawn else None, event.task_hash if spawn else None, event.tenant)
@@ -79,29 +80,39 @@ class TreeState:
     and a cycle in bad parent links ends), parent links, summed cost, spawn counts per task and the
     rules that fired."""
 
-    __slots__ = ("children", "cost_micro", "depth", "fired", "last_ts_ms", "parent", "tasks")
+    __slots__ = ("anonymous", "children", "cost_micro", "depth", "fired", "last_ts_ms", "parent", "sources", "tasks")
 
     def __init__(self) -> None:
         self.depth: dict[str, int] = {}
         self.parent: dict[str, str] = {}
         self.children: dict[str, list[str]] = {}
+        #: Runs that spawned a child without naming it: a child one level below them, wherever they end up.
+        self.anonymous: set[str] = set()
         self.cost_micro = 0
         #: "child_agent_id\x1ftask_hash" -> the runs that spawned it (up to ``tree_task_repeats``).
         self.tasks: dict[str, list[str]] = {}
         self.fired: set[str] = set()
         self.last_ts_ms = 0
+        #: The adapter's bookkeeping: the highest offset folded per source ("partition" -> offset), so a
+        #: redelivered fact counts once (the worker's; replay and the SDK leave it empty).
+        self.sources: dict[str, int] = {}
 
     def encode(self) -> bytes:
-        """The stored form (the worker's tree table)."""
+        """The stored form (the worker's trees table)."""
         return orjson.dumps({"v": 1, "d": self.depth, "p": self.parent, "c": self.cost_micro, "t": self.tasks,
-                             "f": sorted(self.fired), "ts": self.last_ts_ms})
+                             "f": sorted(self.fired), "ts": self.last_ts_ms, "s": self.sources,
+                             "a": sorted(self.anonymous)})
 
     @classmethod
     def decode(cls, raw: bytes) -> TreeState:
         obj = orjson.loads(raw)
+        if type(obj) is not dict or obj.get("v") != 1:
+            raise ValueError(f"not a tree record of format 1: {raw[:60]!r}")
         state = cls()
         state.depth, state.parent, state.cost_micro = obj["d"], obj["p"], obj["c"]
         state.tasks, state.fired, state.last_ts_ms = obj["t"], set(obj["f"]), obj["ts"]
+        state.sources = obj.get("s", {})
+        state.anonymous = set(obj.get("a", ()))
         for child, parent in state.parent.items():
             state.children.setdefault(parent, []).append(child)
         return state
@@ -145,38 +156,42 @@ def fold(fleet: FleetThresholds, state: TreeState, fact: TreeFact) -> tuple[Scop
         state.last_ts_ms = fact.ts_ms
     cap = fleet.max_tree_depth + 1
     root, run_id = fact.root, fact.run_id
-    deeper: str | None = None  # a run that reached the cap with this fact
-    _know(state, root, 0, cap)
+    # (run, depth) of the first run (or unnamed child, one below its spawner) this fact puts at the cap
+    deeper = _know(state, root, max(0, fact.depth or 0) if run_id == root else 0, cap)
     if run_id != root:
         deeper = _know(state, run_id, max(1, fact.depth or 0), cap) or deeper
         if fact.parent is not None and fact.parent != run_id:
             deeper = _link(state, root, fact.parent, run_id, cap) or deeper
-    elif fact.depth:
-        deeper = _know(state, root, fact.depth, cap) or deeper
-    spawn_depth = 0
     if fact.spawn:
-        spawn_depth = min(state.depth.get(run_id, 0) + 1, cap)
-        if fact.child_run_id is not None and fact.child_run_id not in (run_id, root):
-            deeper = _know(state, fact.child_run_id, spawn_depth, cap) or deeper
-            deeper = _link(state, root, run_id, fact.child_run_id, cap) or deeper
+        child = fact.child_run_id
+        if child is not None and child not in (run_id, root):
+            deeper = _know(state, child, state.depth.get(run_id, 0) + 1, cap) or deeper
+            deeper = _link(state, root, run_id, child, cap) or deeper
+        elif run_id in state.depth:
+            state.anonymous.add(run_id)
+            if state.depth[run_id] + 1 >= cap:
+                deeper = deeper or (run_id, cap)
     if fact.cost_micro:
         state.cost_micro = min(state.cost_micro + fact.cost_micro, SPEND_CAP)
 
     out: list[ScopeDecision] = []
     fired = state.fired
-    if "tree_depth" not in fired and (deeper is not None or spawn_depth >= cap):
+    if "tree_depth" not in fired and deeper is not None:
         fired.add("tree_depth")
-        deepest = deeper if deeper is not None else run_id
-        depth = state.depth.get(deepest, cap) if deeper is not None else spawn_depth
-        chain = _chain(state, deepest)
-        how = (f"run {run_id} at depth {spawn_depth - 1} spawned a child at depth {spawn_depth}"
-               if deeper is None or deeper == fact.child_run_id else f"run {deepest} is at depth {depth} or more")
+        deepest, depth = deeper
+        if state.depth.get(deepest, cap) < cap:  # a run one above the cap that spawned an unnamed child
+            how = f"run {deepest} at depth {depth - 1} spawned a child at depth {depth}"
+        elif deepest == fact.child_run_id:
+            how = f"run {run_id} at depth {depth - 1} spawned {deepest} at depth {depth}"
+        else:
+            how = f"run {deepest} is at depth {depth} or more"
         evidence: dict[str, Any] = {"rule": "depth", "depth": depth, "max_tree_depth": fleet.max_tree_depth,
-                                    "chain": chain}
+                                    "chain": _chain(state, deepest)}
         if fact.depth is not None:
             evidence["declared_depth"] = fact.depth
+        levels = f"{fleet.max_tree_depth} level{'s' if fleet.max_tree_depth != 1 else ''}"
         out.append(_decision(fleet, fact, "halt", "tree_depth", "", evidence,
-                             f"sub-agent tree {root} is more than {fleet.max_tree_depth} level{'s' if fleet.max_tree_depth != 1 else ''} deep: {how}"))
+                             f"sub-agent tree {root} is more than {levels} deep: {how}"))
     if fact.spawn and fact.task_hash is not None and fleet.tree_task_repeats:
         task = f"{fact.child_agent_id or ''}\x1f{fact.task_hash}"
         spawners = state.tasks.get(task)
@@ -217,29 +232,30 @@ def fold(fleet: FleetThresholds, state: TreeState, fact: TreeFact) -> tuple[Scop
     return tuple(out)
 
 
-def _know(state: TreeState, run_id: str, depth: int, cap: int) -> str | None:
-    """Record ``run_id`` at least at ``depth``, deepening its known descendants; the first run that
-    reached ``cap`` by it, if any."""
+def _know(state: TreeState, run_id: str, depth: int, cap: int) -> tuple[str, int] | None:
+    """Record ``run_id`` at least at ``depth``, deepening its known descendants; the first (run, depth)
+    it put at the cap (a run that spawned an unnamed child is there one level earlier), if any."""
     depths = state.depth
     if run_id not in depths:
         if len(depths) >= MAX_TREE_RUNS_TRACKED:
             return None
-        depths[run_id] = 0
+        depths[run_id] = -1
     reached = None
+    anonymous = state.anonymous
     stack = [(run_id, min(depth, cap))]
     while stack:
         run, d = stack.pop()
         if d <= depths.get(run, -1):
             continue
         depths[run] = d
-        if d >= cap and reached is None:
-            reached = run
+        if reached is None and (d >= cap or (d + 1 >= cap and run in anonymous)):
+            reached = (run, cap)
         stack.extend((child, min(d + 1, cap)) for child in state.children.get(run, ()))
     return reached
 
 
-def _link(state: TreeState, root: str, parent: str, child: str, cap: int) -> str | None:
-    """``parent`` started ``child`` (the first parent named wins); the run that reached ``cap``, if any."""
+def _link(state: TreeState, root: str, parent: str, child: str, cap: int) -> tuple[str, int] | None:
+    """``parent`` started ``child`` (the first parent named wins); what reached the cap, if any."""
     if child == root or child in state.parent or child not in state.depth:
         return None
     reached = None

@@ -1,0 +1,105 @@
+"""Sub-agent trees folded by the fleet on the real broker: the per-run workers publish tree facts
+re-keyed by root run id, the tree fold decides, and two workers agree with replay."""
+
+from __future__ import annotations
+
+import io
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from stream_app.bus.wire import header
+from stream_app.commands.replay import replay
+from stream_app.core import Policy
+from stream_app.devtools.fleet_sim import TREE_KINDS, simulate_trees
+from stream_app.devtools.harness import metric_total
+from stream_app.worker.trees import partition_of
+
+from .workers import Fleet, consume, decisions_of, produce, run
+
+pytestmark = pytest.mark.integration
+
+PARTITIONS = 4
+
+
+def _replayed(stream: list[dict[str, Any]], policy: Policy | None = None) -> list[dict[str, Any]]:
+    out = io.BytesIO()
+    replay([orjson.dumps(e) + b"\n" for e in stream], policy or Policy(), out, io.StringIO(), engine="python")
+    return [orjson.loads(line) for line in out.getvalue().splitlines()]
+
+
+def _key(d: dict[str, Any]) -> tuple[Any, ...]:
+    return (d.get("scope", "run"), d.get("root_run_id", d.get("run_id")), d["action"], d["verdict"], d["decision_id"])
+
+
+def test_two_workers_make_the_tree_decisions_replay_makes(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """Trees whose runs sit on every partition, folded by two workers that each own half of them: the set
+    of (scope, key, action, verdict, decision_id) equals replay's, every decision once; tree decisions
+    name no run and also reach the alerts topic."""
+    kinds, stream = simulate_trees(16, seed=5)
+    roots = list(kinds)
+    assert {partition_of(root, PARTITIONS) for root in roots} == set(range(PARTITIONS))  # trees on every partition
+    expected = _replayed(stream)
+    tree_expected = [d for d in expected if d.get("scope") == "tree"]
+    assert len(tree_expected) == sum(len(TREE_KINDS[k]) for k in kinds.values())
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=PARTITIONS)
+    fleet.start_worker()
+    fleet.start_worker()
+    try:
+        time.sleep(3)  # the second worker's join settles: both own partitions
+        run(produce(kafka_bootstrap, fleet.telemetry_topic, stream))
+        control = run(consume(kafka_bootstrap, fleet.control_topic, len(expected), timeout=90))
+        alerts = run(consume(kafka_bootstrap, fleet.alerts_topic,
+                             sum(d["action"] == "halt" or d.get("scope") == "tree" for d in expected), settle=0.5))
+        got = decisions_of(control)
+        assert sorted(map(_key, got)) == sorted(map(_key, expected)), fleet.workers[0].log_tail()
+        for record in control:
+            message = orjson.loads(record.value)
+            if message.get("scope") == "tree":
+                assert "run_id" not in message and record.key == message["root_run_id"].encode()
+                assert header(record.headers, "ce_subject") == f"tree/{message['root_run_id']}".encode()
+        tree_alerts = {d["decision_id"] for d in decisions_of(alerts) if d.get("scope") == "tree"}
+        assert tree_alerts == {d["decision_id"] for d in tree_expected}
+        folded = [metric_total(m, "loopwarden_tree_facts_total") for m in fleet.scrape()]
+        assert all(n > 0 for n in folded), folded  # both workers folded trees
+    finally:
+        fleet.stop()
+
+
+def test_facts_folded_again_after_a_crash_count_once(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """A worker folds every tree, then is SIGKILLed before it ever committed an offset (commits every
+    60 s); a new worker on no local state recovers both tables from their changelogs and consumes the
+    telemetry and the facts again from the start. The facts it folds again are skipped by their source
+    offsets: the swarm's sub-agents spend exactly its budget (360 calls of $0.01, max_tree_cost_usd 3.6),
+    so one fact counted twice would take it past and halt it where replay does not."""
+    _, stream = simulate_trees(8, seed=9)
+    document = {"fleet": {"max_tree_cost_usd": 3.6}}
+    expected = _replayed(stream, Policy.from_mapping(document))
+    assert not [d for d in expected if d["verdict"] == "tree_budget"]
+    policy = tmp_path / "policy.json"
+    policy.write_bytes(orjson.dumps(document))
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=PARTITIONS,
+                  settings={"policy_path": policy, "commit_interval_s": 60})
+    first = fleet.start_worker()
+    try:
+        run(produce(kafka_bootstrap, fleet.telemetry_topic, stream))
+        control = run(consume(kafka_bootstrap, fleet.control_topic, len(expected), timeout=60, settle=1.0))
+        assert sorted(map(_key, decisions_of(control))) == sorted(map(_key, expected))
+        first.kill()
+        second = fleet.start_worker()  # a new state dir: recovered from the changelogs
+        deadline = time.monotonic() + 60
+        redelivered = 0.0
+        while time.monotonic() < deadline and redelivered == 0:
+            time.sleep(0.5)
+            redelivered = metric_total(second.metrics(), "loopwarden_tree_facts_total")
+        time.sleep(2.0)
+        again = run(consume(kafka_bootstrap, fleet.control_topic, len(expected) + 1, timeout=5, settle=0.5))
+        got = [_key(d) for d in decisions_of(again) if d.get("scope") == "tree"]
+        assert set(got) == {_key(d) for d in expected if d.get("scope") == "tree"}, second.log_tail()
+        samples = second.metrics()
+        assert samples.get('loopwarden_tree_facts_total{state="redelivered"}', 0) > 0, samples
+    finally:
+        fleet.stop()
