@@ -1,11 +1,12 @@
 """``make bench``: every benchmark in one run, then BENCHMARKS.md and its plots.
 
-    python -m bench [--quick] [--skip-core] [--only limit,fleet,halt,overshoot,settings]
+    python -m bench [--quick] [--skip-core] [--only limit,fleet,halt,overshoot,settings,trees]
 
 1. The core benchmark (``python -m bench.core --json bench/results/core.json``).
 2. On one broker (``KAFKA_BOOTSTRAP_SERVERS``, else a local one started here): the limit (raw
    consume, round trip), fleet throughput (one and two workers), halt latency at three loads,
-   overshoot at three call rates, and worker settings tried through their environment variables.
+   overshoot at three call rates, worker settings tried through their environment variables, and the
+   worker's CPU per event with the rules across runs (sub-agent trees) on and off.
    Workers are real ``python -m stream_app worker`` processes with RocksDB state and changelogs.
 3. Results go to ``bench/results/*.json``; ``bench.report`` renders BENCHMARKS.md and the PNG plots
    from them (``python -m bench.report`` re-renders without measuring).
@@ -39,7 +40,7 @@ from .workers import REPO, BenchDeployment, commit_overruns
 
 RESULTS = REPO / "bench" / "results"
 WORKDIR = REPO / "var" / "bench"
-SECTIONS = ("limit", "fleet", "halt", "overshoot", "settings")
+SECTIONS = ("limit", "fleet", "halt", "overshoot", "settings", "trees")
 
 #: Settings tried against the default, one worker, saturation probe: (label, worker settings by field,
 #: other environment). PRODUCER_LINGER_MS is faust's own variable (faust reads it over the app's
@@ -142,6 +143,9 @@ async def kafka_benches(bootstrap: str, plan: Plan, sections: set[str], results:
 
     if "settings" in sections:
         save("settings", await settings_section(bootstrap, template, plan, capacity_one))
+
+    if "trees" in sections:
+        save("trees", await trees_section(bootstrap, plan, capacity_one))
 
 
 async def fleet_section(bootstrap: str, template: Path, plan: Plan, results: Path) -> dict[str, Any]:
@@ -272,6 +276,39 @@ async def settings_section(bootstrap: str, template: Path, plan: Plan, capacity_
                        "worker_cpu_us_per_event": statistics.median(p["worker_cpu_us_per_event"]
                                                                     for p in probes[label])}
                       for label, settings, env in configs]}
+
+
+async def trees_section(bootstrap: str, plan: Plan, capacity_one: float | None) -> dict[str, Any]:
+    """One worker's saturation throughput and CPU per event on the fleet as the SDK sends it plus
+    sub-agent trees of every kind, with the rules across runs on (every fold) and off
+    (``LOOPWARDEN_FLEET_RULES=false``), in ``plan.settings_rounds`` interleaved rounds."""
+    template = WORKDIR / "corpus-trees.tsv"
+    trees = max(8, plan.template_runs // 100)
+    events, facts = corpus.write_tree_template(template, plan.template_runs, trees)
+    corpus.check_renamed(corpus.read_template(template)[:1])
+    progress(f"trees: {events:,} events ({facts:,} tree facts, {trees} trees) -> {template}")
+    backlog = plan.backlog_for(capacity_one, plan.measure_s - 2, margin=3.0)
+    configs = (("every fold", {"fleet_rules": True}), ("per-run rules only", {"fleet_rules": False}))
+    probes: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in configs}
+    rounds = plan.settings_rounds + 1  # a ratio of two noisy medians: one round more than the settings'
+    for round_ in range(rounds):
+        for label, settings in configs:
+            deployment = BenchDeployment(bootstrap, WORKDIR, settings=dict(settings))
+            try:
+                await deployment.start_worker_async()
+                probe = await fleet.capacity(deployment, template, backlog, f"t{round_}{len(probes[label])}",
+                                             None, plan.warm_s, plan.measure_s - 2, drain=False)
+            finally:
+                deployment.stop()
+            probes[label].append(probe)
+            progress(f"trees: round {round_ + 1}/{rounds}, {label}: {probe['applied_per_s']:,.0f} ev/s, "
+                     f"{probe['worker_cpu_us_per_event']:,.0f} us CPU per event")
+    tried = [{"label": label, "env": SETTINGS.env(**settings), "probes": probes[label],
+              "applied_per_s": statistics.median(p["applied_per_s"] for p in probes[label]),
+              "worker_cpu_us_per_event": statistics.median(p["worker_cpu_us_per_event"] for p in probes[label])}
+             for label, settings in configs]
+    return {"corpus": {"events": events, "tree_facts": facts, "trees": trees}, "tried": tried,
+            "cpu_ratio": tried[0]["worker_cpu_us_per_event"] / tried[1]["worker_cpu_us_per_event"]}
 
 
 def main(argv: list[str] | None = None) -> int:

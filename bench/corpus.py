@@ -15,7 +15,7 @@ from pathlib import Path
 import orjson
 
 from stream_app.bus.wire import encode_telemetry
-from stream_app.devtools.fleet_sim import simulate_fleet
+from stream_app.devtools.fleet_sim import simulate_fleet, simulate_trees
 
 #: Run ids in the template start with this (``fleet_sim`` names runs ``run-000123``).
 TEMPLATE_PREFIX = b"run-"
@@ -33,6 +33,24 @@ def write_template(path: Path, runs: int, seed: int = 7) -> int:
             key, value = encode_telemetry(event)
             out.write(key + b"\t" + value + b"\n")
     return len(stream)
+
+
+def write_tree_template(path: Path, runs: int, trees: int, seed: int = 7) -> tuple[int, int]:
+    """The fleet of ``write_template`` as the SDK sends it (every event names its run's tree:
+    ``root_run_id``, the run itself), interleaved with ``trees`` sub-agent trees of every kind
+    (``fleet_sim.TREE_KINDS``, run ids ``run-t...``); return (events, events that are tree facts)."""
+    _, stream = simulate_fleet(runs, seed=seed, redeliver_fraction=0.0)
+    for event in stream:
+        event["root_run_id"] = event["run_id"]
+    _, tree_stream = simulate_trees(trees, seed=seed, redeliver_fraction=0.0, prefix="run-t")
+    facts = sum(e["run_id"] != e["root_run_id"] or e.get("tool_class") == "spawn" for e in tree_stream)
+    merged = sorted([*stream, *tree_stream], key=lambda e: (e["ts_ms"], e["event_id"]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as out:
+        for event in merged:
+            key, value = encode_telemetry(event)
+            out.write(key + b"\t" + value + b"\n")
+    return len(merged), facts
 
 
 def read_template(path: Path) -> list[Record]:

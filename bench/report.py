@@ -114,6 +114,7 @@ class Page:
         self.halt = _load(results, "halt")
         self.overshoot = _load(results, "overshoot")
         self.settings = _load(results, "settings")
+        self.trees = _load(results, "trees")
         self.lines: list[str] = []
 
     def add(self, *lines: str) -> None:
@@ -129,6 +130,7 @@ class Page:
         self.overshoot_section()
         self.profile_section()
         self.settings_section()
+        self.trees_section()
         self.findings_section()
         return "\n".join(self.lines) + "\n"
 
@@ -178,7 +180,7 @@ class Page:
         if not measured:
             return []
         older = []
-        for name in ("core", "limit", "fleet", "halt", "overshoot", "settings"):
+        for name in ("core", "limit", "fleet", "halt", "overshoot", "settings", "trees"):
             data = getattr(self, name, None)
             if data and name not in measured and name != "core":
                 when = data.get("measured", {})
@@ -571,6 +573,30 @@ class Page:
         self.add("", f"The default's probes spread {self._noise():.0%} either side of their mean: differences",
                  "smaller than that are not shown to be real by this run.", "")
 
+
+    def trees_section(self) -> None:
+        if not self.trees:
+            return
+        corpus, tried = self.trees["corpus"], self.trees["tried"]
+        rounds = len(tried[0].get("probes", [None]))
+        ratio = self.trees["cpu_ratio"]
+        self.add(
+            "## Rules across runs (sub-agent trees)",
+            "",
+            "Command: `python -m bench --skip-core --only trees`. One worker, saturation probe as above, on the",
+            f"simulated fleet as the SDK sends it (every event names its tree) with {corpus['trees']} sub-agent trees",
+            f"of every kind: {_n(corpus['events'])} events, {_n(corpus['tree_facts'])} of them tree facts. Each",
+            f"configuration on a fresh deployment, in {rounds} interleaved rounds. Every fold: the per-run fold,",
+            "the facts published re-keyed by root run id, and the tree fold's agent, all in the one worker.",
+            "",
+            "| configuration | events/s saturated (median; each probe) | worker CPU per event (median) |",
+            "|---|---|---|",
+        )
+        for t in tried:
+            each = ", ".join(_n(p["applied_per_s"]) for p in t.get("probes", []))
+            self.add(f"| {t['label']} | {_n(t['applied_per_s'])} ({each}) | {_n(t['worker_cpu_us_per_event'])} us |")
+        self.add("", f"Worker CPU per event with every fold: {ratio:.2f}x the per-run rules' alone (target <= 1.2x: "
+                 f"{_met(ratio <= 1.2)}).", "")
 
     def _defaults(self) -> tuple[float, float]:
         """Mean saturated events/s and worker CPU us per event of one default worker, over every probe."""

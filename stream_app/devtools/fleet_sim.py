@@ -83,18 +83,18 @@ TREE_KINDS: dict[str, tuple[str, ...]] = {
 
 
 def simulate_trees(trees: int, seed: int = 11, start_ms: int = 1_764_000_000_000,
-                   redeliver_fraction: float = 0.02) -> tuple[dict[str, str], list[Event]]:
+                   redeliver_fraction: float = 0.02, prefix: str = "tree-") -> tuple[dict[str, str], list[Event]]:
     """``trees`` sub-agent trees of the ``TREE_KINDS`` in turn (root run id -> kind), and all their runs'
     events interleaved by time, with a fraction redelivered. Every event of a run carries its tree's
     ``root_run_id`` (a child's also its parent and depth), as the SDK sends them; a spawn call names its
-    child and the task's hash."""
+    child and the task's hash. Run ids start with ``prefix``."""
     rng = random.Random(seed)
     kinds_of: dict[str, str] = {}
     events: list[Event] = []
     names = list(TREE_KINDS)
     for t in range(trees):
         kind = names[t % len(names)]
-        root = f"tree-{t:04d}"
+        root = f"{prefix}{t:04d}"
         kinds_of[root] = kind
         start = start_ms + rng.randrange(30_000)
         if kind == "runaway_depth":

@@ -49,6 +49,21 @@ def test_worker_crash(kafka_bootstrap: str, tmp_path: Path, trial: int) -> None:
 
 
 @pytest.mark.parametrize("trial", range(max(1, TRIALS // 5)))
+def test_worker_crash_while_trees_are_folded(kafka_bootstrap: str, tmp_path: Path, trial: int) -> None:
+    """Sub-agent trees spread over every partition (their facts re-keyed by root run id) while the worker
+    is SIGKILLed and restarted (alternately on its state and on none): every tree decision replay makes
+    arrives once, none other; no fact folded twice (a tree budget, a fan-out count) shows as an extra."""
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4, settings={"log_level": "info"})
+    fleet.start_worker(0)
+    try:
+        fault = harness.worker_crash(fleet, fresh_state=trial % 2 == 1)
+        _check(asyncio.run(harness.run_trial("worker_crash_trees", trial, fleet, fault, seed=7000 + trial,
+                                             kind="trees")))
+    finally:
+        fleet.stop()
+
+
+@pytest.mark.parametrize("trial", range(max(1, TRIALS // 5)))
 def test_rebalance(kafka_bootstrap: str, tmp_path: Path, trial: int) -> None:
     """Two workers under load; one is killed (its partitions move to the other) and later restarted."""
     fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4)
