@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,6 +48,9 @@ from .store import Change, RunStore
 log = logging.getLogger(__name__)
 
 FACTS_FORMAT = 1
+#: Decoded tree states kept between batches (a tree's record is decoded again only when what is stored
+#: is not what this worker wrote last: after a rebalance, a recovery, a sweep).
+DECODED_TREES = 4096
 
 
 def partition_of(root: str, partitions: int) -> int:
@@ -120,6 +124,8 @@ class TreeEffects:
         self._watermark_ms: dict[int, int] = {}
         self._sweep_from: dict[int, bytes] = {}
         self._tracked = 0
+        #: (partition, root) -> (the record this worker wrote, its decoded state): most active last.
+        self._decoded: OrderedDict[tuple[int, bytes], tuple[bytes, TreeState]] = OrderedDict()
 
     async def process(self, records: Sequence[Record]) -> None:
         async with self._lock:
@@ -139,11 +145,18 @@ class TreeEffects:
         decisions: list[ScopeDecision] = []
         changes: dict[int, list[Change]] = {}
         folded = redelivered = 0
+        written: list[tuple[tuple[int, bytes], bytes, TreeState]] = []
         for (partition, root), facts in by_tree.items():
-            raw = self.store.get(partition, root.encode())
-            state = _decode(raw, root) if raw is not None else TreeState()
+            key = (partition, root.encode())
+            raw = self.store.get(*key)
+            known = self._decoded.pop(key, None)  # put back once written: a failed batch leaves no folded copy
             if raw is None:
+                state = TreeState()
                 self._tracked += 1
+            elif known is not None and known[0] == raw:
+                state = known[1]  # what this worker wrote last: no decode
+            else:
+                state = _decode(raw, root)
             sources = state.sources
             for source_partition, offset, fact in facts:
                 source = str(source_partition)
@@ -153,12 +166,20 @@ class TreeEffects:
                 sources[source] = offset
                 folded += 1
                 decisions.extend(fold(self.fleet, state, fact))
-            changes.setdefault(partition, []).append((root.encode(), state.encode()))
+            record = state.encode()
+            changes.setdefault(partition, []).append((key[1], record))
+            written.append((key, record, state))
             if state.last_ts_ms > self._watermark_ms.get(partition, 0):
                 self._watermark_ms[partition] = state.last_ts_ms
         if decisions:
             await self._publish(decisions)
         await self.store.write(changes)
+        decoded = self._decoded
+        for key, record, state in written:
+            decoded[key] = (record, state)
+            decoded.move_to_end(key)
+        while len(decoded) > DECODED_TREES:
+            decoded.popitem(last=False)
         self.metrics.tree_facts.labels(state="folded").inc(folded)
         if redelivered:
             self.metrics.tree_facts.labels(state="redelivered").inc(redelivered)

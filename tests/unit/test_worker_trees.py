@@ -1,0 +1,146 @@
+"""The fleet's tree fold (stream_app/worker/trees.py) without Kafka: facts in, decisions and tree records
+out, each fact counted once however often it comes, and a failed batch leaving nothing folded."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pytest
+
+pytest.importorskip("faust")
+
+from stream_app.core.fleet import TreeFact, TreeState
+from stream_app.core.policy import FleetThresholds
+from stream_app.worker.metrics import WorkerMetrics
+from stream_app.worker.trees import FACTS_FORMAT, FactsPublisher, TreeEffects, decode_facts, partition_of
+
+
+@dataclass
+class _Record:
+    partition: int
+    offset: int
+    value: bytes
+    key: bytes | None = None
+    topic: str = "facts"
+    headers: tuple[Any, ...] = ()
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.data: dict[tuple[int, bytes], bytes] = {}
+
+    def get(self, partition: int, key: bytes) -> bytes | None:
+        return self.data.get((partition, key))
+
+    async def write(self, changes: dict[int, list[tuple[bytes, bytes | None]]]) -> None:
+        for partition, items in changes.items():
+            for key, value in items:
+                if value is None:
+                    self.data.pop((partition, key), None)
+                else:
+                    self.data[(partition, key)] = value
+
+
+class _Topic:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def get_topic_name(self) -> str:
+        return self.name
+
+
+class _Producer:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes, bytes]] = []
+        self.fail = False
+
+    async def send(self, topic: str, key: bytes, value: bytes, headers: Any) -> asyncio.Future[Any]:
+        if self.fail:
+            raise ConnectionError("broker gone")
+        self.sent.append((topic, key, value))
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+    async def send_to(self, topic: str, partition: int, value: bytes) -> asyncio.Future[Any]:
+        self.sent.append((topic, str(partition).encode(), value))
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+
+class _DeadLetters:
+    def __init__(self) -> None:
+        self.sent: list[tuple[Any, Any]] = []
+
+    async def send(self, record: Any, error: Any, **_: Any) -> None:
+        self.sent.append((record, error))
+
+
+def _effects(**fleet: Any) -> tuple[TreeEffects, _Store, _Producer, _DeadLetters, WorkerMetrics]:
+    store, producer, dead, metrics = _Store(), _Producer(), _DeadLetters(), WorkerMetrics()
+    topics: Any = type("T", (), {"control": _Topic("control"), "alerts": _Topic("alerts")})()
+    effects = TreeEffects(None, topics, store, FleetThresholds(**fleet), metrics, dead, None,  # type: ignore[arg-type]
+                          "/test", producer, 10)  # type: ignore[arg-type]
+    return effects, store, producer, dead, metrics
+
+
+def _spawns(root: str, first: int, count: int, source_partition: int = 0) -> bytes:
+    facts = [[source_partition, first + n, root, root, f"{root}-{first + n}", 1000 + first + n, None, None, 0, True,
+              f"{root}-kid{first + n}", "w", f"{first + n:016d}", "acme"] for n in range(count)]
+    return orjson.dumps({"v": FACTS_FORMAT, "facts": facts})
+
+
+async def test_a_redelivered_batch_of_facts_counts_once() -> None:
+    effects, store, producer, _, metrics = _effects(max_tree_runs=10)
+    await effects.process([_Record(0, 0, _spawns("root", 0, 6))])
+    assert [orjson.loads(v)["verdict"] for t, _, v in producer.sent if t == "control"] == ["tree_fanout"]  # half
+    await effects.process([_Record(0, 1, _spawns("root", 0, 6))])  # the same facts, published again
+    await effects.process([_Record(0, 2, _spawns("root", 3, 6))])  # half of them again, then 3 new
+    state = TreeState.decode(store.data[(0, b"root")])
+    assert len(state.depth) == 10 and state.sources == {"0": 8}
+    assert metrics.tree_facts.labels(state="redelivered")._value.get() == 9
+    await effects.process([_Record(0, 3, _spawns("root", 9, 1))])  # the 11th run
+    controls = [orjson.loads(v) for t, _, v in producer.sent if t == "control"]
+    assert [(c["action"], c["verdict"]) for c in controls] == [("alert", "tree_fanout"), ("halt", "tree_fanout")]
+    assert sum(t == "alerts" for t, _, _ in producer.sent) == 2  # on-call sees both
+
+
+async def test_a_batch_whose_decisions_were_not_acknowledged_leaves_no_folded_state_behind() -> None:
+    """The decisions' send fails: the batch is not written (delivery fetches it again). Folding it again
+    must start from the stored record, not from the state the failed attempt had already folded."""
+    effects, store, producer, _, _ = _effects(max_tree_runs=4)
+    await effects.process([_Record(0, 0, _spawns("root", 0, 1))])
+    producer.fail = True
+    with pytest.raises(ConnectionError):
+        await effects.process([_Record(0, 1, _spawns("root", 1, 2))])  # crosses half: a decision to send
+    producer.fail = False
+    await effects.process([_Record(0, 1, _spawns("root", 1, 2))])
+    state = TreeState.decode(store.data[(0, b"root")])
+    assert len(state.depth) == 4 and state.sources == {"0": 2}
+    assert [orjson.loads(v)["action"] for t, _, v in producer.sent if t == "control"] == ["alert"]
+
+
+async def test_bad_facts_go_to_the_dead_letters_and_the_rest_is_folded() -> None:
+    effects, store, _, dead, _ = _effects()
+    await effects.process([_Record(0, 0, b"{nope"), _Record(0, 1, orjson.dumps({"v": 9, "facts": []})),
+                           _Record(0, 2, _spawns("root", 0, 1))])
+    assert [e.field for _, e in dead.sent] == ["facts", "facts"]
+    assert (0, b"root") in store.data
+
+
+async def test_facts_are_published_to_the_partition_of_their_root() -> None:
+    producer = _Producer()
+    publisher = FactsPublisher("facts", 8, producer)  # type: ignore[arg-type]
+    facts = [(3, n, TreeFact(f"root-{n % 3}", "r", f"e{n}", n, None, None, 0, True, None, None, None, None))
+             for n in range(9)]
+    await asyncio.gather(*await publisher.send(facts))
+    by_partition = {int(key): decode_facts(value) for _, key, value in producer.sent}
+    assert len(producer.sent) == len({partition_of(f"root-{n}", 8) for n in range(3)})
+    for partition, items in by_partition.items():
+        assert {fact.root for _, _, fact in items} <= {f"root-{n}" for n in range(3) if partition_of(f"root-{n}", 8)
+                                                       == partition}
+    assert sorted(offset for items in by_partition.values() for _, offset, _ in items) == list(range(9))
