@@ -275,6 +275,7 @@ class LoopwardenAcls:
     dlq_topic: str = "agent.telemetry.dlq"
     notify_group: str = "loopwarden-notify"
     tree_facts_topic: str = "loopwarden.facts.trees"
+    scopes_topic: str = "loopwarden.scopes"
 
     @property
     def changelog_topic(self) -> str:
@@ -296,6 +297,7 @@ class LoopwardenAcls:
             TopicSpec(self.changelog_topic, partitions, compact=True),
             TopicSpec(self.tree_facts_topic, partitions),
             TopicSpec(self.trees_changelog_topic, partitions, compact=True),
+            TopicSpec(self.scopes_topic, partitions, compact=True),
         ]
 
     def commands(self) -> list[list[str]]:
@@ -314,9 +316,10 @@ class LoopwardenAcls:
                                            self.trees_changelog_topic], group=[self.app_id]),
             allow(worker, ["Write", "Create"], topic=[self.telemetry_topic, self.changelog_topic,
                                                       self.control_topic, self.alerts_topic, self.dlq_topic,
-                                                      self.tree_facts_topic, self.trees_changelog_topic]),
+                                                      self.tree_facts_topic, self.trees_changelog_topic,
+                                                      self.scopes_topic]),
             allow(self.runtimes, ["Write"], topic=[self.telemetry_topic]),
-            allow(self.runtimes, ["Read"], topic=[self.control_topic]),
+            allow(self.runtimes, ["Read"], topic=[self.control_topic, self.scopes_topic]),
         ]
         if self.notify:
             commands.append(allow(self.notify, ["Read"], topic=[self.alerts_topic], group=[self.notify_group]))

@@ -62,7 +62,7 @@ from ..core.contract import MAX_ID_LENGTH, MAX_RETRY_BUDGET, TOOL_CLASSES, TRIGG
 from ..core.fleet import TreeFold, tree_fact
 from .errors import InvalidCall, RunHalted, TreeHalted, UsageError
 from .lifecycle import StartStop
-from .listener import ControlBoard, DecisionCallback, HaltListener
+from .listener import ControlBoard, DecisionCallback, HaltListener, read_scopes
 from .publisher import (
     DEFAULT_REDACTED_FIELDS,
     FinishedCall,
@@ -191,9 +191,13 @@ class _LocalRules:
 class _FleetLink:
     """Fleet mode: telemetry to Kafka, the workers' decisions from the control topic."""
 
-    def __init__(self, publisher: TelemetryPublisher, listener: HaltListener) -> None:
+    def __init__(self, publisher: TelemetryPublisher, listener: HaltListener, scopes_topic: str = "",
+                 allow_unsigned: bool = False) -> None:
         self.publisher = publisher
         self.listener = listener
+        #: The workers' scopes topic, read once at start (tree halts in force); empty: not read.
+        self.scopes_topic = scopes_topic
+        self.allow_unsigned = allow_unsigned
 
     @property
     def counters(self) -> dict[str, int]:
@@ -206,7 +210,11 @@ class _FleetLink:
         await self.publisher.start()
         try:
             await self.listener.start()
+            if self.scopes_topic:
+                await read_scopes(self.listener.config, self.scopes_topic, self.listener.board,
+                                  trusted_keys=self.listener.trusted_keys, allow_unsigned=self.allow_unsigned)
         except BaseException:
+            await self.listener.stop()
             await self.publisher.stop()
             raise
 
@@ -283,14 +291,17 @@ class Guard(StartStop):
         local_rules: bool = True,
         linger_ms: int = 5,
         clock: Callable[[], int] = wall_clock_ms,
+        scopes_topic: str | None = None,
     ) -> Guard:
         """A guard that folds its runs' per-run rules here (``local_rules``), publishes their telemetry
         and obeys the fleet's decisions signed by ``trusted_keys``: the workers' public keys, by default
         the ``LOOPWARDEN_WORKER_KEYS`` files or directories (``allow_unsigned`` only for development).
 
         What is not given is read from the environment the workers are configured by: ``config`` from
-        ``KAFKA_*`` (``KafkaClientConfig.from_env``), the topics from ``LOOPWARDEN_TELEMETRY_TOPIC`` and
-        ``LOOPWARDEN_CONTROL_TOPIC`` (defaults ``agent.telemetry``, ``agent.control``).
+        ``KAFKA_*`` (``KafkaClientConfig.from_env``), the topics from ``LOOPWARDEN_TELEMETRY_TOPIC``,
+        ``LOOPWARDEN_CONTROL_TOPIC`` and ``LOOPWARDEN_SCOPES_TOPIC`` (defaults ``agent.telemetry``,
+        ``agent.control``, ``loopwarden.scopes``). The scopes topic is read from its beginning at start,
+        so a sub-agent tree halted before this process started is refused here too (``""``: not read).
 
         ``policy`` is what the local rules enforce (``None``: the built-in defaults); give it the
         workers' policy, so both sides decide alike (telemetry carries its digest; workers count
@@ -305,12 +316,15 @@ class Guard(StartStop):
         config = config or KafkaClientConfig.from_env(env)
         telemetry_topic = telemetry_topic or env.get("LOOPWARDEN_TELEMETRY_TOPIC", "").strip() or "agent.telemetry"
         control_topic = control_topic or env.get("LOOPWARDEN_CONTROL_TOPIC", "").strip() or "agent.control"
+        if scopes_topic is None:
+            scopes_topic = env.get("LOOPWARDEN_SCOPES_TOPIC", "").strip() or "loopwarden.scopes"
         policy = policy or Policy()
         board = ControlBoard()
         fleet = _FleetLink(
             TelemetryPublisher(config, telemetry_topic, linger_ms=linger_ms),
             HaltListener(config, control_topic, trusted_keys=trusted_keys, allow_unsigned=allow_unsigned,
                          board=board, lookback_ms=lookback_ms),
+            scopes_topic, allow_unsigned,
         )
         local = _LocalRules(policy, board) if local_rules else None
         return cls(TelemetryBuilder(policy, raw_tools, redact=redact), board, local, fleet, clock)

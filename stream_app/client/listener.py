@@ -363,6 +363,67 @@ def _cancel(run_id: str, tasks: list[asyncio.Task[Any]]) -> None:
             task.cancel(f"loopwarden halted run {run_id}")
 
 
+async def read_scopes(config: KafkaClientConfig, topic: str, board: ControlBoard, *,
+                      trusted_keys: KeyRing | None, allow_unsigned: bool = False,
+                      timeout_s: float = 10.0) -> int:
+    """Apply the scope halts in force on ``topic`` (the workers' compacted scopes topic: the latest record
+    of each scope key, read from the beginning) to ``board``, so a runtime started after a tree was halted
+    still refuses its children. Only signed records (unless ``allow_unsigned``) not past their
+    ``expires_ms``; a tombstone (no value) lifts its scope. Returns how many were applied; a missing
+    topic (workers of an older release) is logged and applies none."""
+    from aiokafka import AIOKafkaConsumer
+    from aiokafka.structs import TopicPartition
+
+    if trusted_keys is None and not allow_unsigned:
+        raise KafkaConfigError("trusted_keys: required to read the scopes topic (or allow_unsigned=True)")
+    consumer = AIOKafkaConsumer(**config.aiokafka_kwargs(), client_id="loopwarden-sdk-scopes", group_id=None,
+                                enable_auto_commit=False, auto_offset_reset="earliest")
+    await consumer.start()
+    latest: dict[bytes, Any] = {}
+    try:
+        if topic not in await consumer.topics():
+            logger.warning("scopes topic %s does not exist (workers of an older release, or no ACL to describe it): "
+                           "tree halts made before this process started are not known here", topic,
+                           extra={"topic": topic})
+            return 0
+        await consumer.end_offsets([TopicPartition(topic, 0)])
+        partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        ends: dict[TopicPartition, int] = await consumer.end_offsets(partitions)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        behind = {tp for tp, end in ends.items() if end > 0}
+        while behind and asyncio.get_running_loop().time() < deadline:
+            for records in (await consumer.getmany(timeout_ms=200)).values():
+                for record in records:
+                    if record.key is not None:
+                        latest[record.key] = record
+            behind = {tp for tp in behind if await consumer.position(tp) < ends[tp]}
+        if behind:
+            logger.warning("scopes topic %s: not read to its end within %.0f s", topic, timeout_s, extra={"topic": topic})
+    finally:
+        await consumer.stop()
+    applied = 0
+    now = wall_clock_ms()
+    for record in latest.values():
+        if record.value is None:
+            continue  # a tombstone: the scope was lifted
+        if trusted_keys is not None:
+            from ..bus.signing import SignatureRejected
+
+            try:
+                trusted_keys.verify(record.value, record.headers)
+            except SignatureRejected as exc:
+                board.counters[exc.reason] += 1
+                logger.warning("scope record refused (%s): %s", exc.reason, exc, extra={"topic": topic})
+                continue
+        message = _decoded(record.value)
+        if type(message) is not dict or type(message.get("expires_ms")) is not int or message["expires_ms"] < now:
+            continue
+        applied += board.apply(message) == "applied"
+    return applied
+
+
 #: Default age beyond which a signed decision is refused as a replay (its ``ts_ms`` is the trigger's
 #: event time); comfortably above the default lookback and any halt latency.
 MAX_DECISION_AGE_MS: Final = 300_000

@@ -183,7 +183,7 @@ async def run_demo(bootstrap: str, runs: int, partitions: int, seed: int, workdi
         tree = TreeRecord(f"{name}-tree")
         tree_confirmed: list[str] = []
         async with Guard.fleet(config, deployment.telemetry_topic, deployment.control_topic,
-                               trusted_keys=deployment.trusted_keys()) as guard:
+                               trusted_keys=deployment.trusted_keys(), scopes_topic=deployment.scopes_topic) as guard:
             guard.board.add_confirmation_callback(
                 lambda d: confirmed_ms.append(time.time() * 1000 - d["ts_ms"]) if d["action"] == "halt" else None)
             guard.board.add_confirmation_callback(

@@ -179,6 +179,10 @@ class Deployment:
         return f"{self.name}.facts.trees"
 
     @property
+    def scopes_topic(self) -> str:
+        return f"{self.name}.scopes"
+
+    @property
     def keys(self) -> Path:
         """The deployment's key pairs, generated on first use as ``loopwarden keys generate`` would:
         ``worker`` signs control messages, ``operator`` signs ``loopwarden halt|resume``."""
@@ -197,6 +201,7 @@ class Deployment:
             "alerts_topic": self.alerts_topic,
             "dlq_topic": self.dlq_topic,
             "tree_facts_topic": self.tree_facts_topic,
+            "scopes_topic": self.scopes_topic,
             "partitions": self.partitions,
             "state_dir": self.root / f"state-{index}",
             "metrics_port": metrics_port,

@@ -170,7 +170,7 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
     if trees is not None:
         tree_effects = TreeEffects(app, topics, RunStore(app, trees, settings.trees_changelog_topic), policy.fleet,
                                    metrics, dead_letters, signer, settings.event_source, decisions,
-                                   settings.evict_scan_per_sweep)
+                                   settings.evict_scan_per_sweep, settings.scopes_topic)
 
         def tree_partitions() -> set[int]:
             return {tp.partition for tp in app.consumer.assignment() if tp.topic == settings.tree_facts_topic}

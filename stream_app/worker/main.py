@@ -42,6 +42,7 @@ async def ensure_topics(settings: WorkerSettings) -> None:
     if settings.fleet_rules:  # the tree facts (an input, co-partitioned with the trees table) and its changelog
         specs[settings.tree_facts_topic] = {}
         specs[settings.trees_changelog_topic] = {"cleanup.policy": "compact"}
+        specs[settings.scopes_topic] = {"cleanup.policy": "compact"}
     if settings.otlp_topic:  # the collector's topic; any partition count works (its records are relayed)
         specs[settings.otlp_topic] = {}
     admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_kwargs())

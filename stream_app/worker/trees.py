@@ -15,7 +15,10 @@ order, committed once processed), for each tree of the batch:
    batch published again after a crash, or facts fetched again) and are skipped, so each counts once;
 3. the rest are folded (``core.fleet.trees.fold``);
 4. the decisions (scope ``tree``, keyed by root run id; signed) go to the control topic, and to the
-   alerts topic for on-call, and are acknowledged before the trees' new records are written.
+   alerts topic for on-call; a halt also goes to the scopes topic (compacted, keyed ``tree/<root>``,
+   with ``expires_ms``: the trigger's time + ``tree_ttl_ms``), which runtimes read from its beginning
+   when they start, so one started later still refuses the halted tree's children. All are
+   acknowledged before the trees' new records are written.
 
 A tree with no fact for ``tree_ttl_ms`` of event time is forgotten by the sweep, a few per partition
 per sweep, as the runs' sweep does.
@@ -109,7 +112,7 @@ class TreeEffects:
 
     def __init__(self, app: Any, topics: Topics, store: RunStore, fleet: FleetThresholds, metrics: WorkerMetrics,
                  dead_letters: DeadLetters, signer: Signer | None, event_source: str,
-                 decisions: DecisionProducer, evict_scan_per_sweep: int) -> None:
+                 decisions: DecisionProducer, evict_scan_per_sweep: int, scopes_topic: str = "") -> None:
         self.app = app
         self.topics = topics
         self.store = store
@@ -120,6 +123,7 @@ class TreeEffects:
         self.event_source = event_source
         self.decisions = decisions
         self.evict_scan_per_sweep = evict_scan_per_sweep
+        self.scopes_topic = scopes_topic
         self._lock = asyncio.Lock()
         self._watermark_ms: dict[int, int] = {}
         self._sweep_from: dict[int, bytes] = {}
@@ -194,6 +198,13 @@ class TreeEffects:
                 headers.extend(self.signer.headers(value))
             pending.append(await self.decisions.send(control, key, value, headers))
             pending.append(await self.decisions.send(alerts, key, value, headers))
+            if decision.action == "halt" and self.scopes_topic:
+                in_force = orjson.dumps({**decision.to_control(), "expires_ms": decision.ts_ms + self.fleet.tree_ttl_ms})
+                scope_headers = [h for h in headers if h[0] in ("content-type", "ce_id", "ce_type", "ce_subject")]
+                if self.signer is not None:
+                    scope_headers.extend(self.signer.headers(in_force))
+                pending.append(await self.decisions.send(self.scopes_topic, f"{decision.scope}/{decision.key_text}"
+                                                         .encode(), in_force, scope_headers))
         await asyncio.gather(*pending)
         now = time.time()
         for decision in decisions:

@@ -304,6 +304,7 @@ def test_topic_job_creates_the_workers_topics(tmp_path: Path) -> None:
         expected[settings.tree_facts_topic] = (settings.partitions, settings.replication_factor, [])
         expected[settings.trees_changelog_topic] = (settings.partitions, settings.replication_factor,
                                                     ["cleanup.policy=compact"])
+        expected[settings.scopes_topic] = (settings.partitions, settings.replication_factor, ["cleanup.policy=compact"])
         assert created == expected
 
 

@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from stream_app.bus.wire import header
+from stream_app.client import Guard, KafkaClientConfig, TreeHalted
 from stream_app.commands.replay import replay
 from stream_app.core import Policy
 from stream_app.devtools.fleet_sim import TREE_KINDS, simulate_trees
@@ -103,3 +104,77 @@ def test_facts_folded_again_after_a_crash_count_once(kafka_bootstrap: str, tmp_p
         assert samples.get('loopwarden_tree_facts_total{state="redelivered"}', 0) > 0, samples
     finally:
         fleet.stop()
+
+
+def test_a_runtime_started_after_a_tree_halt_refuses_the_trees_children(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """A runaway tree is halted by the fleet; a runtime that starts later, reading no control history
+    (lookback 0), learns the halt from the compacted scopes topic and refuses a new child of the tree,
+    and a run of another tree goes on."""
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=PARTITIONS)
+    fleet.start_worker()
+    try:
+        now = int(time.time() * 1000)
+        _, stream = simulate_trees(1, seed=3, start_ms=now - 20_000, redeliver_fraction=0.0)  # runaway_depth
+        root = stream[0]["root_run_id"]
+        run(produce(kafka_bootstrap, fleet.telemetry_topic, stream))
+        control = run(consume(kafka_bootstrap, fleet.control_topic, 1, timeout=60, settle=0.5))
+        assert [orjson.loads(r.value)["verdict"] for r in control] == ["tree_depth"]
+        scopes = run(consume(kafka_bootstrap, fleet.scopes_topic, 1, timeout=10, settle=0.5))
+        assert [r.key for r in scopes] == [f"tree/{root}".encode()]
+        assert orjson.loads(scopes[0].value)["expires_ms"] > now
+
+        async def late_runtime() -> None:
+            async with Guard.fleet(KafkaClientConfig(kafka_bootstrap), fleet.telemetry_topic, fleet.control_topic,
+                                   trusted_keys=fleet.trusted_keys(), lookback_ms=0,
+                                   scopes_topic=fleet.scopes_topic) as guard:
+                with pytest.raises(TreeHalted) as info:
+                    guard.run(f"{root}-late", parent_run_id=f"{root}-d3", root_run_id=root)
+                assert info.value.verdict == "tree_depth"
+                assert guard.run("another-root").call is not None  # another tree is not concerned
+
+        run(late_runtime())
+    finally:
+        fleet.stop()
+
+
+def test_the_scopes_topic_yields_only_signed_unexpired_unlifted_halts(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """Of the records of the scopes topic, a runtime applies at start the latest per scope key, only when
+    signed by a worker key and not past its expiry; a tombstone lifts the scope before it."""
+    from aiokafka import AIOKafkaProducer
+
+    from scripts import kafka_local
+    from stream_app.bus.signing import Signer
+    from stream_app.client import ControlBoard
+    from stream_app.client.listener import read_scopes
+
+    fleet = Fleet(kafka_bootstrap, tmp_path)
+    kafka_local.create_topics(kafka_bootstrap, [kafka_local.TopicSpec(fleet.scopes_topic, 2, compact=True)])
+    signer = Signer.from_file(fleet.keys / "worker.key")
+    now = int(time.time() * 1000)
+
+    def halt(root: str, expires_ms: int) -> bytes:
+        return orjson.dumps({"schema_version": "1", "decision_id": f"{hash(root) & 0xFFFFFFFF:032x}", "scope": "tree",
+                             "root_run_id": root, "action": "halt", "verdict": "tree_depth", "trigger_event_id": "e",
+                             "trigger_run_id": "r", "ts_ms": now - 1000, "reason": "deep", "evidence": {"rule": "depth"},
+                             "expires_ms": expires_ms})
+
+    async def publish() -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap)
+        await producer.start()
+        try:
+            for root, value, signed in [("in-force", halt("in-force", now + 60_000), True),
+                                        ("expired", halt("expired", now - 1), True),
+                                        ("unsigned", halt("unsigned", now + 60_000), False),
+                                        ("lifted", halt("lifted", now + 60_000), True), ("lifted", None, True)]:
+                headers = signer.headers(value) if signed and value is not None else []
+                await producer.send_and_wait(fleet.scopes_topic, value, key=f"tree/{root}".encode(), headers=headers)
+        finally:
+            await producer.stop()
+
+    run(publish())
+    board = ControlBoard()
+    applied = run(read_scopes(KafkaClientConfig(kafka_bootstrap), fleet.scopes_topic, board,
+                              trusted_keys=fleet.trusted_keys()))
+    assert applied == 1 and board.tree_halt("in-force") is not None
+    assert all(board.tree_halt(root) is None for root in ("expired", "unsigned", "lifted"))
+    assert board.counters["unsigned"] == 1
