@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stream_app.client import Guard
+from stream_app.client import Guard, KafkaClientConfig, Spawn
 from stream_app.worker.settings import SETTINGS
 
 from . import corpus, fleet, halt, limit, report
@@ -40,7 +40,7 @@ from .workers import REPO, BenchDeployment, commit_overruns
 
 RESULTS = REPO / "bench" / "results"
 WORKDIR = REPO / "var" / "bench"
-SECTIONS = ("limit", "fleet", "halt", "overshoot", "settings", "trees")
+SECTIONS = ("limit", "fleet", "halt", "overshoot", "settings", "trees", "treehalt")
 
 #: Settings tried against the default, one worker, saturation probe: (label, worker settings by field,
 #: other environment). PRODUCER_LINGER_MS is faust's own variable (faust reads it over the app's
@@ -146,6 +146,9 @@ async def kafka_benches(bootstrap: str, plan: Plan, sections: set[str], results:
 
     if "trees" in sections:
         save("trees", await trees_section(bootstrap, plan, capacity_one))
+
+    if "treehalt" in sections:
+        save("treehalt", await tree_halt_section(bootstrap, plan))
 
 
 async def fleet_section(bootstrap: str, template: Path, plan: Plan, results: Path) -> dict[str, Any]:
@@ -309,6 +312,52 @@ async def trees_section(bootstrap: str, plan: Plan, capacity_one: float | None) 
              for label, settings in configs]
     return {"corpus": {"events": events, "tree_facts": facts, "trees": trees}, "tried": tried,
             "cpu_ratio": tried[0]["worker_cpu_us_per_event"] / tried[1]["worker_cpu_us_per_event"]}
+
+
+async def tree_halt_section(bootstrap: str, plan: Plan, trees: int = 40) -> dict[str, Any]:
+    """How soon a tree halt made by the fleet reaches a guarded run of the tree in another process: one
+    runtime (fleet path only: no local rules) spawns a chain of sub-agents until the tree is 6 deep; a
+    second runtime guards another run of the same tree. Latency: from the crossing spawn's end (the
+    decision's ts_ms) to the second runtime's board applying the tree halt, per tree."""
+    deployment = BenchDeployment(bootstrap, WORKDIR)
+    latencies: list[float] = []
+    try:
+        await deployment.start_worker_async()
+        config = KafkaClientConfig(bootstrap)
+        common: dict[str, Any] = {"trusted_keys": deployment.trusted_keys(), "scopes_topic": deployment.scopes_topic}
+        spawner = Guard.fleet(config, deployment.telemetry_topic, deployment.control_topic, local_rules=False,
+                              linger_ms=0, **common)
+        watcher = Guard.fleet(config, deployment.telemetry_topic, deployment.control_topic, **common)
+        arrived: dict[str, float] = {}
+        waiting: dict[str, asyncio.Event] = {}
+
+        def applied(decision: dict[str, Any]) -> None:
+            root = decision.get("root_run_id")
+            if decision.get("scope") == "tree" and decision["action"] == "halt" and root in waiting:
+                arrived[root] = time.time() * 1000 - decision["ts_ms"]
+                waiting[root].set()
+
+        watcher.on_decision(applied)
+        async with spawner, watcher:
+            for n in range(trees):
+                root = f"{deployment.name}-tree-{n}"
+                waiting[root] = asyncio.Event()
+                watcher.run(f"{root}-far", parent_run_id=root, root_run_id=root)  # the tree's run elsewhere
+                run = spawner.run(root, local_rules=False)
+                for level in range(6):
+                    child = f"{root}-l{level + 1}"
+                    await run.call("Task", lambda **_: "started", {"level": level},
+                                   spawn=Spawn(child_run_id=child, child_agent_id="explorer", task=f"level {level}"))
+                    run = run.child(child, local_rules=False)
+                await asyncio.wait_for(waiting[root].wait(), 30)
+                latencies.append(arrived[root])
+                await asyncio.sleep(0.2)
+    finally:
+        deployment.stop()
+    cuts = statistics.quantiles(latencies, n=100)
+    progress(f"treehalt: {len(latencies)} trees, p50 {cuts[49]:.0f} ms, p95 {cuts[94]:.0f} ms, max {max(latencies):.0f} ms")
+    return {"trees": len(latencies), "latencies_ms": latencies, "p50_ms": cuts[49], "p95_ms": cuts[94],
+            "max_ms": max(latencies)}
 
 
 def main(argv: list[str] | None = None) -> int:

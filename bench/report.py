@@ -115,6 +115,7 @@ class Page:
         self.overshoot = _load(results, "overshoot")
         self.settings = _load(results, "settings")
         self.trees = _load(results, "trees")
+        self.treehalt = _load(results, "treehalt")
         self.lines: list[str] = []
 
     def add(self, *lines: str) -> None:
@@ -180,7 +181,7 @@ class Page:
         if not measured:
             return []
         older = []
-        for name in ("core", "limit", "fleet", "halt", "overshoot", "settings", "trees"):
+        for name in ("core", "limit", "fleet", "halt", "overshoot", "settings", "trees", "treehalt"):
             data = getattr(self, name, None)
             if data and name not in measured and name != "core":
                 when = data.get("measured", {})
@@ -597,6 +598,14 @@ class Page:
             self.add(f"| {t['label']} | {_n(t['applied_per_s'])} ({each}) | {_n(t['worker_cpu_us_per_event'])} us |")
         self.add("", f"Worker CPU per event with every fold: {ratio:.2f}x the per-run rules' alone (target <= 1.2x: "
                  f"{_met(ratio <= 1.2)}).", "")
+        if self.treehalt:
+            t = self.treehalt
+            self.add("Tree halts reaching a guarded run in another process (`python -m bench --skip-core --only "
+                     "treehalt`): one runtime", "spawns a chain of sub-agents on the fleet path (no local rules) "
+                     "until the tree is 6 deep; a second", "guards another run of the tree. From the crossing "
+                     f"spawn's end to the second runtime's board, over {t['trees']} trees:",
+                     f"p50 {_ms(t['p50_ms'])} ms, p95 {_ms(t['p95_ms'])} ms, max {_ms(t['max_ms'])} ms (target p95 <= 500 ms: "
+                     f"{_met(t['p95_ms'] <= 500)}).", "")
 
     def _defaults(self) -> tuple[float, float]:
         """Mean saturated events/s and worker CPU us per event of one default worker, over every probe."""
