@@ -376,8 +376,9 @@ async def read_scopes(config: KafkaClientConfig, topic: str, board: ControlBoard
 
     if trusted_keys is None and not allow_unsigned:
         raise KafkaConfigError("trusted_keys: required to read the scopes topic (or allow_unsigned=True)")
+    # A short fetch wait: offset requests queue behind a fetch on the same connection.
     consumer = AIOKafkaConsumer(**config.aiokafka_kwargs(), client_id="loopwarden-sdk-scopes", group_id=None,
-                                enable_auto_commit=False, auto_offset_reset="earliest")
+                                enable_auto_commit=False, auto_offset_reset="earliest", fetch_max_wait_ms=20)
     await consumer.start()
     latest: dict[bytes, Any] = {}
     try:
@@ -388,11 +389,15 @@ async def read_scopes(config: KafkaClientConfig, topic: str, board: ControlBoard
             return 0
         await consumer.end_offsets([TopicPartition(topic, 0)])
         partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
-        consumer.assign(partitions)
-        await consumer.seek_to_beginning(*partitions)
+        # Offsets before assigning (nothing is fetched yet): an empty topic costs no fetch at all.
         ends: dict[TopicPartition, int] = await consumer.end_offsets(partitions)
+        starts: dict[TopicPartition, int] = await consumer.beginning_offsets(partitions)
+        behind = {tp for tp, end in ends.items() if end > starts[tp]}
+        if behind:
+            consumer.assign(sorted(behind))
+            for tp in behind:
+                consumer.seek(tp, starts[tp])
         deadline = asyncio.get_running_loop().time() + timeout_s
-        behind = {tp for tp, end in ends.items() if end > 0}
         while behind and asyncio.get_running_loop().time() < deadline:
             for records in (await consumer.getmany(timeout_ms=200)).values():
                 for record in records:

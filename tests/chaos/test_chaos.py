@@ -13,14 +13,25 @@ from __future__ import annotations
 
 import asyncio
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
-from ..integration.workers import Fleet
+from ..integration import workers
 from . import harness
+
+
+@dataclass
+class Fleet(workers.Fleet):
+    """The integration harness's deployment with the shipped default: the rules across runs on."""
+
+    def __post_init__(self) -> None:
+        self.settings = {"fleet_rules": True, **self.settings}
+        super().__post_init__()
+
 
 pytestmark = pytest.mark.chaos
 

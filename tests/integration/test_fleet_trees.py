@@ -24,6 +24,8 @@ from .workers import Fleet, consume, decisions_of, produce, run
 pytestmark = pytest.mark.integration
 
 PARTITIONS = 4
+#: The shipped default (the integration harness turns the rules across runs off for other tests).
+RULES = {"fleet_rules": True}
 
 
 def _replayed(stream: list[dict[str, Any]], policy: Policy | None = None) -> list[dict[str, Any]]:
@@ -46,7 +48,7 @@ def test_two_workers_make_the_tree_decisions_replay_makes(kafka_bootstrap: str, 
     expected = _replayed(stream)
     tree_expected = [d for d in expected if d.get("scope") == "tree"]
     assert len(tree_expected) == sum(len(TREE_KINDS[k]) for k in kinds.values())
-    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=PARTITIONS)
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=PARTITIONS, settings=RULES)
     fleet.start_worker()
     fleet.start_worker()
     try:
@@ -83,7 +85,7 @@ def test_facts_folded_again_after_a_crash_count_once(kafka_bootstrap: str, tmp_p
     policy = tmp_path / "policy.json"
     policy.write_bytes(orjson.dumps(document))
     fleet = Fleet(kafka_bootstrap, tmp_path, partitions=PARTITIONS,
-                  settings={"policy_path": policy, "commit_interval_s": 60})
+                  settings={**RULES, "policy_path": policy, "commit_interval_s": 60})
     first = fleet.start_worker()
     try:
         run(produce(kafka_bootstrap, fleet.telemetry_topic, stream))
@@ -110,7 +112,7 @@ def test_a_runtime_started_after_a_tree_halt_refuses_the_trees_children(kafka_bo
     """A runaway tree is halted by the fleet; a runtime that starts later, reading no control history
     (lookback 0), learns the halt from the compacted scopes topic and refuses a new child of the tree,
     and a run of another tree goes on."""
-    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=PARTITIONS)
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=PARTITIONS, settings=RULES)
     fleet.start_worker()
     try:
         now = int(time.time() * 1000)

@@ -58,7 +58,7 @@ def deployment(secure_kafka: SecureKafka, tmp_path_factory: pytest.TempPathFacto
     """One deployment on the secured broker: its topics created by the admin (each with one record, so
     that a read proves data flows), loopwarden's ACLs granted, the worker not started yet."""
     fleet = Fleet(secure_kafka.bootstrap, tmp_path_factory.mktemp("secure-fleet"), partitions=PARTITIONS,
-                  env=secure_kafka.env("worker"))
+                  env=secure_kafka.env("worker"), settings={"fleet_rules": True})  # every topic needs its ACL
     acls = LoopwardenAcls(worker="worker", runtimes=["runtime-a"], notify=["notify"], operators=["operator"],
                           app_id=fleet.name, telemetry_topic=fleet.telemetry_topic, control_topic=fleet.control_topic,
                           alerts_topic=fleet.alerts_topic, dlq_topic=fleet.dlq_topic,
