@@ -41,8 +41,11 @@ def _key(d: dict[str, Any]) -> tuple[Any, ...]:
 def test_two_workers_make_the_tree_decisions_replay_makes(kafka_bootstrap: str, tmp_path: Path) -> None:
     """Trees whose runs sit on every partition, folded by two workers that each own half of them: the set
     of (scope, key, action, verdict, decision_id) equals replay's, every decision once; tree decisions
-    name no run and also reach the alerts topic."""
-    kinds, stream = simulate_trees(16, seed=5)
+    name no run and also reach the alerts topic. Then a runtime that starts later, reading no control
+    history (lookback 0), learns a tree's halt from the compacted scopes topic and refuses a new child of
+    it, while a run of another tree goes on."""
+    now = int(time.time() * 1000)
+    kinds, stream = simulate_trees(16, seed=5, start_ms=now - 60_000)  # recent: the scope halts are in force
     roots = list(kinds)
     assert {partition_of(root, PARTITIONS) for root in roots} == set(range(PARTITIONS))  # trees on every partition
     expected = _replayed(stream)
@@ -68,6 +71,23 @@ def test_two_workers_make_the_tree_decisions_replay_makes(kafka_bootstrap: str, 
         assert tree_alerts == {d["decision_id"] for d in tree_expected}
         folded = [metric_total(m, "loopwarden_tree_facts_total") for m in fleet.scrape()]
         assert all(n > 0 for n in folded), folded  # both workers folded trees
+
+        deep = next(root for root, kind in kinds.items() if kind == "runaway_depth")
+        halts = sum(d["action"] == "halt" and d.get("scope") == "tree" for d in tree_expected)
+        scopes = run(consume(kafka_bootstrap, fleet.scopes_topic, halts, timeout=10, settle=0.5))
+        assert f"tree/{deep}".encode() in {r.key for r in scopes}
+        assert all(orjson.loads(r.value)["expires_ms"] > now for r in scopes)
+
+        async def late_runtime() -> None:
+            async with Guard.fleet(KafkaClientConfig(kafka_bootstrap), fleet.telemetry_topic, fleet.control_topic,
+                                   trusted_keys=fleet.trusted_keys(), lookback_ms=0,
+                                   scopes_topic=fleet.scopes_topic) as guard:
+                with pytest.raises(TreeHalted) as info:
+                    guard.run(f"{deep}-late", parent_run_id=f"{deep}-d3", root_run_id=deep)
+                assert info.value.verdict == "tree_depth"
+                assert guard.run("another-root").call is not None  # another tree is not concerned
+
+        run(late_runtime())
     finally:
         fleet.stop()
 
@@ -98,43 +118,12 @@ def test_facts_folded_again_after_a_crash_count_once(kafka_bootstrap: str, tmp_p
         while time.monotonic() < deadline and redelivered == 0:
             time.sleep(0.5)
             redelivered = metric_total(second.metrics(), "loopwarden_tree_facts_total")
-        time.sleep(2.0)
-        again = run(consume(kafka_bootstrap, fleet.control_topic, len(expected) + 1, timeout=5, settle=0.5))
+        time.sleep(1.0)
+        again = run(consume(kafka_bootstrap, fleet.control_topic, len(expected), timeout=10, settle=1.0))
         got = [_key(d) for d in decisions_of(again) if d.get("scope") == "tree"]
         assert set(got) == {_key(d) for d in expected if d.get("scope") == "tree"}, second.log_tail()
         samples = second.metrics()
         assert samples.get('loopwarden_tree_facts_total{state="redelivered"}', 0) > 0, samples
-    finally:
-        fleet.stop()
-
-
-def test_a_runtime_started_after_a_tree_halt_refuses_the_trees_children(kafka_bootstrap: str, tmp_path: Path) -> None:
-    """A runaway tree is halted by the fleet; a runtime that starts later, reading no control history
-    (lookback 0), learns the halt from the compacted scopes topic and refuses a new child of the tree,
-    and a run of another tree goes on."""
-    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=PARTITIONS, settings=RULES)
-    fleet.start_worker()
-    try:
-        now = int(time.time() * 1000)
-        _, stream = simulate_trees(1, seed=3, start_ms=now - 20_000, redeliver_fraction=0.0)  # runaway_depth
-        root = stream[0]["root_run_id"]
-        run(produce(kafka_bootstrap, fleet.telemetry_topic, stream))
-        control = run(consume(kafka_bootstrap, fleet.control_topic, 1, timeout=60, settle=0.5))
-        assert [orjson.loads(r.value)["verdict"] for r in control] == ["tree_depth"]
-        scopes = run(consume(kafka_bootstrap, fleet.scopes_topic, 1, timeout=10, settle=0.5))
-        assert [r.key for r in scopes] == [f"tree/{root}".encode()]
-        assert orjson.loads(scopes[0].value)["expires_ms"] > now
-
-        async def late_runtime() -> None:
-            async with Guard.fleet(KafkaClientConfig(kafka_bootstrap), fleet.telemetry_topic, fleet.control_topic,
-                                   trusted_keys=fleet.trusted_keys(), lookback_ms=0,
-                                   scopes_topic=fleet.scopes_topic) as guard:
-                with pytest.raises(TreeHalted) as info:
-                    guard.run(f"{root}-late", parent_run_id=f"{root}-d3", root_run_id=root)
-                assert info.value.verdict == "tree_depth"
-                assert guard.run("another-root").call is not None  # another tree is not concerned
-
-        run(late_runtime())
     finally:
         fleet.stop()
 
