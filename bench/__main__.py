@@ -254,62 +254,56 @@ async def overshoot_section(deployment: BenchDeployment, guard: Guard, template:
     return {"loads": loads}
 
 
-async def settings_section(bootstrap: str, template: Path, plan: Plan, capacity_one: float | None) -> dict[str, Any]:
-    """Saturation throughput of one worker with the default and each setting in SETTINGS_TRIED, in
-    ``plan.settings_rounds`` interleaved rounds (so drift in the machine's load hits all of them)."""
-    # Settings may be much faster than the default, and these deployments are not reused: a generous
-    # backlog costs only its production, a backlog that runs out costs a second probe.
-    backlog = plan.backlog_for(capacity_one, plan.measure_s - 2, margin=3.0)
-    configs = (("default", {}, {}), *SETTINGS_TRIED)
+async def _interleaved(bootstrap: str, template: Path, plan: Plan, backlog: int, section: str, prefix: str,
+                       configs: tuple[tuple[str, dict[str, object], dict[str, str]], ...],
+                       rounds: int) -> list[dict[str, Any]]:
+    """One worker's saturation probe for each of ``configs`` (label, worker settings by field, other
+    environment), each on a fresh deployment, in ``rounds`` interleaved rounds (so drift in the
+    machine's load hits all of them); per config its probes and their medians."""
     probes: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in configs}
-    for round_ in range(plan.settings_rounds):
+    for round_ in range(rounds):
         for label, settings, env in configs:
             deployment = BenchDeployment(bootstrap, WORKDIR, settings=dict(settings), env=env)
             try:
                 await deployment.start_worker_async()
-                probe = await fleet.capacity(deployment, template, backlog, f"v{round_}{len(probes[label])}",
+                probe = await fleet.capacity(deployment, template, backlog, f"{prefix}{round_}{len(probes[label])}",
                                              None, plan.warm_s, plan.measure_s - 2, drain=False)
             finally:
                 deployment.stop()
             probes[label].append(probe)
-            progress(f"settings: round {round_ + 1}/{plan.settings_rounds}, {label}: "
+            progress(f"{section}: round {round_ + 1}/{rounds}, {label}: "
                      f"{probe['applied_per_s']:,.0f} ev/s, {probe['worker_cpu_us_per_event']:,.0f} us CPU per event")
-    return {"tried": [{"label": label, "env": {**SETTINGS.env(**settings), **env}, "probes": probes[label],
-                       "applied_per_s": statistics.median(p["applied_per_s"] for p in probes[label]),
-                       "worker_cpu_us_per_event": statistics.median(p["worker_cpu_us_per_event"]
-                                                                    for p in probes[label])}
-                      for label, settings, env in configs]}
+    return [{"label": label, "env": {**SETTINGS.env(**settings), **env}, "probes": probes[label],
+             "applied_per_s": statistics.median(p["applied_per_s"] for p in probes[label]),
+             "worker_cpu_us_per_event": statistics.median(p["worker_cpu_us_per_event"] for p in probes[label])}
+            for label, settings, env in configs]
+
+
+async def settings_section(bootstrap: str, template: Path, plan: Plan, capacity_one: float | None) -> dict[str, Any]:
+    """Saturation throughput of one worker with the default and each setting in SETTINGS_TRIED, in
+    ``plan.settings_rounds`` interleaved rounds."""
+    # Settings may be much faster than the default, and these deployments are not reused: a generous
+    # backlog costs only its production, a backlog that runs out costs a second probe.
+    backlog = plan.backlog_for(capacity_one, plan.measure_s - 2, margin=3.0)
+    configs = (("default", {}, {}), *SETTINGS_TRIED)
+    return {"tried": await _interleaved(bootstrap, template, plan, backlog, "settings", "v", configs,
+                                        plan.settings_rounds)}
 
 
 async def trees_section(bootstrap: str, plan: Plan, capacity_one: float | None) -> dict[str, Any]:
     """One worker's saturation throughput and CPU per event on the fleet as the SDK sends it plus
     sub-agent trees of every kind, with the rules across runs on (every fold) and off
-    (``LOOPWARDEN_FLEET_RULES=false``), in ``plan.settings_rounds`` interleaved rounds."""
+    (``LOOPWARDEN_FLEET_RULES=false``), in interleaved rounds."""
     template = WORKDIR / "corpus-trees.tsv"
     trees = max(8, plan.template_runs // 100)
     events, facts = corpus.write_tree_template(template, plan.template_runs, trees)
     corpus.check_renamed(corpus.read_template(template)[:1])
     progress(f"trees: {events:,} events ({facts:,} tree facts, {trees} trees) -> {template}")
     backlog = plan.backlog_for(capacity_one, plan.measure_s - 2, margin=3.0)
-    configs = (("every fold", {"fleet_rules": True}), ("per-run rules only", {"fleet_rules": False}))
-    probes: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in configs}
-    rounds = plan.settings_rounds + 1  # a ratio of two noisy medians: one round more than the settings'
-    for round_ in range(rounds):
-        for label, settings in configs:
-            deployment = BenchDeployment(bootstrap, WORKDIR, settings=dict(settings))
-            try:
-                await deployment.start_worker_async()
-                probe = await fleet.capacity(deployment, template, backlog, f"t{round_}{len(probes[label])}",
-                                             None, plan.warm_s, plan.measure_s - 2, drain=False)
-            finally:
-                deployment.stop()
-            probes[label].append(probe)
-            progress(f"trees: round {round_ + 1}/{rounds}, {label}: {probe['applied_per_s']:,.0f} ev/s, "
-                     f"{probe['worker_cpu_us_per_event']:,.0f} us CPU per event")
-    tried = [{"label": label, "env": SETTINGS.env(**settings), "probes": probes[label],
-              "applied_per_s": statistics.median(p["applied_per_s"] for p in probes[label]),
-              "worker_cpu_us_per_event": statistics.median(p["worker_cpu_us_per_event"] for p in probes[label])}
-             for label, settings in configs]
+    configs: tuple[tuple[str, dict[str, object], dict[str, str]], ...] = (
+        ("every fold", {"fleet_rules": True}, {}), ("per-run rules only", {"fleet_rules": False}, {}))
+    # a ratio of two noisy medians: one round more than the settings'
+    tried = await _interleaved(bootstrap, template, plan, backlog, "trees", "t", configs, plan.settings_rounds + 1)
     return {"corpus": {"events": events, "tree_facts": facts, "trees": trees}, "tried": tried,
             "cpu_ratio": tried[0]["worker_cpu_us_per_event"] / tried[1]["worker_cpu_us_per_event"]}
 

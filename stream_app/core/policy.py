@@ -282,17 +282,7 @@ def _overrides(path: str, raw: Any) -> dict[str, Any]:
             raise PolicyError(f"{path}.{name}: unknown setting; known: {', '.join(sorted(_SETTING_TYPES))}")
         if name in RUN_SETTINGS and path.startswith("tools."):
             raise PolicyError(f"{path}.{name}: a run budget, set in defaults or agents, not per tool")
-        if expected is float and type(value) is int:
-            if not -1e12 < value < 1e12:
-                raise PolicyError(f"{path}.{name}: must be a number below 1e12, got {value!r}")
-            value = float(value)
-        if expected is tuple:
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise PolicyError(f"{path}.{name}: must be a list of strings")
-            value = tuple(value)
-        elif type(value) is not expected:
-            raise PolicyError(f"{path}.{name}: must be {expected.__name__}, got {value!r}")
-        out[name] = value
+        out[name] = _typed(f"{path}.{name}", value, expected)
     try:
         replace(Thresholds(), **out)
     except PolicyError as exc:
@@ -303,6 +293,22 @@ def _overrides(path: str, raw: Any) -> dict[str, Any]:
 _FLEET_TYPES: dict[str, type] = {f.name: type(getattr(FleetThresholds(), f.name)) for f in fields(FleetThresholds)}
 
 
+def _typed(path: str, value: Any, expected: type) -> Any:
+    """``value`` as a setting of type ``expected`` (an integer where a float goes, a list of strings
+    where a tuple goes); PolicyError naming ``path`` otherwise."""
+    if expected is float and type(value) is int:
+        if not -1e12 < value < 1e12:
+            raise PolicyError(f"{path}: must be a number below 1e12, got {value!r}")
+        return float(value)
+    if expected is tuple:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise PolicyError(f"{path}: must be a list of strings")
+        return tuple(value)
+    if type(value) is not expected:
+        raise PolicyError(f"{path}: must be {expected.__name__}, got {value!r}")
+    return value
+
+
 def _fleet(raw: Any) -> FleetThresholds:
     if not isinstance(raw, dict):
         raise PolicyError("fleet: must be a mapping of settings")
@@ -311,11 +317,7 @@ def _fleet(raw: Any) -> FleetThresholds:
         expected = _FLEET_TYPES.get(name)
         if expected is None:
             raise PolicyError(f"fleet.{name}: unknown setting; known: {', '.join(sorted(_FLEET_TYPES))}")
-        if expected is float and type(value) is int:
-            value = float(value)
-        if type(value) is not expected:
-            raise PolicyError(f"fleet.{name}: must be {expected.__name__}, got {value!r}")
-        out[name] = value
+        out[name] = _typed(f"fleet.{name}", value, expected)
     try:
         return FleetThresholds(**out)
     except PolicyError as exc:

@@ -102,35 +102,9 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
         alerts=raw_topic(app, settings.alerts_topic),
         dlq=raw_topic(app, settings.dlq_topic),
     )
-    runs = app.Table(
-        RUNS_TABLE,
-        default=None,
-        partitions=settings.partitions,
-        key_type=bytes,
-        value_type=bytes,
-        options={
-            "driver": "rocksdict",
-            "block_cache_size": settings.rocksdb_block_cache_mb << 20,
-            "write_buffer_size": settings.rocksdb_write_buffer_mb << 20,
-            "max_open_files": settings.rocksdb_max_open_files,
-        },
-    )
-    trees = None
-    if settings.fleet_rules:
-        # Trees are few next to runs, and small: the two tables share the RocksDB memory budget 4:1.
-        trees = app.Table(
-            TREES_TABLE,
-            default=None,
-            partitions=settings.partitions,
-            key_type=bytes,
-            value_type=bytes,
-            options={
-                "driver": "rocksdict",
-                "block_cache_size": max(1, settings.rocksdb_block_cache_mb // 4) << 20,
-                "write_buffer_size": max(1, settings.rocksdb_write_buffer_mb // 4) << 20,
-                "max_open_files": settings.rocksdb_max_open_files,
-            },
-        )
+    runs = _table(app, RUNS_TABLE, settings)
+    # Trees are few next to runs, and small: the two tables share the RocksDB memory budget 4:1.
+    trees = _table(app, TREES_TABLE, settings, share=4) if settings.fleet_rules else None
     fold = batch_fold(settings, Detector(policy), operator_keys)
     metrics.engine.labels(engine="native" if isinstance(fold, NativeBatchFold) else "python").set(1)
     dead_letters = DeadLetters(topics.dlq, metrics)
@@ -205,6 +179,28 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
         relay = SourceRelay(topics.telemetry, _otlp_decoder(settings), dead_letters)
         agent("loopwarden.otlp", raw_topic(app, settings.otlp_topic), sinks[1], relay.relay)
     return app
+
+
+def _table(app: faust.App, name: str, settings: WorkerSettings, share: int = 1) -> Any:
+    """A raw-bytes table in RocksDB with its changelog; ``share``: it gets 1/share of the configured
+    block cache and write buffer per partition."""
+    return app.Table(
+        name,
+        default=None,
+        partitions=settings.partitions,
+        key_type=bytes,
+        value_type=bytes,
+        options={
+            "driver": "rocksdict",
+            "block_cache_size": _share(settings.rocksdb_block_cache_mb, share) << 20,
+            "write_buffer_size": _share(settings.rocksdb_write_buffer_mb, share) << 20,
+            "max_open_files": settings.rocksdb_max_open_files,
+        },
+    )
+
+
+def _share(mb: int, share: int) -> int:
+    return mb if share == 1 else max(1, mb // share)
 
 
 def batch_fold(settings: WorkerSettings, detector: Detector, operator_keys: KeyRing | None) -> BatchFold:
