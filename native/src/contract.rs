@@ -12,6 +12,8 @@ const MAX_DEPTH: i64 = 10_000;
 const TRIGGERS: [&str; 4] = ["user", "schedule", "webhook", "agent"];
 
 pub const OUTCOMES: [&str; 4] = ["success", "error", "empty", "noop"];
+/// The index of `error` in `OUTCOMES`.
+pub const ERROR: u8 = 1;
 /// Tool classes, in the reference's `TOOL_CLASSES` order.
 pub const TOOL_CLASSES: [&str; 6] = ["read", "write", "poll", "spawn", "handoff", "other"];
 pub const READ: u8 = 0;
@@ -89,6 +91,12 @@ pub struct Call<'a> {
     pub child_agent_id: Option<&'a str>,
     pub task_hash: Option<&'a str>,
     pub tenant: Option<&'a str>,
+    /// Chains (fleet-wide rules): the run's thread, what started it and the run that caused it; and
+    /// a failing call's error class.
+    pub thread_key: Option<&'a str>,
+    pub trigger: Option<&'a str>,
+    pub caused_by_run_id: Option<&'a str>,
+    pub error_class: Option<&'a str>,
 }
 
 /// The call in `obj`, or None when the reference decoder must look at it.
@@ -151,6 +159,10 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
         child_agent_id: None,
         task_hash: None,
         tenant: None,
+        thread_key: None,
+        trigger: None,
+        caused_by_run_id: None,
+        error_class: None,
     };
     for (name, value) in obj {
         if value.is_null() {
@@ -161,10 +173,12 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
             | "result" | "result_hash" => {}
             "agent_id" => call.agent_id = Some(identifier(Some(value), false)?),
             "tenant" => call.tenant = Some(identifier(Some(value), false)?),
-            "trace_id" | "span_id" | "parent_span_id" | "error_class" | "upstream"
-            | "caused_by_run_id" | "thread_key" => {
+            "trace_id" | "span_id" | "parent_span_id" | "upstream" => {
                 identifier(Some(value), false)?;
             }
+            "error_class" => call.error_class = Some(identifier(Some(value), false)?),
+            "caused_by_run_id" => call.caused_by_run_id = Some(identifier(Some(value), false)?),
+            "thread_key" => call.thread_key = Some(identifier(Some(value), false)?),
             "parent_run_id" => call.parent_run_id = Some(identifier(Some(value), false)?),
             "root_run_id" => call.root_run_id = Some(identifier(Some(value), false)?),
             "child_run_id" => call.child_run_id = Some(identifier(Some(value), false)?),
@@ -175,7 +189,7 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
             "retry_after_ms" => {
                 integer(value).filter(|ms| *ms >= 0)?;
             }
-            "trigger" if TRIGGERS.contains(&value.as_str()?) => {}
+            "trigger" if TRIGGERS.contains(&value.as_str()?) => call.trigger = value.as_str(),
             "trigger" => return None,
             "policy_digest" => call.policy_digest = Some(identifier(Some(value), false)?),
             "result_fp" if is_hash(value) => call.result_fp = value.as_str(),

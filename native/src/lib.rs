@@ -416,8 +416,18 @@ struct Replayer {
     duplicates: u64,
     #[pyo3(get)]
     evicted: u64,
-    /// Tree facts of the lines `feed` folded since `take_facts`, as ``(index, fact)``.
-    facts: Vec<(usize, TreeFactTuple)>,
+    /// Facts of the lines `feed` folded since `take_facts`.
+    facts: Vec<FactsOf>,
+}
+
+/// The facts of one new event: ``(index, tree fact or None, thread fact or None)``, at least one set.
+type FactsOf = (usize, Option<TreeFactTuple>, Option<ThreadFactTuple>);
+
+/// The facts of a new call, if any (`core.fleet`: `tree_fact`, `thread_fact`).
+fn facts_of(index: usize, call: &Call, tool_class: u8) -> Option<FactsOf> {
+    let tree = tree_fact(call, tool_class);
+    let thread = thread_fact(call);
+    (tree.is_some() || thread.is_some()).then_some((index, tree, thread))
 }
 
 /// `core.fleet.TreeFact` as a tuple: root, run, event id, ts_ms, parent, declared depth, cost
@@ -461,6 +471,37 @@ fn tree_fact(call: &Call, tool_class: u8) -> Option<TreeFactTuple> {
     ))
 }
 
+/// `core.fleet.ThreadFact` as a tuple: tenant ("" when none), thread key, run, event id, ts_ms,
+/// trigger, caused by, the error class of a failing call.
+type ThreadFactTuple = (
+    String,
+    String,
+    String,
+    String,
+    i64,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+);
+
+/// The thread fact of a new call (`core.fleet.threads.thread_fact`), or None when its run names no
+/// thread.
+fn thread_fact(call: &Call) -> Option<ThreadFactTuple> {
+    let thread_key = call.thread_key?;
+    let own = |v: Option<&str>| v.map(str::to_owned);
+    let failure = (call.outcome == contract::ERROR).then(|| call.error_class.unwrap_or("error").to_owned());
+    Some((
+        call.tenant.unwrap_or("").to_owned(),
+        thread_key.to_owned(),
+        call.run_id.to_owned(),
+        call.event_id.to_owned(),
+        call.ts_ms,
+        own(call.trigger),
+        own(call.caused_by_run_id),
+        failure,
+    ))
+}
+
 #[pymethods]
 impl Replayer {
     #[new]
@@ -490,9 +531,9 @@ impl Replayer {
         })
     }
 
-    /// The tree facts of the lines `feed` folded (not redeliveries) since the last call, as ``(index,
-    /// fact)`` in line order.
-    fn take_facts(&mut self) -> Vec<(usize, TreeFactTuple)> {
+    /// The facts of the lines `feed` folded (not redeliveries) since the last call, as ``(index, tree
+    /// fact or None, thread fact or None)`` in line order.
+    fn take_facts(&mut self) -> Vec<FactsOf> {
         std::mem::take(&mut self.facts)
     }
 
@@ -529,8 +570,8 @@ impl Replayer {
             if self.duplicates == duplicates {
                 let policy = self.resolver.resolve(py, call.agent_id, call.tool)?;
                 let class = call.tool_class.unwrap_or(policy.thresholds.tool_class);
-                if let Some(fact) = tree_fact(&call, class) {
-                    self.facts.push((index, fact));
+                if let Some(facts) = facts_of(index, &call, class) {
+                    self.facts.push(facts);
                 }
             }
         }
@@ -605,6 +646,10 @@ impl Replayer {
             child_agent_id: None,
             task_hash: None,
             tenant: None,
+            thread_key: None,
+            trigger: None,
+            caused_by_run_id: None,
+            error_class: None,
         };
         let duplicates = self.duplicates;
         let given = (
@@ -687,7 +732,7 @@ impl Replayer {
 /// What `BatchFolder.fold` returns: new records ``(partition, key, record)``, findings ``(index,
 /// finding)``, re-keys ``(index, run_id)``, deferred record indexes (for the reference), events folded
 /// by outcome (``OUTCOMES`` order), duplicates, watermarks ``(partition, ts_ms)``, policy mismatches
-/// ``(index, agent_id or "", digest)`` and the tree facts of the new events ``(index, fact)``.
+/// ``(index, agent_id or "", digest)``, and the facts of the new events (`FactsOf`).
 type BatchOut = (
     Vec<(i64, Py<PyBytes>, Py<PyBytes>)>,
     Vec<(usize, FindingTuple)>,
@@ -697,7 +742,7 @@ type BatchOut = (
     u64,
     Vec<(i64, i64)>,
     Vec<(usize, String, String)>,
-    Vec<(usize, TreeFactTuple)>,
+    Vec<FactsOf>,
 );
 
 /// One input record as read from the consumer's record object.
@@ -845,7 +890,17 @@ impl BatchFolder {
             }
         }
         let deferred = (0..inputs.len()).filter(|i| deferred_set[*i]).collect();
-        Ok((out_records, findings, rekeys, deferred, applied, duplicates, watermarks, mismatches, facts))
+        Ok((
+            out_records,
+            findings,
+            rekeys,
+            deferred,
+            applied,
+            duplicates,
+            watermarks,
+            mismatches,
+            facts,
+        ))
     }
 }
 
@@ -856,7 +911,7 @@ struct FoldedRun {
     applied: [u64; 4],
     duplicates: u64,
     mismatches: Vec<(usize, String, String)>,
-    facts: Vec<(usize, TreeFactTuple)>,
+    facts: Vec<FactsOf>,
 }
 
 impl BatchFolder {
@@ -927,8 +982,8 @@ impl BatchFolder {
             }
             if !matches!(admission, Admission::Duplicate) {
                 let class = call.tool_class.unwrap_or(policy.thresholds.tool_class);
-                if let Some(fact) = tree_fact(&call, class) {
-                    run.facts.push((index, fact));
+                if let Some(facts) = facts_of(index, &call, class) {
+                    run.facts.push(facts);
                 }
             }
             if let Some(digest) = call.policy_digest {

@@ -156,7 +156,7 @@ def _cmd_acls(args: argparse.Namespace) -> int:
         worker=args.worker, runtimes=args.runtime, notify=args.notify, operators=args.operator,
         app_id=args.app_id, telemetry_topic=args.telemetry_topic, control_topic=args.control_topic,
         alerts_topic=args.alerts_topic, dlq_topic=args.dlq_topic, notify_group=args.notify_group,
-        tree_facts_topic=args.tree_facts_topic, scopes_topic=args.scopes_topic,
+        facts_topic=args.facts_topic, scopes_topic=args.scopes_topic,
     )
     if args.print:
         print("\n".join(acl_command_line(command) for command in acls.commands()))
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         ("--alerts-topic", "agent.alerts"),
         ("--dlq-topic", "agent.telemetry.dlq"),
         ("--notify-group", "loopwarden-notify"),
-        ("--tree-facts-topic", "loopwarden.facts.trees"),
+        ("--facts-topic", "loopwarden.facts"),
         ("--scopes-topic", "loopwarden.scopes"),
     ):
         acls.add_argument(flag, default=default, help="default: %(default)s")

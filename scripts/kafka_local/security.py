@@ -274,7 +274,7 @@ class LoopwardenAcls:
     alerts_topic: str = "agent.alerts"
     dlq_topic: str = "agent.telemetry.dlq"
     notify_group: str = "loopwarden-notify"
-    tree_facts_topic: str = "loopwarden.facts.trees"
+    facts_topic: str = "loopwarden.facts"
     scopes_topic: str = "loopwarden.scopes"
 
     @property
@@ -287,6 +287,11 @@ class LoopwardenAcls:
         """Faust's changelog of the worker's ``trees`` table (the rules across runs)."""
         return f"{self.app_id}-trees-changelog"
 
+    @property
+    def threads_changelog_topic(self) -> str:
+        """Faust's changelog of the worker's ``threads`` table (the rules across runs)."""
+        return f"{self.app_id}-threads-changelog"
+
     def topic_specs(self, partitions: int) -> list[TopicSpec]:
         """The topics as the worker would create them (every one with ``partitions`` partitions)."""
         return [
@@ -295,8 +300,9 @@ class LoopwardenAcls:
             TopicSpec(self.alerts_topic, partitions),
             TopicSpec(self.dlq_topic, partitions),
             TopicSpec(self.changelog_topic, partitions, compact=True),
-            TopicSpec(self.tree_facts_topic, partitions),
+            TopicSpec(self.facts_topic, partitions),
             TopicSpec(self.trees_changelog_topic, partitions, compact=True),
+            TopicSpec(self.threads_changelog_topic, partitions, compact=True),
             TopicSpec(self.scopes_topic, partitions, compact=True),
         ]
 
@@ -312,12 +318,13 @@ class LoopwardenAcls:
         # operation: Read applies to topics and groups alike.
         worker = [self.worker]
         commands = [
-            allow(worker, ["Read"], topic=[self.telemetry_topic, self.changelog_topic, self.tree_facts_topic,
-                                           self.trees_changelog_topic], group=[self.app_id]),
+            allow(worker, ["Read"], topic=[self.telemetry_topic, self.changelog_topic, self.facts_topic,
+                                           self.trees_changelog_topic, self.threads_changelog_topic],
+                  group=[self.app_id]),
             allow(worker, ["Write", "Create"], topic=[self.telemetry_topic, self.changelog_topic,
                                                       self.control_topic, self.alerts_topic, self.dlq_topic,
-                                                      self.tree_facts_topic, self.trees_changelog_topic,
-                                                      self.scopes_topic]),
+                                                      self.facts_topic, self.trees_changelog_topic,
+                                                      self.threads_changelog_topic, self.scopes_topic]),
             allow(self.runtimes, ["Write"], topic=[self.telemetry_topic]),
             allow(self.runtimes, ["Read"], topic=[self.control_topic, self.scopes_topic]),
         ]

@@ -11,7 +11,8 @@ Errors (``LoopwardenError`` is the core's root; the whole tree is drawn in ``str
 
     LoopwardenError
     ├── RunHalted             the run was halted: stop calling tools for it (carries the decision)
-    │   └── TreeHalted        its sub-agent tree was halted: every run of it stops, no child starts
+    │   ├── TreeHalted        its sub-agent tree was halted: every run of it stops, no child starts
+    │   └── ThreadHalted      its thread was halted (a self-triggering chain): no new run starts on it
     ├── DuplicateSuppressed   a duplicate side effect refused where the earlier result cannot be handed back
     ├── InvalidCall           an argument the contract would refuse (also a ValueError)
     │   └── InvalidArgumentType                                     (also a TypeError)
@@ -22,7 +23,15 @@ Errors (``LoopwardenError`` is the core's root; the whole tree is drawn in ``str
 from __future__ import annotations
 
 from ..bus.kafka import KafkaClientConfig, KafkaConfigError
-from .errors import DuplicateSuppressed, InvalidArgumentType, InvalidCall, RunHalted, TreeHalted, UsageError
+from .errors import (
+    DuplicateSuppressed,
+    InvalidArgumentType,
+    InvalidCall,
+    RunHalted,
+    ThreadHalted,
+    TreeHalted,
+    UsageError,
+)
 from .guard import CallIds, Guard, GuardedRun, PendingCall, Spawn, ToolOutcome
 from .listener import ControlBoard, DecisionCallback, HaltListener
 from .publisher import DEFAULT_REDACTED_FIELDS, FinishedCall, TelemetryBuilder, TelemetryPublisher
@@ -46,6 +55,7 @@ __all__ = [
     "Spawn",
     "TelemetryBuilder",
     "TelemetryPublisher",
+    "ThreadHalted",
     "ToolOutcome",
     "TreeHalted",
     "UsageError",

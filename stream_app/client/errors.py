@@ -38,6 +38,20 @@ class TreeHalted(RunHalted):
                      f"{self.reason} [decision {self.decision_id}]",)
 
 
+class ThreadHalted(RunHalted):
+    """loopwarden halted the thread a new run was to start on (a control v1 decision of scope ``thread``:
+    a self-triggering chain, scheduled runs failing alike): no new run starts on it until an operator
+    resumes it. ``run_id`` is the run refused."""
+
+    def __init__(self, decision: Mapping[str, Any], run_id: str) -> None:
+        self.tenant = str(decision.get("tenant", ""))
+        self.thread_key = str(decision.get("thread_key", ""))
+        super().__init__({**decision, "run_id": run_id})
+        self.decision = dict(decision)
+        self.args = (f"run {run_id}: thread {self.thread_key} was halted by loopwarden ({self.verdict}): "
+                     f"{self.reason} [decision {self.decision_id}]",)
+
+
 class DuplicateSuppressed(LoopwardenError):
     """A suppressed duplicate of a side-effecting call, refused because the integration it went through
     cannot hand back the earlier result (``where``; ``instead`` names one that can). Frameworks whose

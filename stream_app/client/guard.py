@@ -32,6 +32,11 @@ child's also its parent and depth, and a spawn-class call (``spawn=Spawn(...)``)
 the hash of its task. The tree rules (``core/fleet/trees.py``) fold here too, for the runs this process
 sees; a tree halt (this fold's or the fleet's) refuses every call of the tree's runs and every new
 child, with ``TreeHalted`` (a ``RunHalted``).
+
+Threads: ``guard.run(run_id, thread_key=..., trigger=..., caused_by_run_id=...)`` says which thread (a
+PR, an issue, a channel) the run works on and what started it; every event carries it. The thread rules
+(``core/fleet/threads.py``) fold here too; a thread halt refuses new runs on the thread at
+``Guard.run`` with ``ThreadHalted`` (a ``RunHalted``), and lets the runs going on finish.
 """
 
 from __future__ import annotations
@@ -59,8 +64,8 @@ from ..core import (
     decode_event,
 )
 from ..core.contract import MAX_ID_LENGTH, MAX_RETRY_BUDGET, TOOL_CLASSES, TRIGGERS
-from ..core.fleet import TreeFold, tree_fact
-from .errors import InvalidCall, RunHalted, TreeHalted, UsageError
+from ..core.fleet import ThreadFold, TreeFold, thread_fact, tree_fact
+from .errors import InvalidCall, RunHalted, ThreadHalted, TreeHalted, UsageError
 from .lifecycle import StartStop
 from .listener import ControlBoard, DecisionCallback, HaltListener, read_scopes
 from .publisher import (
@@ -154,6 +159,7 @@ class _LocalRules:
     def __init__(self, policy: Policy, board: ControlBoard) -> None:
         self.table = RunTable(Detector(policy))
         self.trees = TreeFold(policy.fleet)
+        self.threads = ThreadFold(policy.fleet)
         self.policy = policy
         self.board = board
         board.follow_fleet(self.follow)
@@ -169,6 +175,10 @@ class _LocalRules:
             if fact is not None:
                 for tree_decision in self.trees.observe(fact):
                     self.board.apply(tree_decision.to_control(), source="local")
+            thread = thread_fact(decoded)
+            if thread is not None:
+                for thread_decision in self.threads.observe(thread):
+                    self.board.apply(thread_decision.to_control(), source="local")
 
     def would_stop(self, event: dict[str, Any]) -> bool:
         """Whether recording ``event`` would suppress or halt, judged on a scratch copy of the run."""
@@ -364,7 +374,8 @@ class Guard(StartStop):
         (default: the parent's root when the parent is guarded here, else the parent). Raises
         ``TreeHalted`` when that tree is halted: no new child starts in it. ``thread_key``, ``trigger``
         (user, schedule, webhook, agent) and ``caused_by_run_id`` say what started the run, for the
-        rules on chains of runs."""
+        rules on chains of runs; raises ``ThreadHalted`` when the tenant's thread is halted: no new run
+        starts on it."""
         for name, value in (("run_id", run_id), ("agent_id", agent_id), ("tenant", tenant),
                             ("parent_run_id", parent_run_id), ("root_run_id", root_run_id),
                             ("thread_key", thread_key), ("caused_by_run_id", caused_by_run_id)):
@@ -383,6 +394,9 @@ class Guard(StartStop):
             halt = self.board.tree_halt(root_run_id)
             if halt is not None:
                 raise TreeHalted(halt, run_id)
+            thread_halt = self.board.thread_halt(tenant, thread_key) if thread_key is not None else None
+            if thread_halt is not None:
+                raise ThreadHalted(thread_halt, run_id)
             guarded = self._runs[run_id] = GuardedRun(self, run_id, agent_id, tenant,
                                                       local_rules and self._local is not None,
                                                       _Lineage(root_run_id, parent_run_id, depth, thread_key, trigger,

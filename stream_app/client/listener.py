@@ -73,8 +73,9 @@ class ControlBoard:
 
     Decisions of scope ``tree`` (control v1 ``scope``, keyed by ``root_run_id``) halt every run of the
     tree: the runs watched with that root (``watch(run_id, root_run_id=)``) and any started in it later.
-    A tree halt is kept whether or not a run of the tree is watched yet. Scopes this board does not know
-    (``tool``, ``thread``) are counted as ``ignored``."""
+    A tree halt is kept whether or not a run of the tree is watched yet. Decisions of scope ``thread``
+    (keyed by ``tenant`` and ``thread_key``) halt a thread: no new run starts on it (``thread_halt``),
+    the runs going on finish. Scopes this board does not know (``tool``) are counted as ``ignored``."""
 
     def __init__(
         self,
@@ -101,6 +102,8 @@ class ControlBoard:
         #: Root run id -> the tree halt in force; run id -> its tree's root (watched runs of a tree).
         self._tree_halts: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._roots: OrderedDict[str, str] = OrderedDict()
+        #: (tenant, thread key) -> the thread halt in force.
+        self._thread_halts: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._local_ids: OrderedDict[str, None] = OrderedDict()
         self._parked: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
@@ -154,6 +157,11 @@ class ControlBoard:
     def tree_halt(self, root_run_id: str) -> dict[str, Any] | None:
         """The halt in force for the sub-agent tree of ``root_run_id``, or None."""
         return self._tree_halts.get(root_run_id)
+
+    def thread_halt(self, tenant: str | None, thread_key: str) -> dict[str, Any] | None:
+        """The halt in force for ``tenant``'s thread ``thread_key`` (None: the telemetry names no
+        tenant), or None."""
+        return self._thread_halts.get((tenant or "", thread_key))
 
     def is_suppressed(self, run_id: str, tool: str, args_hash: str, now_ms: int) -> bool:
         """Whether this call must be handed the earlier result instead of being executed."""
@@ -213,6 +221,9 @@ class ControlBoard:
         scope = message.get("scope", "run")
         if scope == "tree":
             self._act_on_tree(message["root_run_id"], message, source)
+            return "applied"
+        if scope == "thread":
+            self._act_on_thread((message["tenant"], message["thread_key"]), message, source)
             return "applied"
         if scope != "run":  # a scope this board does not know yet: forward compatible
             self.counters["ignored"] += 1
@@ -289,6 +300,26 @@ class ControlBoard:
         for callback in self._callbacks:
             self._notify(callback, message)
 
+    def _act_on_thread(self, thread: tuple[str, str], message: dict[str, Any], source: Source) -> None:
+        action = message["action"]
+        log_extra = {"tenant": thread[0], "thread_key": thread[1], "decision_id": message["decision_id"],
+                     "verdict": message.get("verdict")}
+        if action == "halt":
+            if thread not in self._thread_halts:
+                self._thread_halts[thread] = message
+                if len(self._thread_halts) > self.max_parked_runs:
+                    self._thread_halts.popitem(last=False)
+                logger.info("thread halted: %s", message.get("reason"), extra=log_extra)
+        elif action == "resume":
+            self._thread_halts.pop(thread, None)
+            logger.info("thread resumed", extra=log_extra)
+        else:
+            logger.info("thread %s: %s", action, message.get("reason"), extra=log_extra)
+        self.counters["applied"] += 1
+        self.counters["local" if source == "local" else "fleet_only"] += 1
+        for callback in self._callbacks:
+            self._notify(callback, message)
+
     def _notify(self, callback: DecisionCallback, message: dict[str, Any]) -> None:
         """A callback's failure is logged, never propagated: it must not stop the next decision."""
         try:
@@ -331,15 +362,21 @@ def _decoded(raw: bytes | None) -> object:
         return None
 
 
+#: The field naming the key of each scope this board acts on (``tenant`` too for a thread).
+_SCOPE_KEYS = {"run": "run_id", "tree": "root_run_id", "thread": "thread_key"}
+
+
 def _well_formed(message: object) -> TypeGuard[dict[str, Any]]:
     """The fields the board acts on are present and typed (the rest is the writer's business)."""
     if type(message) is not dict:
         return False
     scope = message.get("scope", "run")
-    key = "run_id" if scope == "run" else "root_run_id" if scope == "tree" else "decision_id"
+    key = _SCOPE_KEYS.get(scope, "decision_id") if type(scope) is str else "decision_id"
     if type(scope) is not str or not all(
         type(message.get(name)) is str and message[name] for name in ("decision_id", key, "action")
     ):
+        return False
+    if scope == "thread" and type(message.get("tenant")) is not str:
         return False
     if message["action"] != "suppress":
         return True

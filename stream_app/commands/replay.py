@@ -38,7 +38,7 @@ from ..core import (
     parse_event,
 )
 from ..core.contract import MAX_EVENT_BYTES, micro_usd, token_count
-from ..core.fleet import ScopeDecision, TreeFact, TreeFold, tree_fact
+from ..core.fleet import ScopeDecision, ThreadFact, ThreadFold, TreeFact, TreeFold, thread_fact, tree_fact
 from ..core.runs import DEFAULT_MAX_RUNS
 
 Engine = Literal["auto", "native", "python"]
@@ -75,6 +75,8 @@ class ReplaySummary:
     halted_runs: int = 0
     #: Halted sub-agent trees (root run ids) in the order of their first halts.
     halted_trees: list[str] = field(default_factory=list)
+    #: Halted threads (``TENANT/THREAD``) in the order of their first halts.
+    halted_threads: list[str] = field(default_factory=list)
     #: The newest event time seen (0: none).
     newest_ts_ms: int = 0
 
@@ -92,6 +94,10 @@ class ReplaySummary:
             listed = self.halted_trees[:HALTED_LISTED]
             more = len(self.halted_trees) - len(listed)
             text += (f"\nhalted trees: {', '.join(listed)}" + (f" and {_count(more, 'more tree')}" if more else ""))
+        if self.halted_threads:
+            listed = self.halted_threads[:HALTED_LISTED]
+            more = len(self.halted_threads) - len(listed)
+            text += (f"\nhalted threads: {', '.join(listed)}" + (f" and {_count(more, 'more thread')}" if more else ""))
         if self.events and self.newest_ts_ms < SECONDS_LIKE_TS:
             text += ("\nwarning: every ts_ms is below 10^11, which looks like seconds, not milliseconds: windows "
                      "and run expiry would be a thousand times too long; send epoch milliseconds")
@@ -150,8 +156,10 @@ class _Writer:
     def scope_decision(self, decision: ScopeDecision) -> None:
         summary = self.summary
         summary.decisions[(decision.action, decision.verdict)] += 1
-        if decision.action == "halt" and decision.scope == "tree" and decision.key[0] not in summary.halted_trees:
-            summary.halted_trees.append(decision.key[0])
+        if decision.action == "halt":
+            halted = summary.halted_trees if decision.scope == "tree" else summary.halted_threads
+            if decision.key_text not in halted:
+                halted.append(decision.key_text)
         self.out.write(orjson.dumps(decision.to_control()) + b"\n")
         if self.flush_each:
             self.out.flush()
@@ -174,7 +182,7 @@ class _Writer:
 
 def _replay_python(lines: Iterable[bytes], policy: Policy, writer: _Writer) -> None:
     table = RunTable(Detector(policy))
-    trees = TreeFold(policy.fleet)
+    folds = _Folds(policy)
     summary = writer.summary
     runs: set[str] = set()
     for number, line in enumerate(lines, start=1):
@@ -195,24 +203,40 @@ def _replay_python(lines: Iterable[bytes], policy: Policy, writer: _Writer) -> N
             continue
         for decision in evaluation.decisions:
             writer.decision(decision)
-        _fold_tree(trees, writer, event, policy)
+        folds.event(writer, event)
         if number % 4096 == 0:
             writer.progress(number, len(table))
     summary.runs = len(runs)
 
 
-def _fold_tree(trees: TreeFold, writer: _Writer, event: TelemetryEvent, policy: Policy) -> None:
-    """The tree rules on a new event (after its run's decisions)."""
-    if (event.root_run_id is None or event.root_run_id == event.run_id) and event.tool_class not in (None, "spawn"):
-        return  # not a fact whatever the policy says (tree_fact)
-    fact = tree_fact(event, event.tool_class or policy.resolve(event.agent_id, event.tool).thresholds.tool_class)
-    if fact is not None:
-        for decision in trees.observe(fact):
-            writer.scope_decision(decision)
+class _Folds:
+    """The folds across runs (``core/fleet``), fed each new event after its run's decisions."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.trees = TreeFold(policy.fleet)
+        self.threads = ThreadFold(policy.fleet)
+
+    def event(self, writer: _Writer, event: TelemetryEvent) -> None:
+        if (event.root_run_id is not None and event.root_run_id != event.run_id) or event.tool_class in (None, "spawn"):
+            tool_class = event.tool_class or self.policy.resolve(event.agent_id, event.tool).thresholds.tool_class
+            self.tree(writer, tree_fact(event, tool_class))
+        if event.thread_key is not None:
+            self.thread(writer, thread_fact(event))
+
+    def tree(self, writer: _Writer, fact: TreeFact | None) -> None:
+        if fact is not None:
+            for decision in self.trees.observe(fact):
+                writer.scope_decision(decision)
+
+    def thread(self, writer: _Writer, fact: ThreadFact | None) -> None:
+        if fact is not None:
+            for decision in self.threads.observe(fact):
+                writer.scope_decision(decision)
 
 
 def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer, engine: Any) -> None:
-    trees = TreeFold(policy.fleet)
+    folds = _Folds(policy)
 
     def decide(event: TelemetryEvent, finding: tuple[Any, ...]) -> None:
         writer.decision(explain(event, policy.resolve(event.agent_id, event.tool).thresholds,
@@ -224,13 +248,14 @@ def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer, engi
         while True:
             stop, findings = engine.feed(chunk, start)
             facts = engine.take_facts()
-            if facts:  # the tree rules after each line's run decisions, in line order
+            if facts:  # the folds across runs after each line's run decisions, in line order
                 steps = sorted([(index, 0, n, finding) for n, (index, finding) in enumerate(findings)]
-                               + [(index, 1, n, fact) for n, (index, fact) in enumerate(facts)])
+                               + [(item[0], 1, n, item) for n, item in enumerate(facts)])
                 for index, is_fact, _, item in steps:
                     if is_fact:
-                        for decision in trees.observe(TreeFact(*item)):
-                            writer.scope_decision(decision)
+                        _, tree, thread = item
+                        folds.tree(writer, None if tree is None else TreeFact(*tree))
+                        folds.thread(writer, None if thread is None else ThreadFact(*thread))
                     else:
                         decide(parse_event(chunk[index]), item)
             else:
@@ -248,7 +273,7 @@ def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer, engi
                 for finding in event_findings:
                     decide(event, finding)
                 if not duplicate:
-                    _fold_tree(trees, writer, event, policy)
+                    folds.event(writer, event)
             start = stop + 1
         done += len(chunk)
         writer.progress(done, len(engine))

@@ -20,6 +20,7 @@ The whole tree, by the module that defines each::
     ├── SignatureRejected        bus.signing     a signature that does not verify (``reason``)
     ├── RunHalted                client.errors   the run was halted: stop calling tools (carries the decision)
     │   ├── TreeHalted           client.errors   the run's sub-agent tree was halted (no child starts in it)
+    │   ├── ThreadHalted         client.errors   the thread was halted (no new run starts on it)
     │   ├── AgentRunHalted       integrations.openai_agents  (also the SDK's AgentsException)
     │   └── GuardrailHalted      integrations.openai_agents  (also its ToolInputGuardrailTripwireTriggered)
     ├── DuplicateSuppressed      client.errors   a duplicate side effect refused where no earlier result

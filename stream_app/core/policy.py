@@ -133,6 +133,17 @@ class FleetThresholds:
     max_tree_cost_usd: float = 0.0
     #: A tree with no event for this much event time is forgotten.
     tree_ttl_ms: int = 3_600_000
+    #: A run of this generation on its thread (each run caused by the one before it on the same
+    #: thread; a user's run is generation 0) halts the thread (``self_trigger``); 0 disables.
+    self_trigger_generation: int = 3
+    #: This many consecutive scheduled runs of a thread failing with the same error class halt the
+    #: thread (``schedule_failing``); 0 disables.
+    schedule_failing_runs: int = 3
+    #: More runs than this in one hour on a thread, none of them triggered by a user, raise an alert
+    #: (``thread_rate``).
+    max_thread_runs_per_hour: int = 6
+    #: A thread with no event for this much event time is forgotten (a week: daily schedules).
+    thread_ttl_ms: int = 604_800_000
     #: Publish what would be a halt across runs as an ``alert`` (``would: halt``).
     shadow: bool = False
 
@@ -141,6 +152,12 @@ class FleetThresholds:
             _check_int(name, getattr(self, name), 0)
         _check_int("max_tree_runs", self.max_tree_runs, 1)
         _check_int("tree_ttl_ms", self.tree_ttl_ms, 1)
+        for name in ("self_trigger_generation", "max_thread_runs_per_hour"):
+            _check_int(name, getattr(self, name), 0)
+        _check_int("thread_ttl_ms", self.thread_ttl_ms, 1)
+        _check_int("schedule_failing_runs", self.schedule_failing_runs, 0)
+        if self.schedule_failing_runs == 1:
+            raise PolicyError("schedule_failing_runs: must be 0 (off) or >= 2, got 1 (one failure would halt)")
         if self.max_tree_runs >= MAX_TREE_RUNS_TRACKED:
             raise PolicyError(f"max_tree_runs: must be below {MAX_TREE_RUNS_TRACKED}, got {self.max_tree_runs!r}")
         if self.tree_task_repeats == 1:

@@ -145,3 +145,61 @@ def _task_hash(task: str) -> str:
     from ..core.normalize import FieldFilter
 
     return semantic_hash({"task": task}, FieldFilter(()), True)
+
+
+#: Kinds of thread (runs on one PR, issue or schedule) and the thread decisions each must get with the
+#: default policy.
+THREAD_KINDS: dict[str, tuple[str, ...]] = {
+    "comment_bot": ("halt/self_trigger",),  # a bot whose comment triggers its own next run
+    "nightly_auth": ("halt/schedule_failing",),  # a nightly job failing into the same auth error
+    "chatops": (),  # people asking a bot, again and again: every run a user's
+    "busy_webhook": ("alert/thread_rate",),  # 13 independent webhook runs in 40 minutes: 7 or more in one hour
+}
+DAY_MS = 86_400_000
+
+
+def simulate_threads(threads: int, seed: int = 13, start_ms: int = 1_764_000_000_000,
+                     redeliver_fraction: float = 0.02, prefix: str = "thread-",
+                     tenant: str = "acme") -> tuple[dict[str, str], list[Event]]:
+    """``threads`` threads of the ``THREAD_KINDS`` in turn (thread key -> kind), and all their runs' events
+    interleaved by time, with a fraction redelivered. Every event of a run carries its ``thread_key``,
+    ``trigger`` and, for a run another run caused, ``caused_by_run_id``, as the SDK sends them."""
+    rng = random.Random(seed)
+    kinds_of: dict[str, str] = {}
+    events: list[Event] = []
+    names = list(THREAD_KINDS)
+    for t in range(threads):
+        kind = names[t % len(names)]
+        thread = f"{prefix}{t:04d}"
+        kinds_of[thread] = kind
+        start = start_ms + rng.randrange(30_000)
+        # (run id, trigger, caused by, start, failing error class or None)
+        runs: list[tuple[str, str, str | None, int, str | None]]
+        if kind == "comment_bot":
+            runs = [(f"{thread}-u", "user", None, start, None)]
+            runs += [(f"{thread}-b{n}", "webhook", runs[-1][0] if n == 1 else f"{thread}-b{n - 1}",
+                      start + 90_000 * n, None) for n in range(1, 6)]
+        elif kind == "nightly_auth":
+            runs = [(f"{thread}-n{n}", "schedule", None, start + DAY_MS * n, "auth") for n in range(4)]
+        elif kind == "chatops":
+            runs = [(f"{thread}-c{n}", "user", None, start + 300_000 * n, None) for n in range(10)]
+        else:
+            runs = [(f"{thread}-w{n}", "webhook", None, start + 200_000 * n, None) for n in range(13)]
+        for run_id, trigger, cause, ts, failure in runs:
+            for n in range(3):
+                event: Event = {"schema_version": "1", "run_id": run_id, "event_id": f"{run_id}-{n}", "tool": "gh",
+                                "ts_ms": ts + 100 * n + rng.randrange(50), "outcome": "success",
+                                "args": {"op": f"step {n}"}, "result": f"done {n}", "tenant": tenant,
+                                "thread_key": thread, "trigger": trigger}
+                if cause is not None:
+                    event["caused_by_run_id"] = cause
+                if failure is not None and n == 2:
+                    event.update(outcome="error", error_class=failure, result="401 unauthorized")
+                events.append(event)
+    events.sort(key=lambda e: (e["ts_ms"], e["event_id"]))
+    stream: list[Event] = []
+    for event in events:
+        stream.append(event)
+        if rng.random() < redeliver_fraction:
+            stream.append(event)
+    return kinds_of, stream

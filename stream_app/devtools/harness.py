@@ -175,8 +175,8 @@ class Deployment:
         return f"{self.name}-runs-changelog"
 
     @property
-    def tree_facts_topic(self) -> str:
-        return f"{self.name}.facts.trees"
+    def facts_topic(self) -> str:
+        return f"{self.name}.facts"
 
     @property
     def scopes_topic(self) -> str:
@@ -200,7 +200,7 @@ class Deployment:
             "control_topic": self.control_topic,
             "alerts_topic": self.alerts_topic,
             "dlq_topic": self.dlq_topic,
-            "tree_facts_topic": self.tree_facts_topic,
+            "facts_topic": self.facts_topic,
             "scopes_topic": self.scopes_topic,
             "partitions": self.partitions,
             "state_dir": self.root / f"state-{index}",

@@ -10,8 +10,8 @@ Telemetry in, decisions out, per-run state in a RocksDB table with a changelog. 
   each processed once, in offset order, before its offset is committed;
 - ``store``: the table's RocksDB partitions and changelog, written a batch at a time;
 - ``relay``: foreign sources (``LOOPWARDEN_OTLP_TOPIC``) re-published as telemetry keyed by run id;
-- ``trees``: the rules across runs on sub-agent trees: the batch's tree facts re-keyed by root run id,
-  folded by an agent of their own into the trees table (``LOOPWARDEN_FLEET_RULES``).
+- ``fleet``: the rules across runs (sub-agent trees, threads): the batch's facts re-keyed by scope key,
+  folded by an agent of their own into the trees and threads tables (``LOOPWARDEN_FLEET_RULES``).
 
 One detection agent (concurrency 1, faust #606) drains the telemetry batches; the OTLP relay, when
 configured, is a second. Windows live in the core's event-time state, not in Faust windowed tables
@@ -37,16 +37,15 @@ from ..sources import Decoded
 from . import delivery
 from .batch import BatchFold, NativeBatchFold
 from .effects import DeadLetters, DecisionProducer, Effects, Topics
+from .fleet import KINDS, FactsPublisher, FleetEffects
 from .metrics import WorkerMetrics
 from .relay import SourceRelay
 from .settings import SettingsError, WorkerSettings
 from .store import RunStore
-from .trees import FactsPublisher, TreeEffects
 
 log = logging.getLogger(__name__)
 
 RUNS_TABLE = "runs"
-TREES_TABLE = "trees"
 #: How often stored runs are checked for expiry (a timer, off the per-batch path).
 SWEEP_INTERVAL_S = 0.5
 
@@ -103,13 +102,14 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
         dlq=raw_topic(app, settings.dlq_topic),
     )
     runs = _table(app, RUNS_TABLE, settings)
-    # Trees are few next to runs, and small: the two tables share the RocksDB memory budget 4:1.
-    trees = _table(app, TREES_TABLE, settings, share=4) if settings.fleet_rules else None
+    # Trees and threads are few next to runs, and small: together they get a quarter of the RocksDB memory budget.
+    fleet_tables = {kind.name: _table(app, kind.name, settings, share=4 * len(KINDS)) for kind in KINDS} \
+        if settings.fleet_rules else {}
     fold = batch_fold(settings, Detector(policy), operator_keys)
     metrics.engine.labels(engine="native" if isinstance(fold, NativeBatchFold) else "python").set(1)
     dead_letters = DeadLetters(topics.dlq, metrics)
     decisions = DecisionProducer(settings.kafka)
-    facts = FactsPublisher(settings.tree_facts_topic, settings.partitions, decisions) if trees is not None else None
+    facts = FactsPublisher(settings.facts_topic, settings.partitions, decisions) if fleet_tables else None
     effects = Effects(app, topics, RunStore(app, runs, settings.changelog_topic), fold, metrics, dead_letters,
                       signer, settings.event_source, settings.evict_scan_per_sweep, decisions, facts)
 
@@ -128,9 +128,9 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
     sinks = [delivery.BatchSink(settings.telemetry_topic, settings.batch_max, stale)]
     if settings.otlp_topic:
         sinks.append(delivery.BatchSink(settings.otlp_topic, settings.batch_max, stale))
-    if trees is not None:
-        trees_sink = delivery.BatchSink(settings.tree_facts_topic, settings.batch_max, stale)
-        sinks.append(trees_sink)
+    if fleet_tables:
+        facts_sink = delivery.BatchSink(settings.facts_topic, settings.batch_max, stale)
+        sinks.append(facts_sink)
     delivery.install(app, sinks, metrics.refetched.labels(reason="gap").inc)
 
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]  # faust's signal type wants a signal= keyword
@@ -140,26 +140,29 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
 
     runs.on_recover(effects.recount)  # loopwarden_runs_tracked: exact, for the active partitions
 
-    tree_effects = None
-    if trees is not None:
-        tree_effects = TreeEffects(app, topics, RunStore(app, trees, settings.trees_changelog_topic), policy.fleet,
-                                   metrics, dead_letters, signer, settings.event_source, decisions,
-                                   settings.evict_scan_per_sweep, settings.scopes_topic)
+    fleet_effects = None
+    if fleet_tables:
+        changelogs = {"trees": settings.trees_changelog_topic, "threads": settings.threads_changelog_topic}
+        fleet_effects = FleetEffects(topics, {name: RunStore(app, table, changelogs[name])
+                                              for name, table in fleet_tables.items()},
+                                     policy.fleet, metrics, dead_letters, signer, settings.event_source, decisions,
+                                     settings.evict_scan_per_sweep, settings.scopes_topic)
 
-        def tree_partitions() -> set[int]:
-            return {tp.partition for tp in app.consumer.assignment() if tp.topic == settings.tree_facts_topic}
+        def facts_partitions() -> set[int]:
+            return {tp.partition for tp in app.consumer.assignment() if tp.topic == settings.facts_topic}
 
-        async def recount_trees() -> None:
-            tree_effects.recount(tree_partitions())
+        for name, table in fleet_tables.items():
+            async def recount(name: str = name) -> None:
+                fleet_effects.recount(name, facts_partitions())
 
-        trees.on_recover(recount_trees)
+            table.on_recover(recount)
 
     if settings.evict_scan_per_sweep:
 
         async def expire_silent_runs() -> None:
             await fatal.run(effects.sweep())
-            if tree_effects is not None:
-                await fatal.run(tree_effects.sweep(tree_partitions()))
+            if fleet_effects is not None:
+                await fatal.run(fleet_effects.sweep(facts_partitions()))
 
         app.timer(SWEEP_INTERVAL_S)(expire_silent_runs)
 
@@ -172,9 +175,9 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
         app.agent(topic, concurrency=1, name=name)(consume)
 
     agent("loopwarden.detect", topics.telemetry, sinks[0], effects.process)
-    if tree_effects is not None:
-        agent("loopwarden.trees", raw_topic(app, settings.tree_facts_topic, settings.partitions), trees_sink,
-              tree_effects.process)
+    if fleet_effects is not None:
+        agent("loopwarden.fleet", raw_topic(app, settings.facts_topic, settings.partitions), facts_sink,
+              fleet_effects.process)
     if settings.otlp_topic:
         relay = SourceRelay(topics.telemetry, _otlp_decoder(settings), dead_letters)
         agent("loopwarden.otlp", raw_topic(app, settings.otlp_topic), sinks[1], relay.relay)

@@ -44,7 +44,7 @@ from ..core import (
     explain,
     parse_event,
 )
-from ..core.fleet import TreeFact, tree_fact
+from ..core.fleet import ThreadFact, TreeFact, thread_fact, tree_fact
 from ..core.stored import FORMAT_VERSION, decode_run, encode_run
 
 __all__ = ["BatchFold", "BatchResult", "DeadLetter", "InputRecord", "NativeBatchFold", "RawRecord", "Rekey", "Verifier",
@@ -121,8 +121,9 @@ class BatchResult:
     watermarks: dict[int, int] = field(default_factory=dict)
     #: Folded events whose runtime's policy is not the worker's: (agent id or "", their digest) -> count.
     policy_mismatches: Counter[tuple[str, str]] = field(default_factory=Counter)
-    #: Tree facts of the new events: (source partition, source offset, fact), in batch order per run.
-    facts: list[tuple[int, int, TreeFact]] = field(default_factory=list)
+    #: Tree and thread facts of the new events: (source partition, source offset, fact), in batch order per
+    #: run.
+    facts: list[tuple[int, int, TreeFact | ThreadFact]] = field(default_factory=list)
 
 
 Item = TelemetryEvent | OperatorCommand
@@ -193,6 +194,8 @@ class BatchFold:
                                          .thresholds.tool_class)
                         if fact is not None:
                             facts.append((partition, offset, fact))
+                        if item.thread_key is not None:
+                            facts.append((partition, offset, thread_fact(item)))  # type: ignore[arg-type]
                     if item.policy_digest is not None and item.policy_digest != self.policy_digest:
                         result.policy_mismatches[(item.agent_id or "", item.policy_digest)] += 1
                 run.offset = offset
@@ -275,7 +278,13 @@ class NativeBatchFold(BatchFold):
                 result.applied[outcome] += count
         for _, agent_id, digest in mismatches:
             result.policy_mismatches[(agent_id, digest)] += 1
-        result.facts.extend((records[index].partition, records[index].offset, TreeFact(*fact)) for index, fact in facts)
+        out = result.facts
+        for index, tree, thread in facts:  # each event's tree fact, then its thread fact, as the reference
+            record = records[index]
+            if tree is not None:
+                out.append((record.partition, record.offset, TreeFact(*tree)))
+            if thread is not None:
+                out.append((record.partition, record.offset, ThreadFact(*thread)))
         if deferred:
             self._merge(result, deferred, super().fold([records[i] for i in deferred], stored, now_ms))
         return result

@@ -46,10 +46,11 @@ class WorkerMetrics:
                            registry=r)
         self.engine = Gauge("loopwarden_engine_info", "The engine folding telemetry batches (1 for the one in use).",
                             ["engine"], registry=r)
-        self.tree_facts = Counter("loopwarden_tree_facts_total", "Facts of sub-agent trees folded by the tree fold "
-                                  "(redelivered: already folded, skipped by their source offset).", ["state"],
-                                  registry=r)
-        self.trees_tracked = Gauge("loopwarden_trees_tracked", "Sub-agent trees with stored state in this worker's "
-                                   "active partitions, as counted since the last recovery.", registry=r)
+        self.fleet_facts = Counter("loopwarden_fleet_facts_total", "Facts folded by the folds across runs, by fold "
+                                   "(trees, threads; redelivered: already folded, skipped by their source offset).",
+                                   ["fold", "state"], registry=r)
+        self.fleet_keys_tracked = Gauge("loopwarden_fleet_keys_tracked", "Keys (sub-agent trees, threads) with stored "
+                                        "state in this worker's active partitions, by fold, as counted since the "
+                                        "last recovery.", ["fold"], registry=r)
         self.batch_size = Histogram("loopwarden_batch_events", "Telemetry events per processed batch.",
                                     buckets=(1, 10, 50, 100, 250, 500, 1000, 2500), registry=r)

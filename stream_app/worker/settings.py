@@ -28,9 +28,9 @@ SETTINGS = SettingsTable((
     ("otlp_topic", "LOOPWARDEN_OTLP_TOPIC", "", "input: OTLP traces from the OpenTelemetry Collector's `kafka` exporter, whose tool spans become telemetry; empty: off"),
     ("otlp_encoding", "LOOPWARDEN_OTLP_ENCODING", "otlp_proto", "encoding of that topic, the exporter's `traces::encoding`: `otlp_proto` or `otlp_json`"),
     ("otlp_run_id", "LOOPWARDEN_OTLP_RUN_ID", "conversation", "run id of a tool span: `conversation` (its `gen_ai.conversation.id`, else its trace id) or `trace` (its trace id)"),
-    ("fleet_rules", "LOOPWARDEN_FLEET_RULES", "true", "fold the rules across runs (sub-agent trees: core/fleet) on re-keyed facts; false: per-run rules only"),
-    ("scopes_topic", "LOOPWARDEN_SCOPES_TOPIC", "loopwarden.scopes", "output: the halts of scopes wider than a run (sub-agent trees) in force, compacted, keyed by scope key, signed, with their expiry; runtimes read it from the start"),
-    ("tree_facts_topic", "LOOPWARDEN_TREE_FACTS_TOPIC", "loopwarden.facts.trees", "internal: the facts of sub-agent trees, keyed by root run id (LOOPWARDEN_PARTITIONS partitions)"),
+    ("fleet_rules", "LOOPWARDEN_FLEET_RULES", "true", "fold the rules across runs (sub-agent trees, self-triggering threads: core/fleet) on re-keyed facts; false: per-run rules only"),
+    ("scopes_topic", "LOOPWARDEN_SCOPES_TOPIC", "loopwarden.scopes", "output: the halts of scopes wider than a run (sub-agent trees, threads) in force, compacted, keyed by scope key, signed, with their expiry; runtimes read it from the start"),
+    ("facts_topic", "LOOPWARDEN_FACTS_TOPIC", "loopwarden.facts", "internal: the facts the folds across runs learn from telemetry, keyed by scope key (`tree/ROOT`, `thread/TENANT/THREAD`; LOOPWARDEN_PARTITIONS partitions)"),
     ("partitions", "LOOPWARDEN_PARTITIONS", "8", "partitions of the telemetry topic and the state table (must match)"),
     ("replication_factor", "LOOPWARDEN_REPLICATION_FACTOR", "1", "replication factor of topics the worker creates"),
     ("create_topics", "LOOPWARDEN_CREATE_TOPICS", "true", "create missing topics at start-up"),
@@ -85,7 +85,7 @@ class WorkerSettings:
     otlp_run_id: str
     fleet_rules: bool
     scopes_topic: str
-    tree_facts_topic: str
+    facts_topic: str
     partitions: int
     replication_factor: int
     create_topics: bool
@@ -124,6 +124,10 @@ class WorkerSettings:
     def trees_changelog_topic(self) -> str:
         return f"{self.app_id}-trees-changelog"
 
+    @property
+    def threads_changelog_topic(self) -> str:
+        return f"{self.app_id}-threads-changelog"
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerSettings:
         """Build and validate the settings; raise SettingsError naming the variable at fault."""
@@ -154,11 +158,11 @@ class WorkerSettings:
         if values["otlp_run_id"] not in ("conversation", "trace"):
             raise SettingsError(f"LOOPWARDEN_OTLP_RUN_ID={values['otlp_run_id']!r}: expected conversation or trace")
         own = (values["telemetry_topic"], values["control_topic"], values["alerts_topic"], values["dlq_topic"])
-        if values["scopes_topic"] in (*own, values["tree_facts_topic"]):
+        if values["scopes_topic"] in (*own, values["facts_topic"]):
             raise SettingsError(f"LOOPWARDEN_SCOPES_TOPIC={values['scopes_topic']!r} is another of the worker's topics; "
                                 "it needs one of its own (compacted)")
-        if values["tree_facts_topic"] in own:
-            raise SettingsError(f"LOOPWARDEN_TREE_FACTS_TOPIC={values['tree_facts_topic']!r} is another of the worker's "
+        if values["facts_topic"] in own:
+            raise SettingsError(f"LOOPWARDEN_FACTS_TOPIC={values['facts_topic']!r} is another of the worker's "
                                 "topics; it needs one of its own")
         if values["otlp_topic"] and values["otlp_topic"] in (
                 values["telemetry_topic"], values["control_topic"], values["alerts_topic"], values["dlq_topic"]):

@@ -300,10 +300,10 @@ def test_topic_job_creates_the_workers_topics(tmp_path: Path) -> None:
                                   settings.dlq_topic)}
         expected[settings.changelog_topic] = (settings.partitions, settings.replication_factor,
                                               ["cleanup.policy=compact"])
-        assert settings.fleet_rules  # the rules across runs: the tree facts and the trees table's changelog
-        expected[settings.tree_facts_topic] = (settings.partitions, settings.replication_factor, [])
-        expected[settings.trees_changelog_topic] = (settings.partitions, settings.replication_factor,
-                                                    ["cleanup.policy=compact"])
+        assert settings.fleet_rules  # the rules across runs: the facts, the trees' and threads' changelogs
+        expected[settings.facts_topic] = (settings.partitions, settings.replication_factor, [])
+        for changelog in (settings.trees_changelog_topic, settings.threads_changelog_topic):
+            expected[changelog] = (settings.partitions, settings.replication_factor, ["cleanup.policy=compact"])
         expected[settings.scopes_topic] = (settings.partitions, settings.replication_factor, ["cleanup.policy=compact"])
         assert created == expected
 

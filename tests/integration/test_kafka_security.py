@@ -62,7 +62,7 @@ def deployment(secure_kafka: SecureKafka, tmp_path_factory: pytest.TempPathFacto
     acls = LoopwardenAcls(worker="worker", runtimes=["runtime-a"], notify=["notify"], operators=["operator"],
                           app_id=fleet.name, telemetry_topic=fleet.telemetry_topic, control_topic=fleet.control_topic,
                           alerts_topic=fleet.alerts_topic, dlq_topic=fleet.dlq_topic,
-                          tree_facts_topic=fleet.tree_facts_topic, scopes_topic=fleet.scopes_topic)
+                          facts_topic=fleet.facts_topic, scopes_topic=fleet.scopes_topic)
     secure_kafka.broker.create_topics(acls.topic_specs(PARTITIONS))
     secure_kafka.broker.add_acls(acls.commands())
     seed = halt_of("run-seed")

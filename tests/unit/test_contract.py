@@ -181,3 +181,29 @@ def test_every_tree_decision_validates_and_names_no_run() -> None:
                 with pytest.raises(Exception, match="should not be valid"):
                     validator.validate({**message, "run_id": "root"})
     assert verdicts == {"tree_depth", "tree_recursion", "tree_fanout", "tree_budget"}
+
+
+def test_every_thread_decision_validates_and_names_no_run() -> None:
+    """Scope-thread decisions (each thread rule, its shadow form) validate against control.v1.json and
+    carry the thread's tenant and key, never a run_id."""
+    from stream_app.core.fleet import ThreadFact, ThreadFold
+    from stream_app.core.policy import FleetThresholds
+
+    validator = _validator("control.v1.json")
+    day = 86_400_000
+    facts = [ThreadFact("", "pr-1", f"b{i}", f"e{i}", i, "webhook", f"b{i - 1}" if i else None, None)
+             for i in range(8)]
+    facts += [ThreadFact("acme", "nightly", f"s{i}", f"f{i}", i * day, "schedule", None, "auth") for i in range(3)]
+    verdicts = set()
+    for shadow in (False, True):
+        fold = ThreadFold(FleetThresholds(shadow=shadow))
+        for f in facts:
+            for decision in fold.observe(f):
+                message = decision.to_control()
+                validator.validate(message)
+                verdicts.add(decision.verdict)
+                with pytest.raises(Exception, match="should not be valid"):
+                    validator.validate({**message, "run_id": "b1"})
+                with pytest.raises(Exception, match="thread_key"):
+                    validator.validate({k: v for k, v in message.items() if k != "thread_key"})
+    assert verdicts == {"self_trigger", "schedule_failing", "thread_rate"}

@@ -104,6 +104,8 @@ POLICIES = [
     Policy.from_mapping({"tools": {"code": {"tool_class": "spawn"}},
                          "fleet": {"max_tree_depth": 1, "max_tree_runs": 3, "tree_task_repeats": 2,
                                    "max_tree_cost_usd": 1.0}}),
+    Policy.from_mapping({"fleet": {"self_trigger_generation": 1, "schedule_failing_runs": 2,
+                                   "max_thread_runs_per_hour": 1}}),
 ]
 
 tools = st.sampled_from(["search", "send", "code", "log", "fetch"])
@@ -165,6 +167,16 @@ def telemetry_lines(draw) -> list[bytes]:
                                  ("depth", st.integers(0, 3)), ("child_run_id", st.sampled_from(["r2", "r3", "k"])),
                                  ("child_agent_id", st.just("w")), ("task_hash", st.sampled_from(["a" * 16, "b" * 16])),
                                  ("cost_usd", st.sampled_from([0.4, 0.7]))):
+                if draw(st.booleans()):
+                    event[name] = draw(values)
+        if draw(st.booleans()):  # threads: runs causing runs, schedules failing
+            event["thread_key"] = draw(st.sampled_from(["pr-1", "pr-1", "pr-1", "pr-2", ""]))
+            # r1 and r2 mostly scheduled (failing streaks), r3 caused by others (generations)
+            trigger = {"r1": "schedule", "r2": "schedule", "r3": "webhook"}[event["run_id"]]
+            for name, values in (("trigger", st.sampled_from([trigger, trigger, "user", "agent"])),
+                                 ("caused_by_run_id", st.sampled_from(["r1", "r2", "r3"])),
+                                 ("error_class", st.sampled_from(["auth", "auth", "http_500"])),
+                                 ("tenant", st.just("t"))):
                 if draw(st.booleans()):
                     event[name] = draw(values)
         line = orjson.dumps(event)
@@ -240,3 +252,17 @@ def test_the_fast_path_never_accepts_a_line_the_reference_refuses(mutations) -> 
             parse_event(line)
         except InvalidEvent as exc:
             raise AssertionError(f"fast path accepted {line!r}, reference refuses: {exc}") from exc
+
+
+def test_replay_of_trees_and_threads_is_byte_identical_and_reaches_every_rule_across_runs() -> None:
+    """The simulated trees and threads (each kind with its expected decisions) through both engines."""
+    from stream_app.devtools.fleet_sim import simulate_threads, simulate_trees
+
+    events = simulate_trees(4)[1] + simulate_threads(8)[1]
+    events.sort(key=lambda e: (e["ts_ms"], e["event_id"]))
+    lines = [orjson.dumps(e) + b"\n" for e in events]
+    native = _run(lines, Policy(), "native")
+    assert native == _run(lines, Policy(), "python")
+    verdicts = {(m["action"], m["verdict"]) for m in map(orjson.loads, native[0].splitlines())}
+    assert {("halt", "self_trigger"), ("halt", "schedule_failing"), ("alert", "thread_rate"),
+            ("halt", "tree_depth"), ("halt", "tree_recursion"), ("halt", "tree_fanout")} <= verdicts

@@ -5,6 +5,8 @@ from compact facts the per-run side extracts from each new (not redelivered) eve
 
 * ``trees``: sub-agent trees, keyed by root run id (``tree_depth``, ``tree_recursion``, ``tree_fanout``,
   ``tree_budget``).
+* ``threads``: self-triggering chains, keyed by (tenant, thread key) (``self_trigger``,
+  ``schedule_failing``, ``thread_rate``).
 
 A decision here is a ``ScopeDecision``: it names its scope and key (control v1's ``scope`` and key
 fields), never a ``run_id`` an older runtime would act on, and its id is derived from (scope, key,
@@ -16,6 +18,8 @@ in the order this fold saw them). Pure like the rest of the core: no I/O, time f
 from __future__ import annotations
 
 from .scope import SCOPES, ScopeDecision, scope_decision_id
+from .threads import ThreadFact, ThreadFold, ThreadState, thread_fact
 from .trees import TreeFact, TreeFold, TreeState, tree_fact
 
-__all__ = ["SCOPES", "ScopeDecision", "TreeFact", "TreeFold", "TreeState", "scope_decision_id", "tree_fact"]
+__all__ = ["SCOPES", "ScopeDecision", "ThreadFact", "ThreadFold", "ThreadState", "TreeFact", "TreeFold", "TreeState",
+           "scope_decision_id", "thread_fact", "tree_fact"]

@@ -64,4 +64,11 @@ class ScopeDecision:
     @property
     def key_text(self) -> str:
         """The key as one string (the partition key of the re-keyed topics and of the scopes topic)."""
-        return "/".join(self.key)
+        return key_text(self.key)
+
+
+def key_text(key: tuple[str, ...]) -> str:
+    """A scope key as one unambiguous string: its parts joined by ``/``, each but the last with ``%`` and
+    ``/`` escaped (``acme/pr-7``; a tenant ``a/b`` gives ``a%2Fb/...``)."""
+    *head, last = key
+    return "/".join([*(part.replace("%", "%25").replace("/", "%2F") for part in head), last])

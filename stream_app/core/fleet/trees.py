@@ -57,6 +57,10 @@ class TreeFact:
     task_hash: str | None
     tenant: str | None
 
+    @property
+    def key_text(self) -> str:
+        return self.root
+
     def to_tuple(self) -> tuple[Any, ...]:
         return (self.root, self.run_id, self.event_id, self.ts_ms, self.parent, self.depth, self.cost_micro,
                 self.spawn, self.child_run_id, self.child_agent_id, self.task_hash, self.tenant)

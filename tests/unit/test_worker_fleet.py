@@ -1,5 +1,6 @@
-"""The fleet's tree fold (stream_app/worker/trees.py) without Kafka: facts in, decisions and tree records
-out, each fact counted once however often it comes, and a failed batch leaving nothing folded."""
+"""The fleet's keyed folds (stream_app/worker/fleet.py) without Kafka: facts in, decisions and tree and
+thread records out, each fact counted once however often it comes, and a failed batch leaving nothing
+folded."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import pytest
 
 pytest.importorskip("faust")
 
-from stream_app.core.fleet import TreeFact, TreeState
+from stream_app.core.fleet import ThreadFact, ThreadState, TreeFact, TreeState
 from stream_app.core.policy import FleetThresholds
+from stream_app.worker.fleet import FACTS_FORMAT, FactsPublisher, FleetEffects, decode_facts, partition_of
 from stream_app.worker.metrics import WorkerMetrics
-from stream_app.worker.trees import FACTS_FORMAT, FactsPublisher, TreeEffects, decode_facts, partition_of
 
 
 @dataclass
@@ -80,18 +81,19 @@ class _DeadLetters:
         self.sent.append((record, error))
 
 
-def _effects(**fleet: Any) -> tuple[TreeEffects, _Store, _Producer, _DeadLetters, WorkerMetrics]:
+def _effects(**fleet: Any) -> tuple[FleetEffects, _Store, _Producer, _DeadLetters, WorkerMetrics]:
+    """The effects with the trees' store (returned) and the threads' (``effects.stores["threads"]``)."""
     store, producer, dead, metrics = _Store(), _Producer(), _DeadLetters(), WorkerMetrics()
     topics: Any = type("T", (), {"control": _Topic("control"), "alerts": _Topic("alerts")})()
-    effects = TreeEffects(None, topics, store, FleetThresholds(**fleet), metrics, dead, None,  # type: ignore[arg-type]
-                          "/test", producer, 10)  # type: ignore[arg-type]
+    effects = FleetEffects(topics, {"trees": store, "threads": _Store()}, FleetThresholds(**fleet),  # type: ignore[dict-item]
+                           metrics, dead, None, "/test", producer, 10, "scopes")  # type: ignore[arg-type]
     return effects, store, producer, dead, metrics
 
 
 def _spawns(root: str, first: int, count: int, source_partition: int = 0) -> bytes:
     facts = [[source_partition, first + n, root, root, f"{root}-{first + n}", 1000 + first + n, None, None, 0, True,
               f"{root}-kid{first + n}", "w", f"{first + n:016d}", "acme"] for n in range(count)]
-    return orjson.dumps({"v": FACTS_FORMAT, "facts": facts})
+    return orjson.dumps({"v": FACTS_FORMAT, "trees": facts})
 
 
 async def test_a_redelivered_batch_of_facts_counts_once() -> None:
@@ -102,7 +104,7 @@ async def test_a_redelivered_batch_of_facts_counts_once() -> None:
     await effects.process([_Record(0, 2, _spawns("root", 3, 6))])  # half of them again, then 3 new
     state = TreeState.decode(store.data[(0, b"root")])
     assert len(state.depth) == 10 and state.sources == {"0": 8}
-    assert metrics.tree_facts.labels(state="redelivered")._value.get() == 9
+    assert metrics.fleet_facts.labels(fold="trees", state="redelivered")._value.get() == 9
     await effects.process([_Record(0, 3, _spawns("root", 9, 1))])  # the 11th run
     controls = [orjson.loads(v) for t, _, v in producer.sent if t == "control"]
     assert [(c["action"], c["verdict"]) for c in controls] == [("alert", "tree_fanout"), ("halt", "tree_fanout")]
@@ -126,21 +128,44 @@ async def test_a_batch_whose_decisions_were_not_acknowledged_leaves_no_folded_st
 
 async def test_bad_facts_go_to_the_dead_letters_and_the_rest_is_folded() -> None:
     effects, store, _, dead, _ = _effects()
-    await effects.process([_Record(0, 0, b"{nope"), _Record(0, 1, orjson.dumps({"v": 9, "facts": []})),
-                           _Record(0, 2, _spawns("root", 0, 1))])
-    assert [e.field for _, e in dead.sent] == ["facts", "facts"]
+    await effects.process([_Record(0, 0, b"{nope"), _Record(0, 1, orjson.dumps({"v": 9, "trees": []})),
+                           _Record(0, 2, orjson.dumps({"v": FACTS_FORMAT, "threads": [[0, 1, "t", "k"]]})),
+                           _Record(0, 3, orjson.dumps({"v": FACTS_FORMAT, "threads": [[0, 1, "t", 5, "r", "e", 1, None,
+                                                                                       None, None]]})),
+                           _Record(0, 4, _spawns("root", 0, 1))])
+    assert [e.field for _, e in dead.sent] == ["facts", "facts", "threads", "threads"]
     assert (0, b"root") in store.data
 
 
-async def test_facts_are_published_to_the_partition_of_their_root() -> None:
+async def test_facts_are_published_to_the_partition_of_their_scope_key() -> None:
     producer = _Producer()
     publisher = FactsPublisher("facts", 8, producer)  # type: ignore[arg-type]
-    facts = [(3, n, TreeFact(f"root-{n % 3}", "r", f"e{n}", n, None, None, 0, True, None, None, None, None))
-             for n in range(9)]
+    facts: list[tuple[int, int, Any]] = [
+        (3, n, TreeFact(f"root-{n % 3}", "r", f"e{n}", n, None, None, 0, True, None, None, None, None))
+        for n in range(9)]
+    facts += [(3, 9 + n, ThreadFact("acme", f"pr-{n % 3}", "r", f"t{n}", n, "webhook", None, None)) for n in range(6)]
     await asyncio.gather(*await publisher.send(facts))
     by_partition = {int(key): decode_facts(value) for _, key, value in producer.sent}
-    assert len(producer.sent) == len({partition_of(f"root-{n}", 8) for n in range(3)})
+    keys = {f"tree/root-{n}" for n in range(3)} | {f"thread/acme/pr-{n}" for n in range(3)}
+    assert len(producer.sent) == len({partition_of(key, 8) for key in keys})  # one message per partition
     for partition, items in by_partition.items():
-        assert {fact.root for _, _, fact in items} <= {f"root-{n}" for n in range(3) if partition_of(f"root-{n}", 8)
-                                                       == partition}
-    assert sorted(offset for items in by_partition.values() for _, offset, _ in items) == list(range(9))
+        for kind, _, _, fact in items:
+            assert partition_of(f"{kind.scope}/{fact.key_text}", 8) == partition
+    assert sorted(offset for items in by_partition.values() for _, _, offset, _ in items) == list(range(15))
+
+
+async def test_a_thread_halt_goes_to_control_alerts_and_the_scopes_topic_with_the_threads_expiry() -> None:
+    effects, _, producer, _, metrics = _effects()
+    facts = [[0, n, "acme", "pr-7", f"b{n}", f"e{n}", 1_000 + n, "webhook", f"b{n - 1}" if n else None, None]
+             for n in range(5)]
+    await effects.process([_Record(1, 0, orjson.dumps({"v": FACTS_FORMAT, "threads": facts}))])
+    sent = {topic: (key, orjson.loads(value)) for topic, key, value in producer.sent}
+    assert set(sent) == {"control", "alerts", "scopes"}
+    key, halt = sent["scopes"]
+    assert key == b"thread/acme/pr-7" and halt["verdict"] == "self_trigger" and halt["trigger_event_id"] == "e3"
+    assert halt["expires_ms"] == 1_003 + FleetThresholds().thread_ttl_ms
+    state = ThreadState.decode(effects.stores["threads"].data[(1, b"acme/pr-7")])  # type: ignore[attr-defined]
+    assert state.sources == {"0": 4} and len(state.runs) == 5
+    assert metrics.fleet_facts.labels(fold="threads", state="folded")._value.get() == 5
+    await effects.process([_Record(1, 1, orjson.dumps({"v": FACTS_FORMAT, "threads": facts}))])  # again
+    assert len(producer.sent) == 3 and metrics.fleet_facts.labels(fold="threads", state="redelivered")._value.get() == 5

@@ -1,5 +1,5 @@
-"""Sub-agent trees folded by the fleet on the real broker: the per-run workers publish tree facts
-re-keyed by root run id, the tree fold decides, and two workers agree with replay."""
+"""The folds across runs on the real broker: the per-run workers publish tree and thread facts re-keyed
+by scope key, the keyed folds decide, and two workers agree with replay."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ import orjson
 import pytest
 
 from stream_app.bus.wire import header
-from stream_app.client import Guard, KafkaClientConfig, TreeHalted
+from stream_app.client import Guard, KafkaClientConfig, ThreadHalted, TreeHalted
 from stream_app.commands.replay import replay
 from stream_app.core import Policy
-from stream_app.devtools.fleet_sim import TREE_KINDS, simulate_trees
+from stream_app.core.fleet import SCOPES
+from stream_app.devtools.fleet_sim import THREAD_KINDS, TREE_KINDS, simulate_threads, simulate_trees
 from stream_app.devtools.harness import metric_total
-from stream_app.worker.trees import partition_of
+from stream_app.worker.fleet import partition_of
 
 from .workers import Fleet, consume, decisions_of, produce, run
 
@@ -35,22 +36,28 @@ def _replayed(stream: list[dict[str, Any]], policy: Policy | None = None) -> lis
 
 
 def _key(d: dict[str, Any]) -> tuple[Any, ...]:
-    return (d.get("scope", "run"), d.get("root_run_id", d.get("run_id")), d["action"], d["verdict"], d["decision_id"])
+    scope = d.get("scope", "run")
+    return (scope, tuple(d[name] for name in SCOPES[scope]), d["action"], d["verdict"], d["decision_id"])
 
 
-def test_two_workers_make_the_tree_decisions_replay_makes(kafka_bootstrap: str, tmp_path: Path) -> None:
-    """Trees whose runs sit on every partition, folded by two workers that each own half of them: the set
-    of (scope, key, action, verdict, decision_id) equals replay's, every decision once; tree decisions
-    name no run and also reach the alerts topic. Then a runtime that starts later, reading no control
-    history (lookback 0), learns a tree's halt from the compacted scopes topic and refuses a new child of
-    it, while a run of another tree goes on."""
+def test_two_workers_make_the_tree_and_thread_decisions_replay_makes(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """Trees and threads whose runs sit on every partition, folded by two workers that each own half of
+    them: the set of (scope, key, action, verdict, decision_id) equals replay's, every decision once;
+    scope decisions name no run and also reach the alerts topic. Then a runtime that starts later, reading
+    no control history (lookback 0), learns a tree's and a thread's halt from the compacted scopes topic:
+    it refuses a new child of the tree and a new run on the thread, while another tree's run goes on."""
     now = int(time.time() * 1000)
-    kinds, stream = simulate_trees(16, seed=5, start_ms=now - 60_000)  # recent: the scope halts are in force
+    kinds, trees_stream = simulate_trees(16, seed=5, start_ms=now - 60_000)  # recent: the halts are in force
+    thread_kinds, threads_stream = simulate_threads(16, seed=5, start_ms=now - 5 * 86_400_000)
+    stream = sorted(trees_stream + threads_stream, key=lambda e: e["ts_ms"])
     roots = list(kinds)
-    assert {partition_of(root, PARTITIONS) for root in roots} == set(range(PARTITIONS))  # trees on every partition
+    assert {partition_of(f"tree/{root}", PARTITIONS) for root in roots} == set(range(PARTITIONS))  # every partition
+    assert {partition_of(f"thread/acme/{thread}", PARTITIONS) for thread in thread_kinds} == set(range(PARTITIONS))
     expected = _replayed(stream)
-    tree_expected = [d for d in expected if d.get("scope") == "tree"]
-    assert len(tree_expected) == sum(len(TREE_KINDS[k]) for k in kinds.values())
+    tree_expected = [d for d in expected if d.get("scope") in ("tree", "thread")]
+    assert len([d for d in tree_expected if d["scope"] == "tree"]) == sum(len(TREE_KINDS[k]) for k in kinds.values())
+    assert len([d for d in tree_expected if d["scope"] == "thread"]) == sum(len(THREAD_KINDS[k])
+                                                                           for k in thread_kinds.values())
     fleet = Fleet(kafka_bootstrap, tmp_path, partitions=PARTITIONS, settings=RULES)
     fleet.start_worker()
     fleet.start_worker()
@@ -67,15 +74,20 @@ def test_two_workers_make_the_tree_decisions_replay_makes(kafka_bootstrap: str, 
             if message.get("scope") == "tree":
                 assert "run_id" not in message and record.key == message["root_run_id"].encode()
                 assert header(record.headers, "ce_subject") == f"tree/{message['root_run_id']}".encode()
-        tree_alerts = {d["decision_id"] for d in decisions_of(alerts) if d.get("scope") == "tree"}
+            if message.get("scope") == "thread":
+                assert "run_id" not in message and record.key == f"acme/{message['thread_key']}".encode()
+        tree_alerts = {d["decision_id"] for d in decisions_of(alerts) if d.get("scope") in ("tree", "thread")}
         assert tree_alerts == {d["decision_id"] for d in tree_expected}
-        folded = [metric_total(m, "loopwarden_tree_facts_total") for m in fleet.scrape()]
-        assert all(n > 0 for n in folded), folded  # both workers folded trees
+        for fold in ("trees", "threads"):  # both workers folded both kinds
+            folded = [metric_total(m, f'loopwarden_fleet_facts_total{{fold="{fold}",state="folded"}}')
+                      for m in fleet.scrape()]
+            assert all(n > 0 for n in folded), (fold, folded)
 
         deep = next(root for root, kind in kinds.items() if kind == "runaway_depth")
-        halts = sum(d["action"] == "halt" and d.get("scope") == "tree" for d in tree_expected)
+        bot = next(thread for thread, kind in thread_kinds.items() if kind == "comment_bot")
+        halts = sum(d["action"] == "halt" for d in tree_expected)
         scopes = run(consume(kafka_bootstrap, fleet.scopes_topic, halts, timeout=10, settle=0.5))
-        assert f"tree/{deep}".encode() in {r.key for r in scopes}
+        assert {f"tree/{deep}".encode(), f"thread/acme/{bot}".encode()} <= {r.key for r in scopes}
         assert all(orjson.loads(r.value)["expires_ms"] > now for r in scopes)
 
         async def late_runtime() -> None:
@@ -86,6 +98,10 @@ def test_two_workers_make_the_tree_decisions_replay_makes(kafka_bootstrap: str, 
                     guard.run(f"{deep}-late", parent_run_id=f"{deep}-d3", root_run_id=deep)
                 assert info.value.verdict == "tree_depth"
                 assert guard.run("another-root").call is not None  # another tree is not concerned
+                with pytest.raises(ThreadHalted) as halted:
+                    guard.run(f"{bot}-b9", tenant="acme", thread_key=bot, trigger="webhook",
+                              caused_by_run_id=f"{bot}-b5")
+                assert halted.value.verdict == "self_trigger"
 
         run(late_runtime())
     finally:
@@ -117,13 +133,13 @@ def test_facts_folded_again_after_a_crash_count_once(kafka_bootstrap: str, tmp_p
         redelivered = 0.0
         while time.monotonic() < deadline and redelivered == 0:
             time.sleep(0.5)
-            redelivered = metric_total(second.metrics(), "loopwarden_tree_facts_total")
+            redelivered = metric_total(second.metrics(), "loopwarden_fleet_facts_total")
         time.sleep(1.0)
         again = run(consume(kafka_bootstrap, fleet.control_topic, len(expected), timeout=10, settle=1.0))
         got = [_key(d) for d in decisions_of(again) if d.get("scope") == "tree"]
         assert set(got) == {_key(d) for d in expected if d.get("scope") == "tree"}, second.log_tail()
         samples = second.metrics()
-        assert samples.get('loopwarden_tree_facts_total{state="redelivered"}', 0) > 0, samples
+        assert samples.get('loopwarden_fleet_facts_total{fold="trees",state="redelivered"}', 0) > 0, samples
     finally:
         fleet.stop()
 

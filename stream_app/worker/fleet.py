@@ -1,0 +1,302 @@
+"""The rules across runs in the fleet: facts re-keyed by scope key, folded by keyed folds of their own.
+
+The per-run side (``Effects``) takes each batch's facts (``BatchResult.facts``: what new events tell the
+folds of ``core/fleet``, a ``TreeFact`` or a ``ThreadFact``, each with its source telemetry partition and
+offset) and publishes them to the facts topic (``FactsPublisher``): one message per facts-topic partition
+per batch, the partition Kafka's default partitioner gives the fact's scope key (``tree/ROOT``,
+``thread/TENANT/THREAD``), so a key's facts always meet in one partition, in the order each source
+partition produced them. Like decisions, their acknowledgement is awaited before the runs' state is
+written: a crash can publish a batch's facts again, never lose them.
+
+``FleetEffects.process`` is the body of the facts topic's agent (``delivery`` hands it batches, in offset
+order, committed once processed). Each kind of key (``KINDS``: trees, threads) has its own table (RocksDB,
+changelog, standbys: as the runs table), co-partitioned with the facts topic. For each key of the batch:
+
+1. its stored record is read from its kind's table;
+2. facts at or below the key's high-water offset of their source partition were folded before (a batch
+   published again after a crash, or facts fetched again) and are skipped, so each counts once;
+3. the rest are folded (``core.fleet.trees.fold``, ``core.fleet.threads.fold``);
+4. the decisions (scope ``tree`` or ``thread``, keyed by the scope key; signed) go to the control topic,
+   and to the alerts topic for on-call; a halt also goes to the scopes topic (compacted, keyed
+   ``SCOPE/KEY``, with ``expires_ms``: the trigger's time + the kind's ttl), which runtimes read from its
+   beginning when they start, so one started later still refuses a halted tree's children or a halted
+   thread's new runs. All are acknowledged before the keys' new records are written.
+
+A key with no fact for its kind's ttl of event time is forgotten by the sweep, a few per partition per
+sweep, as the runs' sweep does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiokafka.partitioner import murmur2
+
+from ..bus.signing import Signer
+from ..bus.wire import encode_scope_control
+from ..core import InvalidEvent
+from ..core.fleet import ScopeDecision, ThreadFact, ThreadState, TreeFact, TreeState, threads, trees
+from ..core.policy import FleetThresholds
+from ..core.stored import StoredRecordError
+from .delivery import Record
+from .effects import DeadLetters, DecisionProducer, Topics
+from .metrics import WorkerMetrics
+from .store import Change, RunStore
+
+log = logging.getLogger(__name__)
+
+FACTS_FORMAT = 1
+#: Decoded states kept between batches (a key's record is decoded again only when what is stored is not
+#: what this worker wrote last: after a rebalance, a recovery, a sweep).
+DECODED_KEYS = 4096
+
+Fact = TreeFact | ThreadFact
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of key the fleet folds: its scope, facts, state and fold."""
+
+    scope: str
+    #: The facts message's field for this kind, and the table's name.
+    name: str
+    label: str
+    fact: type[Any]
+    arity: int
+    #: Fields (of ``fact``) that must be a string, and an integer, in a fact read back.
+    strings: tuple[str, ...]
+    integers: tuple[str, ...]
+    state: type[Any]
+    fold: Callable[[FleetThresholds, Any, Any], tuple[ScopeDecision, ...]]
+    ttl_ms: Callable[[FleetThresholds], int]
+
+
+TREES = Kind("tree", "trees", "sub-agent tree", TreeFact, 12, ("root", "run_id", "event_id"), ("ts_ms", "cost_micro"),
+             TreeState, trees.fold, lambda fleet: fleet.tree_ttl_ms)
+THREADS = Kind("thread", "threads", "thread", ThreadFact, 8, ("tenant", "thread_key", "run_id", "event_id"), ("ts_ms",),
+               ThreadState, threads.fold, lambda fleet: fleet.thread_ttl_ms)
+KINDS: tuple[Kind, ...] = (TREES, THREADS)
+_KIND_OF: dict[type[Any], Kind] = {kind.fact: kind for kind in KINDS}
+
+
+def partition_of(scope_key: str, partitions: int) -> int:
+    """The facts topic partition of a scope key (``tree/ROOT``): Kafka's default partitioner on it."""
+    return int(murmur2(scope_key.encode()) & 0x7FFFFFFF) % partitions
+
+
+def scope_key(fact: Fact) -> str:
+    return f"{_KIND_OF[type(fact)].scope}/{fact.key_text}"
+
+
+class FactsPublisher:
+    """The per-run side's half: a batch's facts to the facts topic, one message per partition."""
+
+    def __init__(self, topic: str, partitions: int, producer: DecisionProducer) -> None:
+        self.topic = topic
+        self.partitions = partitions
+        self.producer = producer
+
+    async def send(self, facts: Sequence[tuple[int, int, Fact]]) -> list[asyncio.Future[Any]]:
+        """Queue the facts; the futures resolve when the broker has them."""
+        by_partition: dict[int, dict[str, list[list[Any]]]] = {}
+        partitions = self.partitions
+        for source_partition, offset, fact in facts:
+            kind = _KIND_OF[type(fact)]
+            message = by_partition.setdefault(partition_of(f"{kind.scope}/{fact.key_text}", partitions), {})
+            message.setdefault(kind.name, []).append([source_partition, offset, *fact.to_tuple()])
+        pending = []
+        for partition, items in by_partition.items():
+            value = orjson.dumps({"v": FACTS_FORMAT, **items})
+            pending.append(await self.producer.send_to(self.topic, partition, value))
+        return pending
+
+
+def decode_facts(value: bytes | None) -> list[tuple[Kind, int, int, Any]]:
+    """The facts of one facts-topic message as (kind, source partition, offset, fact); InvalidEvent
+    naming what is wrong."""
+    try:
+        obj = orjson.loads(value or b"")
+    except orjson.JSONDecodeError as exc:
+        raise InvalidEvent("facts", f"not JSON: {exc.msg}") from exc
+    if type(obj) is not dict or obj.get("v") != FACTS_FORMAT:
+        raise InvalidEvent("facts", f"not a facts message of format {FACTS_FORMAT}")
+    out = []
+    for kind in KINDS:
+        items = obj.get(kind.name, [])
+        if type(items) is not list:
+            raise InvalidEvent(kind.name, "must be a list of facts")
+        for item in items:
+            if type(item) is not list or len(item) != kind.arity + 2:
+                raise InvalidEvent(kind.name, f"a fact must be a list of {kind.arity + 2} fields")
+            source_partition, offset, *fields = item
+            try:
+                fact = kind.fact(*fields)
+            except TypeError as exc:
+                raise InvalidEvent(kind.name, str(exc)) from exc
+            if type(source_partition) is not int or type(offset) is not int \
+                    or any(type(getattr(fact, name)) is not str for name in kind.strings) \
+                    or any(type(getattr(fact, name)) is not int for name in kind.integers):
+                raise InvalidEvent(kind.name, f"a fact's source, {', '.join(kind.strings + kind.integers)} must be "
+                                              "of their types")
+            out.append((kind, source_partition, offset, fact))
+    return out
+
+
+class FleetEffects:
+    """The facts topic's agent body (see the module docstring); ``stores``: each kind's table by name."""
+
+    def __init__(self, topics: Topics, stores: Mapping[str, RunStore], fleet: FleetThresholds, metrics: WorkerMetrics,
+                 dead_letters: DeadLetters, signer: Signer | None, event_source: str,
+                 decisions: DecisionProducer, evict_scan_per_sweep: int, scopes_topic: str = "") -> None:
+        self.topics = topics
+        self.stores = stores
+        self.fleet = fleet
+        self.metrics = metrics
+        self.dead_letters = dead_letters
+        self.signer = signer
+        self.event_source = event_source
+        self.decisions = decisions
+        self.evict_scan_per_sweep = evict_scan_per_sweep
+        self.scopes_topic = scopes_topic
+        self._lock = asyncio.Lock()
+        self._watermark_ms: dict[tuple[str, int], int] = {}
+        self._sweep_from: dict[tuple[str, int], bytes] = {}
+        self._tracked: dict[str, int] = dict.fromkeys(stores, 0)
+        #: (kind, partition, key) -> (the record this worker wrote, its decoded state): most active last.
+        self._decoded: OrderedDict[tuple[str, int, bytes], tuple[bytes, Any]] = OrderedDict()
+
+    async def process(self, records: Sequence[Record]) -> None:
+        async with self._lock:
+            await self._process(records)
+
+    async def _process(self, records: Sequence[Record]) -> None:
+        # The batch's facts by (kind, partition, key), in offset order.
+        by_key: dict[tuple[Kind, int, str], list[tuple[int, int, Any]]] = {}
+        for record in records:
+            try:
+                facts = decode_facts(record.value)
+            except InvalidEvent as exc:
+                await self.dead_letters.send(record, exc)
+                continue
+            for kind, source_partition, offset, fact in facts:
+                by_key.setdefault((kind, record.partition, fact.key_text), []).append((source_partition, offset, fact))
+        decisions: list[tuple[Kind, ScopeDecision]] = []
+        changes: dict[str, dict[int, list[Change]]] = {}
+        folded: dict[str, int] = {}
+        redelivered: dict[str, int] = {}
+        written: list[tuple[tuple[str, int, bytes], bytes, Any]] = []
+        fleet = self.fleet
+        for (kind, partition, key_text), items in by_key.items():
+            store = self.stores[kind.name]
+            key = (kind.name, partition, key_text.encode())
+            raw = store.get(partition, key[2])
+            known = self._decoded.pop(key, None)  # put back once written: a failed batch leaves no folded copy
+            if raw is None:
+                state = kind.state()
+                self._tracked[kind.name] += 1
+            elif known is not None and known[0] == raw:
+                state = known[1]  # what this worker wrote last: no decode
+            else:
+                state = _decode(kind, raw, key_text)
+            sources = state.sources
+            fold = kind.fold
+            for source_partition, offset, fact in items:
+                source = str(source_partition)
+                if offset <= sources.get(source, -1):
+                    redelivered[kind.name] = redelivered.get(kind.name, 0) + 1
+                    continue
+                sources[source] = offset
+                folded[kind.name] = folded.get(kind.name, 0) + 1
+                decisions.extend((kind, decision) for decision in fold(fleet, state, fact))
+            record = state.encode()
+            changes.setdefault(kind.name, {}).setdefault(partition, []).append((key[2], record))
+            written.append((key, record, state))
+            mark = (kind.name, partition)
+            if state.last_ts_ms > self._watermark_ms.get(mark, 0):
+                self._watermark_ms[mark] = state.last_ts_ms
+        if decisions:
+            await self._publish(decisions)
+        for name, by_partition in changes.items():
+            await self.stores[name].write(by_partition)
+        decoded = self._decoded
+        for key, record, state in written:
+            decoded[key] = (record, state)
+            decoded.move_to_end(key)
+        while len(decoded) > DECODED_KEYS:
+            decoded.popitem(last=False)
+        for name, count in folded.items():
+            self.metrics.fleet_facts.labels(fold=name, state="folded").inc(count)
+        for name, count in redelivered.items():
+            self.metrics.fleet_facts.labels(fold=name, state="redelivered").inc(count)
+        for name, count in self._tracked.items():
+            self.metrics.fleet_keys_tracked.labels(fold=name).set(count)
+
+    async def _publish(self, decisions: list[tuple[Kind, ScopeDecision]]) -> None:
+        pending = []
+        control, alerts = self.topics.control.get_topic_name(), self.topics.alerts.get_topic_name()
+        for kind, decision in decisions:
+            key, value, headers = encode_scope_control(decision, self.event_source)
+            if self.signer is not None:
+                headers.extend(self.signer.headers(value))
+            pending.append(await self.decisions.send(control, key, value, headers))
+            pending.append(await self.decisions.send(alerts, key, value, headers))
+            if decision.action == "halt" and self.scopes_topic:
+                expires_ms = decision.ts_ms + kind.ttl_ms(self.fleet)
+                in_force = orjson.dumps({**decision.to_control(), "expires_ms": expires_ms})
+                scope_headers = [h for h in headers if h[0] in ("content-type", "ce_id", "ce_type", "ce_subject")]
+                if self.signer is not None:
+                    scope_headers.extend(self.signer.headers(in_force))
+                pending.append(await self.decisions.send(self.scopes_topic, f"{decision.scope}/{decision.key_text}"
+                                                         .encode(), in_force, scope_headers))
+        await asyncio.gather(*pending)
+        now = time.time()
+        for kind, decision in decisions:
+            self.metrics.decisions.labels(action=decision.action, verdict=decision.verdict).inc()
+            self.metrics.decision_latency.observe(max(0.0, now - decision.ts_ms / 1000))
+            log.info("%s %s: %s %s: %s", kind.label, decision.key_text, decision.action, decision.verdict,
+                     decision.reason)
+
+    async def sweep(self, partitions: set[int]) -> None:
+        """Forget keys silent for their kind's ttl of event time in ``partitions`` (the facts topic's)."""
+        async with self._lock:
+            for kind in KINDS:
+                store = self.stores.get(kind.name)
+                if store is None:
+                    continue
+                expired: dict[int, list[Change]] = {}
+                for partition in partitions:
+                    mark = (kind.name, partition)
+                    if mark not in self._watermark_ms:
+                        continue
+                    horizon = self._watermark_ms[mark] - kind.ttl_ms(self.fleet)
+                    found, self._sweep_from[mark] = store.scan(partition, self._sweep_from.get(mark, b""),
+                                                               self.evict_scan_per_sweep)
+                    stale: list[Change] = [(key, None) for key, value in found
+                                           if _decode(kind, value, key.decode(errors="replace")).last_ts_ms < horizon]
+                    if stale:
+                        expired[partition] = stale
+                if expired:
+                    await store.write(expired)
+                    self._tracked[kind.name] = max(0, self._tracked[kind.name] - sum(map(len, expired.values())))
+                    self.metrics.fleet_keys_tracked.labels(fold=kind.name).set(self._tracked[kind.name])
+
+    def recount(self, name: str, partitions: set[int]) -> None:
+        """Count ``name``'s stored keys in ``partitions`` (on its table's recovery)."""
+        self._tracked[name] = sum(self.stores[name].count(p) for p in partitions)
+        self.metrics.fleet_keys_tracked.labels(fold=name).set(self._tracked[name])
+
+
+def _decode(kind: Kind, raw: bytes, key: str) -> Any:
+    try:
+        return kind.state.decode(raw)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StoredRecordError(f"stored {kind.label} record of {key!r} cannot be read ({exc}). Operator action: "
+                                f"find what else writes the {kind.name} changelog topic (only workers of this app id "
+                                "may), and restore the record or delete the key") from exc
