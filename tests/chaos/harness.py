@@ -32,7 +32,8 @@ from stream_app.client.listener import HaltListener
 from stream_app.client.publisher import TelemetryPublisher
 from stream_app.commands.replay import replay
 from stream_app.core import Policy
-from stream_app.devtools.fleet_sim import simulate_fleet, simulate_trees
+from stream_app.core.fleet import SCOPES
+from stream_app.devtools.fleet_sim import simulate_fleet, simulate_threads, simulate_trees
 from stream_app.devtools.harness import metric_total
 from stream_app.worker.main import ensure_topics
 from stream_app.worker.settings import WorkerSettings
@@ -76,12 +77,14 @@ def replay_decisions(stream: list[dict[str, Any]], policy: Policy | None = None)
 
 def corpus(kind: str, runs: int, seed: int) -> list[dict[str, Any]]:
     """The trial's telemetry: the simulated fleet (``fleet``), or half of it interleaved with 8 sub-agent
-    trees of every kind (``trees``: the tree fold works across partitions while the fault hits)."""
+    trees and 8 threads of every kind (``trees``: the keyed folds work across partitions while the fault
+    hits)."""
     if kind == "fleet":
         return simulate_fleet(runs, seed=seed)[1]
     _, stream = simulate_fleet(runs // 2, seed=seed)
     _, trees = simulate_trees(8, seed=seed)
-    return sorted([*stream, *trees], key=lambda e: (e["ts_ms"], e["event_id"]))
+    _, threads = simulate_threads(8, seed=seed)
+    return sorted([*stream, *trees, *threads], key=lambda e: (e["ts_ms"], e["event_id"]))
 
 
 def _content(decision: dict[str, Any]) -> dict[str, Any]:
@@ -92,13 +95,19 @@ def _content(decision: dict[str, Any]) -> dict[str, Any]:
     if decision.get("scope", "run") == "run":
         return decision
     evidence = decision.get("evidence", {})
-    return {"decision_id": decision["decision_id"], "scope": decision["scope"], "key": decision.get("root_run_id"),
+    scope = decision["scope"]
+    return {"decision_id": decision["decision_id"], "scope": scope,
+            "key": [decision.get(name) for name in SCOPES[scope]],
             "action": decision["action"], "verdict": decision["verdict"], "rule": evidence.get("rule"),
-            "counted": {k: evidence.get(k) for k in ("runs", "spawns", "task_hash", "max_tree_depth")}}
+            "counted": {k: evidence.get(k) for k in ("runs", "spawns", "task_hash", "max_tree_depth", "error_class",
+                                                      "window_start_ms")}}
 
 
 def _subject(decision: dict[str, Any]) -> str:
-    return str(decision.get("run_id") or f"tree/{decision.get('root_run_id')}")
+    scope = decision.get("scope", "run")
+    if scope == "run":
+        return str(decision.get("run_id"))
+    return f"{scope}/" + "/".join(str(decision.get(name)) for name in SCOPES[scope])
 
 
 def _listener(fleet: Fleet) -> tuple[HaltListener, list[dict[str, Any]]]:
