@@ -60,7 +60,12 @@ def _parser() -> argparse.ArgumentParser:
         override = commands.add_parser(
             action, help=f"operator override: {text} (signed with your operator key, recorded on the alerts topic)"
         )
-        override.add_argument("run_id", help="the run to act on")
+        override.add_argument("run_id", nargs="?", help="the run to act on")
+        override.add_argument("--tree", metavar="ROOT", help="act on the sub-agent tree of this root run id instead")
+        override.add_argument("--thread", metavar="TENANT/THREAD",
+                              help="act on a thread instead (`/THREAD` for telemetry that names no tenant)")
+        override.add_argument("--tool", metavar="TENANT/TOOL/UPSTREAM", help="act on a tool's scope (not yet: "
+                                                                             "refused with the reason)")
         override.add_argument("--reason", required=True, help="why (recorded with the decision)")
         override.add_argument("--operator", help="who (default: $LOOPWARDEN_OPERATOR, else the login name)")
         override.add_argument("--key", help="operator's Ed25519 private key, PEM (default: $LOOPWARDEN_OPERATOR_KEY)")
@@ -131,8 +136,14 @@ def _run(args: argparse.Namespace) -> int:
         from .commands.operator import run_operator_command
 
         wait = sys.stdout.isatty() if args.wait is None else args.wait
-        return run_operator_command(args.command, args.run_id, args.reason, args.operator, args.key,
-                                    wait=wait, timeout_s=args.timeout)
+        targets = [(scope, value) for scope, value in (("run", args.run_id), ("tree", args.tree),
+                                                        ("thread", args.thread), ("tool", args.tool))
+                   if value is not None]
+        if len(targets) != 1:
+            _parser().error(f"{args.command}: name exactly one of RUN_ID, --tree, --thread, --tool")
+        scope, target = targets[0]
+        return run_operator_command(args.command, target, args.reason, args.operator, args.key,
+                                    wait=wait, timeout_s=args.timeout, scope=scope)
     if args.command == "keys":
         from .bus.signing import generate
 

@@ -332,7 +332,7 @@ class LoopwardenAcls:
             commands.append(allow(self.notify, ["Read"], topic=[self.alerts_topic], group=[self.notify_group]))
         if self.operators:
             commands += [
-                allow(self.operators, ["Write"], topic=[self.telemetry_topic]),
+                allow(self.operators, ["Write"], topic=[self.telemetry_topic, self.facts_topic]),
                 allow(self.operators, ["Read"], topic=[self.control_topic, self.alerts_topic, self.dlq_topic]),
             ]
         return commands

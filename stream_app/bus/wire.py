@@ -14,6 +14,7 @@ import orjson
 
 from ..core import Decision, OperatorCommand
 from ..core.fleet import ScopeDecision
+from ..core.fleet.scope import ScopeCommand
 
 CE_TYPE_PREFIX = "dev.loopwarden."
 CONTENT_TYPE = b"application/json"
@@ -84,6 +85,12 @@ def encode_operator(command: OperatorCommand) -> tuple[bytes, bytes, Headers]:
     """(key, value, headers) of an operator command, keyed by run id like the run's telemetry (so it
     is applied in order with the run's calls). The signature headers are added by the sender."""
     return command.run_id.encode(), orjson.dumps(command.to_json()), [(KIND_HEADER, OPERATOR_KIND)]
+
+
+def encode_scope_operator(command: ScopeCommand) -> tuple[bytes, bytes, Headers]:
+    """(key, value, headers) of an operator's tree or thread command, keyed ``scope/key`` like the facts
+    of its keyed fold. The signature headers are added by the sender."""
+    return f"{command.scope}/{command.key_text}".encode(), orjson.dumps(command.to_json()), [(KIND_HEADER, OPERATOR_KIND)]
 
 
 def header(headers: Any, name: str) -> bytes | None:

@@ -1,6 +1,11 @@
 """``loopwarden halt|resume RUN_ID --reason TEXT [--wait]``: an operator's signed override of the detector.
 
 The command goes to the telemetry topic, keyed by the run id, signed with the operator's Ed25519 key.
+``--tree ROOT`` and ``--thread TENANT/THREAD`` halt or resume a sub-agent tree or a thread instead: the
+command goes to the facts topic (``LOOPWARDEN_FACTS_TOPIC``), keyed ``tree/ROOT`` or
+``thread/TENANT/THREAD`` like the facts of that key, so the keyed fold that owns it applies it in order
+with them; its answer is a decision of that scope, and the scopes topic keeps the halt (a resume
+tombstones it), so runtimes started later know.
 Workers apply it only if the key is one of their ``LOOPWARDEN_OPERATOR_KEYS`` (anything else goes to the
 dead-letter topic with the reason) and answer with a signed control message (verdict ``operator_halt``
 or ``operator_resume``, evidence: who, why, command id, key id), published on the control topic for
@@ -30,8 +35,9 @@ import orjson
 from ..bus.clock import wall_clock_ms
 from ..bus.kafka import KafkaClientConfig
 from ..bus.signing import WORKER_KEYS_VAR, KeyRing, SignatureRejected, Signer
-from ..bus.wire import encode_operator, header
+from ..bus.wire import encode_operator, encode_scope_operator, header
 from ..core import OperatorCommand
+from ..core.fleet.scope import ScopeCommand
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaConsumer
@@ -39,6 +45,7 @@ if TYPE_CHECKING:
 DEFAULT_TELEMETRY_TOPIC = "agent.telemetry"
 DEFAULT_CONTROL_TOPIC = "agent.control"
 DEFAULT_DLQ_TOPIC = "agent.telemetry.dlq"
+DEFAULT_FACTS_TOPIC = "loopwarden.facts"
 #: Exit statuses of ``--wait``.
 APPLIED, REFUSED, NOT_CONFIRMED = 0, 3, 4
 
@@ -55,11 +62,29 @@ def build_command(action: str, run_id: str, reason: str, operator: str, now_ms: 
     return OperatorCommand(run_id, action, f"op-{uuid.uuid4().hex}", operator, reason, now_ms)  # type: ignore[arg-type]
 
 
-async def send_command(config: KafkaClientConfig, topic: str, command: OperatorCommand, signer: Signer) -> None:
-    """Send one signed command and wait until the broker has it (idempotent producer, acks=all)."""
+def parse_scope(scope: str, target: str) -> tuple[str, ...]:
+    """The key of ``--tree ROOT`` or ``--thread TENANT/THREAD`` (the tenant before the first ``/``; empty
+    for telemetry that names none: ``/THREAD``); ValueError saying what is wrong."""
+    if scope == "tree":
+        if not target:
+            raise ValueError("--tree: the root run id of the tree")
+        return (target,)
+    tenant, slash, thread = target.partition("/")
+    if not slash or not thread:
+        raise ValueError(f"--thread {target!r}: expected TENANT/THREAD (`/THREAD` when the telemetry names no "
+                         "tenant)")
+    return (tenant, thread)
+
+
+async def send_command(config: KafkaClientConfig, topic: str, command: OperatorCommand | ScopeCommand,
+                       signer: Signer) -> None:
+    """Send one signed command and wait until the broker has it (idempotent producer, acks=all). A
+    scope command's key (``scope/key``) puts it on the partition of that key's facts (the default
+    partitioner, as the workers' facts publisher)."""
     from aiokafka import AIOKafkaProducer
 
-    key, value, headers = encode_operator(command)
+    key, value, headers = encode_operator(command) if isinstance(command, OperatorCommand) \
+        else encode_scope_operator(command)
     producer = AIOKafkaProducer(**config.aiokafka_kwargs(), acks="all", enable_idempotence=True,
                                 client_id="loopwarden-operator")
     await producer.start()
@@ -69,13 +94,15 @@ async def send_command(config: KafkaClientConfig, topic: str, command: OperatorC
         await producer.stop()
 
 
-async def send_and_wait(config: KafkaClientConfig, topics: Mapping[str, str], command: OperatorCommand,
+async def send_and_wait(config: KafkaClientConfig, topics: Mapping[str, str], command: OperatorCommand | ScopeCommand,
                         signer: Signer, worker_keys: KeyRing | None, timeout_s: float) -> Outcome:
-    """Send ``command``, then watch ``topics["control"]`` and ``topics["dlq"]`` (read from their ends
-    as they were before the send) for what the workers made of it."""
+    """Send ``command`` (to ``topics["telemetry"]``, a scope command to ``topics["facts"]``), then watch
+    ``topics["control"]`` and ``topics["dlq"]`` (read from their ends as they were before the send) for
+    what the workers made of it."""
     watch = await _watcher(config, [topics["control"], topics["dlq"]])
     try:
-        await send_command(config, topics["telemetry"], command, signer)
+        await send_command(config, topics["telemetry" if isinstance(command, OperatorCommand) else "facts"], command,
+                           signer)
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             batches = await watch.getmany(timeout_ms=int(min(left, 0.5) * 1000))
@@ -113,7 +140,7 @@ async def _watcher(config: KafkaClientConfig, topics: list[str]) -> AIOKafkaCons
     return consumer
 
 
-def _outcome_of(record: Any, topics: Mapping[str, str], command: OperatorCommand,
+def _outcome_of(record: Any, topics: Mapping[str, str], command: OperatorCommand | ScopeCommand,
                 worker_keys: KeyRing | None) -> Outcome | None:
     """The outcome ``record`` reports for ``command``, or None if it is about something else."""
     value = record.value or b""
@@ -143,10 +170,21 @@ def _outcome_of(record: Any, topics: Mapping[str, str], command: OperatorCommand
 
 
 def run_operator_command(action: str, run_id: str, reason: str, operator: str | None, key_path: str | None,
-                         env: Mapping[str, str] | None = None, *, wait: bool = False, timeout_s: float = 10.0) -> int:
+                         env: Mapping[str, str] | None = None, *, wait: bool = False, timeout_s: float = 10.0,
+                         scope: str = "run") -> int:
     """The CLI entry: returns the exit status (2 for a configuration error; with ``wait``, 0 applied, 3
-    refused, 4 not confirmed)."""
+    refused, 4 not confirmed). ``scope`` ``tree`` or ``thread``: ``run_id`` is the scope's key (``ROOT``,
+    ``TENANT/THREAD``)."""
     env = os.environ if env is None else env
+    if scope == "tool":
+        print(f"loopwarden {action} --tool: tool scopes are paused and resumed by the tool-storm fold, which this "
+              "release does not have yet; halt the runs, or their tree or thread", file=sys.stderr)
+        return 2
+    try:
+        scope_key = parse_scope(scope, run_id) if scope != "run" else ()
+    except ValueError as exc:
+        print(f"loopwarden {action}: {exc}", file=sys.stderr)
+        return 2
     key_path = key_path or env.get("LOOPWARDEN_OPERATOR_KEY")
     operator = operator or env.get("LOOPWARDEN_OPERATOR") or getpass.getuser()
     if not key_path:
@@ -161,12 +199,20 @@ def run_operator_command(action: str, run_id: str, reason: str, operator: str | 
     worker_keys = KeyRing.from_setting(env[WORKER_KEYS_VAR]) if env.get(WORKER_KEYS_VAR, "").strip() else None
     topics = {"telemetry": env.get("LOOPWARDEN_TELEMETRY_TOPIC", DEFAULT_TELEMETRY_TOPIC),
               "control": env.get("LOOPWARDEN_CONTROL_TOPIC", DEFAULT_CONTROL_TOPIC),
-              "dlq": env.get("LOOPWARDEN_DLQ_TOPIC", DEFAULT_DLQ_TOPIC)}
-    command = build_command(action, run_id, reason.strip(), operator, wall_clock_ms())
+              "dlq": env.get("LOOPWARDEN_DLQ_TOPIC", DEFAULT_DLQ_TOPIC),
+              "facts": env.get("LOOPWARDEN_FACTS_TOPIC", DEFAULT_FACTS_TOPIC)}
+    command: OperatorCommand | ScopeCommand
+    if scope == "run":
+        command = build_command(action, run_id, reason.strip(), operator, wall_clock_ms())
+        what = f"run {run_id}"
+    else:
+        command = ScopeCommand(scope, scope_key, action, f"op-{uuid.uuid4().hex}", operator, reason.strip(),
+                               wall_clock_ms())
+        what = f"{'sub-agent tree' if scope == 'tree' else 'thread'} {run_id}"
     asyncio.run(config.check_connection())
-    sent = f"{action} of run {run_id} sent as {command.command_id} (operator {operator}, key {signer.key_id})"
+    sent = f"{action} of {what} sent as {command.command_id} (operator {operator}, key {signer.key_id})"
     if not wait:
-        asyncio.run(send_command(config, topics["telemetry"], command, signer))
+        asyncio.run(send_command(config, topics["telemetry" if scope == "run" else "facts"], command, signer))
         print(f"{sent}; a worker that trusts the key publishes the decision", file=sys.stderr)
         return 0
     outcome = asyncio.run(send_and_wait(config, topics, command, signer, worker_keys, timeout_s))

@@ -146,7 +146,8 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
         fleet_effects = FleetEffects(topics, {name: RunStore(app, table, changelogs[name])
                                               for name, table in fleet_tables.items()},
                                      policy.fleet, metrics, dead_letters, signer, settings.event_source, decisions,
-                                     settings.evict_scan_per_sweep, settings.scopes_topic)
+                                     settings.evict_scan_per_sweep, settings.scopes_topic, operator_keys,
+                                     int(settings.operator_max_age_s * 1000))
 
         def facts_partitions() -> set[int]:
             return {tp.partition for tp in app.consumer.assignment() if tp.topic == settings.facts_topic}

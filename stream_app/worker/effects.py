@@ -87,7 +87,7 @@ class DecisionProducer:
                 self._producer = producer
             return self._producer
 
-    async def send(self, topic: str, key: bytes, value: bytes, headers: Headers) -> asyncio.Future[Any]:
+    async def send(self, topic: str, key: bytes, value: bytes | None, headers: Headers) -> asyncio.Future[Any]:
         """Queue one message; the future resolves when the broker has it."""
         producer = self._producer or await self.start()
         sent: asyncio.Future[Any] = await producer.send(topic, value, key=key, headers=list(headers))

@@ -22,6 +22,13 @@ changelog, standbys: as the runs table), co-partitioned with the facts topic. Fo
    beginning when they start, so one started later still refuses a halted tree's children or a halted
    thread's new runs. All are acknowledged before the keys' new records are written.
 
+An operator's halt or resume of a tree or a thread (``loopwarden halt|resume --tree|--thread``) comes on
+the facts topic too, keyed and partitioned like the key's facts, so it is applied in order with them.
+Signed by a key of ``LOOPWARDEN_OPERATOR_KEYS`` and recent (``LOOPWARDEN_OPERATOR_MAX_AGE_S``), it is
+answered with a signed ``operator_halt``/``operator_resume`` decision of the scope (control, alerts), and
+the scopes topic gets the halt (with its expiry) or, on a resume, a tombstone of the key; anything else
+goes to the dead-letter topic with the reason.
+
 A key with no fact for its kind's ttl of event time is forgotten by the sweep, a few per partition per
 sweep, as the runs' sweep does.
 """
@@ -39,12 +46,15 @@ from typing import Any
 import orjson
 from aiokafka.partitioner import murmur2
 
-from ..bus.signing import Signer
-from ..bus.wire import encode_scope_control
+from ..bus.clock import wall_clock_ms
+from ..bus.signing import SignatureRejected, Signer
+from ..bus.wire import KIND_HEADER, OPERATOR_KIND, encode_scope_control, header
 from ..core import InvalidEvent
 from ..core.fleet import ScopeDecision, ThreadFact, ThreadState, TreeFact, TreeState, threads, trees
+from ..core.fleet.scope import decode_scope_command
 from ..core.policy import FleetThresholds
 from ..core.stored import StoredRecordError
+from .batch import Verifier
 from .delivery import Record
 from .effects import DeadLetters, DecisionProducer, Topics
 from .metrics import WorkerMetrics
@@ -84,6 +94,7 @@ THREADS = Kind("thread", "threads", "thread", ThreadFact, 8, ("tenant", "thread_
                ThreadState, threads.fold, lambda fleet: fleet.thread_ttl_ms)
 KINDS: tuple[Kind, ...] = (TREES, THREADS)
 _KIND_OF: dict[type[Any], Kind] = {kind.fact: kind for kind in KINDS}
+_KIND_OF_SCOPE: dict[str, Kind] = {kind.scope: kind for kind in KINDS}
 
 
 def partition_of(scope_key: str, partitions: int) -> int:
@@ -154,8 +165,13 @@ class FleetEffects:
 
     def __init__(self, topics: Topics, stores: Mapping[str, RunStore], fleet: FleetThresholds, metrics: WorkerMetrics,
                  dead_letters: DeadLetters, signer: Signer | None, event_source: str,
-                 decisions: DecisionProducer, evict_scan_per_sweep: int, scopes_topic: str = "") -> None:
+                 decisions: DecisionProducer, evict_scan_per_sweep: int, scopes_topic: str = "",
+                 operator_keys: Verifier | None = None, operator_max_age_ms: int = 900_000,
+                 clock: Callable[[], int] = wall_clock_ms) -> None:
         self.topics = topics
+        self.operator_keys = operator_keys
+        self.operator_max_age_ms = operator_max_age_ms
+        self.clock = clock
         self.stores = stores
         self.fleet = fleet
         self.metrics = metrics
@@ -179,7 +195,14 @@ class FleetEffects:
     async def _process(self, records: Sequence[Record]) -> None:
         # The batch's facts by (kind, partition, key), in offset order.
         by_key: dict[tuple[Kind, int, str], list[tuple[int, int, Any]]] = {}
+        commands: list[tuple[Kind, ScopeDecision]] = []
         for record in records:
+            if record.headers and header(record.headers, KIND_HEADER) == OPERATOR_KIND:
+                try:
+                    commands.append(self._operator(record.value, record.headers))
+                except InvalidEvent as exc:
+                    await self.dead_letters.send(record, exc)
+                continue
             try:
                 facts = decode_facts(record.value)
             except InvalidEvent as exc:
@@ -187,7 +210,7 @@ class FleetEffects:
                 continue
             for kind, source_partition, offset, fact in facts:
                 by_key.setdefault((kind, record.partition, fact.key_text), []).append((source_partition, offset, fact))
-        decisions: list[tuple[Kind, ScopeDecision]] = []
+        decisions: list[tuple[Kind, ScopeDecision]] = commands
         changes: dict[str, dict[int, list[Change]]] = {}
         folded: dict[str, int] = {}
         redelivered: dict[str, int] = {}
@@ -238,6 +261,21 @@ class FleetEffects:
         for name, count in self._tracked.items():
             self.metrics.fleet_keys_tracked.labels(fold=name).set(count)
 
+    def _operator(self, value: bytes | None, headers: Any) -> tuple[Kind, ScopeDecision]:
+        """The decision answering an operator's signed, recent scope command; else InvalidEvent."""
+        if self.operator_keys is None:
+            raise InvalidEvent("signature", "operator commands are disabled: LOOPWARDEN_OPERATOR_KEYS is empty")
+        try:
+            key_id = self.operator_keys.verify(value or b"", headers)
+        except SignatureRejected as exc:
+            raise InvalidEvent("signature", f"operator command refused ({exc.reason}): {exc}") from exc
+        command = decode_scope_command(value or b"", key_id)
+        age_ms = self.clock() - command.ts_ms
+        if age_ms > self.operator_max_age_ms:
+            raise InvalidEvent("ts_ms", f"operator command is {age_ms / 1000:.0f} s old, over "
+                                        "LOOPWARDEN_OPERATOR_MAX_AGE_S: refused as a replay")
+        return _KIND_OF_SCOPE[command.scope], command.decision()
+
     async def _publish(self, decisions: list[tuple[Kind, ScopeDecision]]) -> None:
         pending = []
         control, alerts = self.topics.control.get_topic_name(), self.topics.alerts.get_topic_name()
@@ -255,6 +293,9 @@ class FleetEffects:
                     scope_headers.extend(self.signer.headers(in_force))
                 pending.append(await self.decisions.send(self.scopes_topic, f"{decision.scope}/{decision.key_text}"
                                                          .encode(), in_force, scope_headers))
+            elif decision.action == "resume" and self.scopes_topic:  # lifted: a tombstone of the key
+                pending.append(await self.decisions.send(self.scopes_topic, f"{decision.scope}/{decision.key_text}"
+                                                         .encode(), None, []))
         await asyncio.gather(*pending)
         now = time.time()
         for kind, decision in decisions:

@@ -91,16 +91,19 @@ def _content(decision: dict[str, Any]) -> dict[str, Any]:
     """What must be equal between replay's decision and the fleet's: all of a run's decision; of a
     decision across runs, what does not depend on the order its facts arrived in (the fleet folds facts
     from several partitions in another order than replay's input order, so the fact that crossed the
-    threshold, its time and the reason naming it may differ: control v1 says so)."""
+    threshold, its time, the reason naming it and which failing streak of scheduled runs completed first
+    may differ: control v1 says so)."""
     if decision.get("scope", "run") == "run":
         return decision
     evidence = decision.get("evidence", {})
     scope = decision["scope"]
-    return {"decision_id": decision["decision_id"], "scope": scope,
-            "key": [decision.get(name) for name in SCOPES[scope]],
+    counted = {k: evidence.get(k) for k in ("runs", "spawns", "task_hash", "max_tree_depth", "error_class",
+                                             "window_start_ms")}
+    if isinstance(counted["runs"], list):  # schedule_failing's streak: which one is found first is the order's
+        counted["runs"] = len(counted["runs"])
+    return {"decision_id": decision["decision_id"], "scope": scope, "key": [decision.get(name) for name in SCOPES[scope]],
             "action": decision["action"], "verdict": decision["verdict"], "rule": evidence.get("rule"),
-            "counted": {k: evidence.get(k) for k in ("runs", "spawns", "task_hash", "max_tree_depth", "error_class",
-                                                      "window_start_ms")}}
+            "counted": counted}
 
 
 def _subject(decision: dict[str, Any]) -> str:
@@ -204,7 +207,9 @@ def compare(scenario: str, trial: int, fault: dict[str, Any], stream: list[dict[
         notes={"missing": sorted((_subject(expected[i]), expected[i]["verdict"], expected[i]["trigger_event_id"])
                                  for i in halts - got_halts)[:10],
                "extra": sorted((_subject(got[i]), got[i]["verdict"], got[i]["trigger_event_id"])
-                               for i in got_halts - halts)[:10]},
+                               for i in got_halts - halts)[:10],
+               "wrong": [(_subject(d), d["verdict"], _content(expected[i]), _content(d)) for i, d in got.items()
+                         if i in expected and _content(expected[i]) != _content(d)][:5]},
     )
 
 

@@ -207,3 +207,27 @@ def test_every_thread_decision_validates_and_names_no_run() -> None:
                 with pytest.raises(Exception, match="thread_key"):
                     validator.validate({k: v for k, v in message.items() if k != "thread_key"})
     assert verdicts == {"self_trigger", "schedule_failing", "thread_rate"}
+
+
+def test_an_operators_tree_and_thread_decisions_validate_and_bad_commands_name_their_field() -> None:
+    import orjson
+
+    from stream_app.core.fleet.scope import ScopeCommand, decode_scope_command
+
+    validator = _validator("control.v1.json")
+    for scope, key in (("tree", ("root-1",)), ("thread", ("", "pr-7")), ("thread", ("acme", "pr-7"))):
+        for action in ("halt", "resume"):
+            command = ScopeCommand(scope, key, action, "op-1", "alice", "runaway", 5, "ops-key")
+            again = decode_scope_command(orjson.dumps(command.to_json()), "ops-key")
+            assert again == command
+            message = again.decision().to_control()
+            validator.validate(message)
+            assert message["verdict"] == f"operator_{action}" and "run_id" not in message
+            assert message["evidence"] == {"operator": "alice", "reason": "runaway", "command_id": "op-1",
+                                           "key_id": "ops-key"}
+    good = ScopeCommand("thread", ("acme", "pr-7"), "halt", "op-1", "alice", "why", 5).to_json()
+    for change, field in (({"scope": "tool"}, "scope"), ({"thread_key": ""}, "thread_key"), ({"tenant": 3}, "tenant"),
+                          ({"action": "pause"}, "action"), ({"ts_ms": -1}, "ts_ms"), ({"reason": ""}, "reason")):
+        with pytest.raises(InvalidEvent) as info:
+            decode_scope_command(orjson.dumps({**good, **change}))
+        assert info.value.field == field

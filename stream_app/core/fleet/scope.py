@@ -6,7 +6,10 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from ..contract import SCHEMA_VERSION
+import orjson
+
+from ..contract import MAX_ID_LENGTH, SCHEMA_VERSION
+from ..errors import InvalidEvent, NotJSON
 
 Scope = Literal["run", "tree", "tool", "thread"]
 #: Control v1 scopes, and the key fields each names its key with (``run``: the run id, the default).
@@ -28,7 +31,7 @@ def scope_decision_id(scope: str, key: tuple[str, ...], action: str, verdict: st
 @dataclass(slots=True, frozen=True)
 class ScopeDecision:
     """One decision about a tree, a tool or a thread. ``trigger_run_id`` is the run whose event crossed
-    the threshold (for people: a runtime acts on the scope's key, not on it)."""
+    the threshold (for people: a runtime acts on the scope's key, not on it; empty for an operator's)."""
 
     scope: Scope
     key: tuple[str, ...]
@@ -52,7 +55,7 @@ class ScopeDecision:
             "action": self.action,
             "verdict": self.verdict,
             "trigger_event_id": self.trigger_event_id,
-            "trigger_run_id": self.trigger_run_id,
+            **({"trigger_run_id": self.trigger_run_id} if self.trigger_run_id else {}),
             "ts_ms": self.ts_ms,
             "reason": self.reason,
             "evidence": self.evidence,
@@ -72,3 +75,70 @@ def key_text(key: tuple[str, ...]) -> str:
     ``/`` escaped (``acme/pr-7``; a tenant ``a/b`` gives ``a%2Fb/...``)."""
     *head, last = key
     return "/".join([*(part.replace("%", "%25").replace("/", "%2F") for part in head), last])
+
+
+#: Scopes an operator halts and resumes through their keyed fold (``loopwarden halt --tree|--thread``).
+OPERATED_SCOPES: Final = ("tree", "thread")
+
+
+@dataclass(slots=True, frozen=True)
+class ScopeCommand:
+    """An operator's halt or resume of a tree or a thread (``loopwarden halt|resume --tree|--thread``). It
+    travels on the facts topic, keyed by the scope key, so its keyed fold applies it in order with the
+    key's facts; the adapter has verified its signature (``key_id``) before the core sees it."""
+
+    scope: str
+    key: tuple[str, ...]
+    action: str
+    command_id: str
+    operator: str
+    reason: str
+    ts_ms: int
+    key_id: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """The command's wire object (``key_id`` travels in a header, with the signature)."""
+        return {"schema_version": SCHEMA_VERSION, "kind": "operator", "scope": self.scope,
+                **dict(zip(SCOPES[self.scope], self.key, strict=True)), "action": self.action,
+                "command_id": self.command_id, "operator": self.operator, "reason": self.reason, "ts_ms": self.ts_ms}
+
+    @property
+    def key_text(self) -> str:
+        return key_text(self.key)
+
+    def decision(self) -> ScopeDecision:
+        """The signed answer: ``operator_halt`` or ``operator_resume`` of the scope, its id from the
+        command (a command applied twice is one decision)."""
+        verdict = f"operator_{self.action}"
+        return ScopeDecision(
+            self.scope, self.key, self.action, verdict, self.command_id, "",  # type: ignore[arg-type]
+            scope_decision_id(self.scope, self.key, self.action, verdict, self.command_id), self.ts_ms,
+            f"{self.action} by operator {self.operator}: {self.reason}",
+            {"operator": self.operator, "reason": self.reason, "command_id": self.command_id, "key_id": self.key_id},
+            self.key[0] if self.scope == "thread" else None)
+
+
+def decode_scope_command(raw: bytes, key_id: str = "") -> ScopeCommand:
+    """Decode an operator's scope command; raise InvalidEvent naming the field."""
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise NotJSON.at(exc.msg, exc.pos) from exc
+    if type(obj) is not dict or obj.get("kind") != "operator":
+        raise InvalidEvent("kind", "not an operator command")
+    scope = obj.get("scope")
+    if scope not in OPERATED_SCOPES:
+        raise InvalidEvent("scope", f"must be one of {', '.join(OPERATED_SCOPES)}, got {str(scope)[:40]!r}")
+    for name in (*SCOPES[scope], "command_id", "operator", "reason"):
+        value = obj.get(name)
+        empty_ok = name == "tenant"  # a thread of telemetry that names no tenant
+        if type(value) is not str or not (0 if empty_ok else 1) <= len(value) <= MAX_ID_LENGTH * (
+                4 if name == "reason" else 1):
+            raise InvalidEvent(name, "required: a non-empty string" if not empty_ok else "required: a string")
+    if obj.get("action") not in ("halt", "resume"):
+        raise InvalidEvent("action", f"must be halt or resume, got {str(obj.get('action'))[:40]!r}")
+    ts_ms = obj.get("ts_ms")
+    if type(ts_ms) is not int or ts_ms < 0:
+        raise InvalidEvent("ts_ms", "required: an integer >= 0 (epoch milliseconds)")
+    return ScopeCommand(scope, tuple(obj[name] for name in SCOPES[scope]), obj["action"], obj["command_id"],
+                        obj["operator"], obj["reason"], ts_ms, key_id)
