@@ -64,8 +64,8 @@ def _parser() -> argparse.ArgumentParser:
         override.add_argument("--tree", metavar="ROOT", help="act on the sub-agent tree of this root run id instead")
         override.add_argument("--thread", metavar="TENANT/THREAD",
                               help="act on a thread instead (`/THREAD` for telemetry that names no tenant)")
-        override.add_argument("--tool", metavar="TENANT/TOOL/UPSTREAM", help="act on a tool's scope (not yet: "
-                                                                             "refused with the reason)")
+        override.add_argument("--tool", metavar="TENANT/TOOL/UPSTREAM",
+                              help="pause (halt) or resume a tool of an upstream for a tenant instead")
         override.add_argument("--reason", required=True, help="why (recorded with the decision)")
         override.add_argument("--operator", help="who (default: $LOOPWARDEN_OPERATOR, else the login name)")
         override.add_argument("--key", help="operator's Ed25519 private key, PEM (default: $LOOPWARDEN_OPERATOR_KEY)")

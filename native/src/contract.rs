@@ -14,6 +14,8 @@ const TRIGGERS: [&str; 4] = ["user", "schedule", "webhook", "agent"];
 pub const OUTCOMES: [&str; 4] = ["success", "error", "empty", "noop"];
 /// The index of `error` in `OUTCOMES`.
 pub const ERROR: u8 = 1;
+/// The index of `success` in `OUTCOMES`.
+pub const SUCCESS: u8 = 0;
 /// Tool classes, in the reference's `TOOL_CLASSES` order.
 pub const TOOL_CLASSES: [&str; 6] = ["read", "write", "poll", "spawn", "handoff", "other"];
 pub const READ: u8 = 0;
@@ -97,6 +99,9 @@ pub struct Call<'a> {
     pub trigger: Option<&'a str>,
     pub caused_by_run_id: Option<&'a str>,
     pub error_class: Option<&'a str>,
+    /// Storms: the host or MCP server the tool calls, and the wait it asked for.
+    pub upstream: Option<&'a str>,
+    pub retry_after_ms: i64,
 }
 
 /// The call in `obj`, or None when the reference decoder must look at it.
@@ -163,6 +168,8 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
         trigger: None,
         caused_by_run_id: None,
         error_class: None,
+        upstream: None,
+        retry_after_ms: 0,
     };
     for (name, value) in obj {
         if value.is_null() {
@@ -173,9 +180,10 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
             | "result" | "result_hash" => {}
             "agent_id" => call.agent_id = Some(identifier(Some(value), false)?),
             "tenant" => call.tenant = Some(identifier(Some(value), false)?),
-            "trace_id" | "span_id" | "parent_span_id" | "upstream" => {
+            "trace_id" | "span_id" | "parent_span_id" => {
                 identifier(Some(value), false)?;
             }
+            "upstream" => call.upstream = Some(identifier(Some(value), false)?),
             "error_class" => call.error_class = Some(identifier(Some(value), false)?),
             "caused_by_run_id" => call.caused_by_run_id = Some(identifier(Some(value), false)?),
             "thread_key" => call.thread_key = Some(identifier(Some(value), false)?),
@@ -186,9 +194,7 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
             "task_hash" if is_hash(value) => call.task_hash = value.as_str(),
             "task_hash" => return None,
             "depth" => call.depth = Some(integer(value).filter(|d| (0..=MAX_DEPTH).contains(d))?),
-            "retry_after_ms" => {
-                integer(value).filter(|ms| *ms >= 0)?;
-            }
+            "retry_after_ms" => call.retry_after_ms = integer(value).filter(|ms| *ms >= 0)?,
             "trigger" if TRIGGERS.contains(&value.as_str()?) => call.trigger = value.as_str(),
             "trigger" => return None,
             "policy_digest" => call.policy_digest = Some(identifier(Some(value), false)?),

@@ -420,14 +420,77 @@ struct Replayer {
     facts: Vec<FactsOf>,
 }
 
-/// The facts of one new event: ``(index, tree fact or None, thread fact or None)``, at least one set.
-type FactsOf = (usize, Option<TreeFactTuple>, Option<ThreadFactTuple>);
+/// The facts of one new event: ``(index, tree fact, thread fact, tool fact)``, each or None, at least
+/// one set.
+type FactsOf = (
+    usize,
+    Option<TreeFactTuple>,
+    Option<ThreadFactTuple>,
+    Option<ToolFactTuple>,
+);
 
-/// The facts of a new call, if any (`core.fleet`: `tree_fact`, `thread_fact`).
+/// The facts of a new call, if any (`core.fleet`: `tree_fact`, `thread_fact`, `tool_fact`).
 fn facts_of(index: usize, call: &Call, tool_class: u8) -> Option<FactsOf> {
     let tree = tree_fact(call, tool_class);
     let thread = thread_fact(call);
-    (tree.is_some() || thread.is_some()).then_some((index, tree, thread))
+    let tool = tool_fact(call);
+    (tree.is_some() || thread.is_some() || tool.is_some()).then_some((index, tree, thread, tool))
+}
+
+/// `core.fleet.ToolFact` of one event as a tuple: tenant ("" when none), tool, upstream, window start,
+/// event id, run, ts_ms, calls (1), transient failures (0 or 1), success time (-1: none), retry after
+/// (ms), the failing runs.
+type ToolFactTuple = (
+    String,
+    String,
+    String,
+    i64,
+    String,
+    String,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    Vec<String>,
+);
+
+/// The storm's window (`core.fleet.tools.STORM_WINDOW_MS`).
+const STORM_WINDOW_MS: i64 = 60_000;
+
+/// `core.fleet.tools.is_transient`.
+fn is_transient(error_class: Option<&str>) -> bool {
+    match error_class {
+        None => false,
+        Some("http_429" | "http_5xx" | "timeout" | "connection") => true,
+        Some(class) => {
+            class.len() == 8 && class.starts_with("http_5") && class[5..].bytes().all(|b| b.is_ascii_digit())
+        }
+    }
+}
+
+/// The tool fact of a tool call that names its upstream (`core.fleet.tools.tool_fact`).
+fn tool_fact(call: &Call) -> Option<ToolFactTuple> {
+    let upstream = call.upstream?;
+    if call.model_call {
+        return None;
+    }
+    let transient = call.outcome == contract::ERROR && is_transient(call.error_class);
+    let ts = call.ts_ms;
+    Some((
+        call.tenant.unwrap_or("").to_owned(),
+        call.tool.to_owned(),
+        upstream.to_owned(),
+        ts - ts.rem_euclid(STORM_WINDOW_MS),
+        call.event_id.to_owned(),
+        call.run_id.to_owned(),
+        ts,
+        1,
+        i64::from(transient),
+        if call.outcome == contract::SUCCESS { ts } else { -1 },
+        call.retry_after_ms,
+        if transient { vec![call.run_id.to_owned()] } else { Vec::new() },
+    ))
 }
 
 /// `core.fleet.TreeFact` as a tuple: root, run, event id, ts_ms, parent, declared depth, cost
@@ -650,6 +713,8 @@ impl Replayer {
             trigger: None,
             caused_by_run_id: None,
             error_class: None,
+            upstream: None,
+            retry_after_ms: 0,
         };
         let duplicates = self.duplicates;
         let given = (

@@ -292,6 +292,11 @@ class LoopwardenAcls:
         """Faust's changelog of the worker's ``threads`` table (the rules across runs)."""
         return f"{self.app_id}-threads-changelog"
 
+    @property
+    def tools_changelog_topic(self) -> str:
+        """Faust's changelog of the worker's ``tools`` table (the rules across runs)."""
+        return f"{self.app_id}-tools-changelog"
+
     def topic_specs(self, partitions: int) -> list[TopicSpec]:
         """The topics as the worker would create them (every one with ``partitions`` partitions)."""
         return [
@@ -303,6 +308,7 @@ class LoopwardenAcls:
             TopicSpec(self.facts_topic, partitions),
             TopicSpec(self.trees_changelog_topic, partitions, compact=True),
             TopicSpec(self.threads_changelog_topic, partitions, compact=True),
+            TopicSpec(self.tools_changelog_topic, partitions, compact=True),
             TopicSpec(self.scopes_topic, partitions, compact=True),
         ]
 
@@ -319,12 +325,14 @@ class LoopwardenAcls:
         worker = [self.worker]
         commands = [
             allow(worker, ["Read"], topic=[self.telemetry_topic, self.changelog_topic, self.facts_topic,
-                                           self.trees_changelog_topic, self.threads_changelog_topic],
+                                           self.trees_changelog_topic, self.threads_changelog_topic,
+                                           self.tools_changelog_topic],
                   group=[self.app_id]),
             allow(worker, ["Write", "Create"], topic=[self.telemetry_topic, self.changelog_topic,
                                                       self.control_topic, self.alerts_topic, self.dlq_topic,
                                                       self.facts_topic, self.trees_changelog_topic,
-                                                      self.threads_changelog_topic, self.scopes_topic]),
+                                                      self.threads_changelog_topic, self.tools_changelog_topic,
+                                                      self.scopes_topic]),
             allow(self.runtimes, ["Write"], topic=[self.telemetry_topic]),
             allow(self.runtimes, ["Read"], topic=[self.control_topic, self.scopes_topic]),
         ]

@@ -13,6 +13,7 @@ Errors (``LoopwardenError`` is the core's root; the whole tree is drawn in ``str
     ├── RunHalted             the run was halted: stop calling tools for it (carries the decision)
     │   ├── TreeHalted        its sub-agent tree was halted: every run of it stops, no child starts
     │   └── ThreadHalted      its thread was halted (a self-triggering chain): no new run starts on it
+    ├── ToolPaused            a paused tool (a storm over the fleet, or the run's transient streak): retry later
     ├── DuplicateSuppressed   a duplicate side effect refused where the earlier result cannot be handed back
     ├── InvalidCall           an argument the contract would refuse (also a ValueError)
     │   └── InvalidArgumentType                                     (also a TypeError)
@@ -29,6 +30,7 @@ from .errors import (
     InvalidCall,
     RunHalted,
     ThreadHalted,
+    ToolPaused,
     TreeHalted,
     UsageError,
 )
@@ -57,6 +59,7 @@ __all__ = [
     "TelemetryPublisher",
     "ThreadHalted",
     "ToolOutcome",
+    "ToolPaused",
     "TreeHalted",
     "UsageError",
 ]

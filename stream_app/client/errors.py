@@ -8,7 +8,8 @@ from typing import Any
 
 from ..core import LoopwardenError
 
-__all__ = ["DuplicateSuppressed", "InvalidArgumentType", "InvalidCall", "RunHalted", "TreeHalted", "UsageError"]
+__all__ = ["DuplicateSuppressed", "InvalidArgumentType", "InvalidCall", "RunHalted", "ThreadHalted", "ToolPaused",
+           "TreeHalted", "UsageError"]
 
 
 class RunHalted(LoopwardenError):
@@ -50,6 +51,26 @@ class ThreadHalted(RunHalted):
         self.decision = dict(decision)
         self.args = (f"run {run_id}: thread {self.thread_key} was halted by loopwarden ({self.verdict}): "
                      f"{self.reason} [decision {self.decision_id}]",)
+
+
+class ToolPaused(LoopwardenError):
+    """loopwarden paused this tool for the run's tenant (scope ``tool``: a storm, every run failing on the
+    same upstream), or for this run (scope ``run``: its own transient streak): the call was not made.
+    Wait ``retry_after_s`` seconds and try again (or do something else); the guard lets one call through
+    per wait to see whether the upstream recovered. Not a halt: the run goes on."""
+
+    def __init__(self, decision: Mapping[str, Any], run_id: str, tool: str, upstream: str | None,
+                 retry_after_s: float) -> None:
+        self.decision = dict(decision)
+        self.run_id = run_id
+        self.tool = tool
+        self.upstream = upstream
+        self.retry_after_s = retry_after_s
+        self.verdict = str(decision.get("verdict", "unknown"))
+        self.decision_id = str(decision.get("decision_id", ""))
+        where = f" of {upstream}" if upstream else ""
+        super().__init__(f"run {run_id}: tool {tool}{where} is paused by loopwarden ({self.verdict}): retry in "
+                         f"{retry_after_s:.1f} s [decision {self.decision_id}]")
 
 
 class DuplicateSuppressed(LoopwardenError):

@@ -37,14 +37,24 @@ Threads: ``guard.run(run_id, thread_key=..., trigger=..., caused_by_run_id=...)`
 PR, an issue, a channel) the run works on and what started it; every event carries it. The thread rules
 (``core/fleet/threads.py``) fold here too; a thread halt refuses new runs on the thread at
 ``Guard.run`` with ``ThreadHalted`` (a ``RunHalted``), and lets the runs going on finish.
+
+Storms: ``run.call(tool, fn, args, upstream="api.example.com")`` names the host or MCP server the tool
+calls; a failure is classed from the exception (``error_class``: ``http_<status>`` from a
+``status_code``, ``timeout``, ``connection``, else the exception's type) with the wait it asked for
+(``retry_after_ms`` from a ``Retry-After``). When the tool of that upstream is paused for the run's
+tenant (a storm: the fleet's ``tool_storm``, or this process's fold), the call is not made and raises
+``ToolPaused`` with ``retry_after_s``; once the pause's wait is over the guard lets one call per wait
+through (0-20% jitter), and the ``resume`` that follows a success lifts the pause.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
+import random
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -64,8 +74,8 @@ from ..core import (
     decode_event,
 )
 from ..core.contract import MAX_ID_LENGTH, MAX_RETRY_BUDGET, TOOL_CLASSES, TRIGGERS
-from ..core.fleet import ThreadFold, TreeFold, thread_fact, tree_fact
-from .errors import InvalidCall, RunHalted, ThreadHalted, TreeHalted, UsageError
+from ..core.fleet import ThreadFold, ToolFold, TreeFold, thread_fact, tool_fact, tree_fact
+from .errors import InvalidCall, RunHalted, ThreadHalted, ToolPaused, TreeHalted, UsageError
 from .lifecycle import StartStop
 from .listener import ControlBoard, DecisionCallback, HaltListener, read_scopes
 from .publisher import (
@@ -146,6 +156,8 @@ class _Earlier:
     state_hash: str | None = None
     tokens: int | float | None = None
     cost_usd: int | float | None = None
+    #: The wait the upstream asked for (``Retry-After``), in ms.
+    retry_after_ms: int | None = None
 
     def replay(self) -> Any:
         if self.error is not None:
@@ -160,6 +172,7 @@ class _LocalRules:
         self.table = RunTable(Detector(policy))
         self.trees = TreeFold(policy.fleet)
         self.threads = ThreadFold(policy.fleet)
+        self.tools = ToolFold(policy.fleet)
         self.policy = policy
         self.board = board
         board.follow_fleet(self.follow)
@@ -179,6 +192,10 @@ class _LocalRules:
             if thread is not None:
                 for thread_decision in self.threads.observe(thread):
                     self.board.apply(thread_decision.to_control(), source="local")
+            tool = tool_fact(decoded)
+            if tool is not None:
+                for tool_decision in self.tools.observe(tool):
+                    self.board.apply(tool_decision.to_control(), source="local")
 
     def would_stop(self, event: dict[str, Any]) -> bool:
         """Whether recording ``event`` would suppress or halt, judged on a scratch copy of the run."""
@@ -269,6 +286,33 @@ class Guard(StartStop):
         self._local = local
         self._fleet = fleet
         self._runs: OrderedDict[str, GuardedRun] = OrderedDict()
+        #: (tenant, tool, upstream, pause decision id) -> when the next call may go through (half-open).
+        self._probes: OrderedDict[tuple[str, str, str, str], int] = OrderedDict()
+        self._jitter = random.Random()
+
+    def admit(self, tenant: str | None, tool: str, upstream: str, run_id: str) -> None:
+        """Raise ``ToolPaused`` unless a call of ``tool`` to ``upstream`` may go through: none is paused
+        for ``tenant``, or the pause's wait is over and no other call went through in this wait (one per
+        wait, 0-20% jitter, so runtimes do not probe in step)."""
+        pause = self.board.tool_pause(tenant, tool, upstream)
+        if pause is None:
+            return
+        if pause.get("verdict") == "operator_halt":  # an operator's pause: nothing goes through until resumed
+            raise ToolPaused(pause, run_id, tool, upstream, 60.0)
+        wait = pause.get("evidence", {}).get("wait_ms")
+        wait_ms = wait if type(wait) is int and wait > 0 else 60_000
+        key = (tenant or "", tool, upstream, str(pause.get("decision_id")))
+        now = self.clock()
+        next_ms = self._probes.get(key)
+        if next_ms is None:
+            next_ms = int(pause.get("ts_ms", now)) + wait_ms
+        if now >= next_ms:
+            self._probes[key] = now + int(wait_ms * (1 + self._jitter.uniform(0.0, 0.2)))
+            self._probes.move_to_end(key)
+            if len(self._probes) > _MAX_RUNS:
+                self._probes.popitem(last=False)
+            return  # the one call of this wait: does the upstream answer again?
+        raise ToolPaused(pause, run_id, tool, upstream, (next_ms - now) / 1000)
 
     @classmethod
     def in_process(
@@ -562,10 +606,12 @@ class GuardedRun:
         tokens: int | float | None = None,
         cost_usd: int | float | None = None,
         spawn: Spawn | None = None,
+        upstream: str | None = None,
     ) -> Any:
         """Run ``fn(**args)`` (sync or async) as tool ``tool`` and return its result, unless the run is
-        halted (``RunHalted``) or the call is a suppressed duplicate (the earlier result, or the earlier
-        exception, again). A tool's exception is reported, then re-raised.
+        halted (``RunHalted``), the tool is paused (``ToolPaused``) or the call is a suppressed duplicate
+        (the earlier result, or the earlier exception, again). A tool's exception is reported, then
+        re-raised.
 
         ``side_effect``: the tool acts on the outside world; None leaves it to the policy.
         ``retry_budget``: identical failures this call may repeat; None leaves it to the policy.
@@ -577,10 +623,13 @@ class GuardedRun:
         ``tokens``, ``cost_usd``: what the call cost, for the run's budgets (``max_tokens``,
         ``max_cost_usd``).
         ``spawn``: the call starts a sub-agent (``Spawn``: its run id, agent and task); spawn-class.
+        ``upstream``: the host or MCP server the tool calls, for the storm rule (a paused tool of it
+        raises ``ToolPaused``).
         Sync tools run on the event loop's thread; wrap a blocking one in ``asyncio.to_thread``.
         """
         pending = await self.begin(tool, args, side_effect=side_effect, retry_budget=retry_budget,
-                                   plan_step=plan_step, ids=ids, tool_class=tool_class, target=target, spawn=spawn)
+                                   plan_step=plan_step, ids=ids, tool_class=tool_class, target=target, spawn=spawn,
+                                   upstream=upstream)
         if pending.earlier is not None:
             return pending.earlier.replay()
         started = time.perf_counter()
@@ -631,6 +680,7 @@ class GuardedRun:
         tool_class: str | None = None,
         target: str | None = None,
         spawn: Spawn | None = None,
+        upstream: str | None = None,
     ) -> PendingCall:
         """The first half of ``call``, for frameworks that report a tool call in two hooks (before it
         runs, after it ran): raises ``RunHalted`` if the run is halted; returns a ``PendingCall`` whose
@@ -643,8 +693,14 @@ class GuardedRun:
                 "the fleet guard is not started: use 'async with guard' or await guard.start()"
             )
         self._raise_if_halted()
+        if upstream is not None:
+            if not isinstance(upstream, str) or not 0 < len(upstream) <= MAX_ID_LENGTH:
+                raise InvalidCall(f"upstream: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+            self._guard.admit(self.tenant, tool, upstream, self.run_id)
         arguments = dict(args or {})
         fleet_fields = self._fleet_fields
+        if upstream is not None:
+            fleet_fields = {**fleet_fields, "upstream": upstream}
         if spawn is not None:
             tool_class = tool_class or "spawn"
             fleet_fields = {**fleet_fields, **self._spawn_fields(tool, spawn)}
@@ -687,9 +743,11 @@ class GuardedRun:
         """The second half of ``call``: report the tool's ``result`` (or its ``error``) and return what
         the caller gets (a ``ToolOutcome``'s result, or ``result`` itself). ``state_hash``: a write's
         after-state, when the tool did not return it in a ``ToolOutcome``."""
+        retry_after_ms = None
         if error is not None:
             outcome: Outcome = "error"
             value: Any = None
+            error_class, retry_after_ms = classify_error(error)
             body: Any = {"error_class": type(error).__name__, "message": str(error)}
         else:
             outcome, value, body = _classify(result)
@@ -699,8 +757,8 @@ class GuardedRun:
             raise InvalidCall(f"state_hash: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
         _check_spend(tokens, cost_usd)
         end_ms = self._clock()
-        done = _Earlier(outcome, value, error, body, type(error).__name__ if error else None,
-                        end_ms + pending.window_ms, state_hash, tokens, cost_usd)
+        done = _Earlier(outcome, value, error, body, error_class if error is not None else None,
+                        end_ms + pending.window_ms, state_hash, tokens, cost_usd, retry_after_ms)
         if pending.side_effecting:
             self._remember(pending.spec.key, done)
         await self._record(self._event(pending.spec, done, end_ms, latency_ms))
@@ -754,7 +812,8 @@ class GuardedRun:
                 state_hash=done.state_hash,
                 tokens=None if repeat else done.tokens,  # a suppressed repeat cost nothing
                 cost_usd=None if repeat else done.cost_usd,
-                fleet=spec.fleet,
+                fleet=spec.fleet if done.retry_after_ms is None or repeat
+                else {**(spec.fleet or {}), "retry_after_ms": done.retry_after_ms},
             ),
             args_hash=spec.args_hash,
         )
@@ -862,3 +921,40 @@ def _check_call(tool: str, retry_budget: int | None, plan_step: int | None, ids:
         value = getattr(ids, name)
         if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_ID_LENGTH):
             raise InvalidCall(f"ids.{name}: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+
+
+def classify_error(error: BaseException) -> tuple[str, int | None]:
+    """The telemetry ``error_class`` of a tool's exception, and the wait it asked for (ms, or None): an
+    HTTP status (``status_code`` or ``status`` on it or on its ``response``, as httpx, requests, aiohttp
+    and the model SDKs raise) gives ``http_<status>``, a timeout ``timeout``, a refused or dropped
+    connection ``connection``; anything else its type's name. The wait is a ``retry_after`` attribute
+    (seconds) or the response's ``Retry-After`` header (seconds)."""
+    response = getattr(error, "response", None)
+    status = None
+    for holder in (error, response):
+        for name in ("status_code", "status"):
+            value = getattr(holder, name, None) if holder is not None else None
+            if type(value) is int and 100 <= value <= 599:
+                status = value
+                break
+        if status is not None:
+            break
+    if status is not None and status >= 400:
+        error_class = f"http_{status}"
+    elif isinstance(error, TimeoutError):
+        error_class = "timeout"
+    elif isinstance(error, ConnectionError):
+        error_class = "connection"
+    else:
+        error_class = type(error).__name__
+    wait: Any = getattr(error, "retry_after", None)
+    if wait is None and response is not None:
+        headers = getattr(response, "headers", None)
+        with contextlib.suppress(Exception):
+            wait = headers.get("retry-after") if headers is not None else None
+    try:
+        seconds = float(wait) if wait is not None else None
+    except (TypeError, ValueError):
+        seconds = None  # an HTTP date: left to the pause's default wait
+    retry_after_ms = int(seconds * 1000) if seconds is not None and 0 <= seconds < 86_400 else None
+    return error_class, retry_after_ms

@@ -49,7 +49,7 @@ Source = Literal["local", "fleet"]
 #: Called with the control v1 object of every decision applied to a watched run; may be async.
 DecisionCallback = Callable[[dict[str, Any]], object]
 
-_ACTIONS: Final = frozenset(("halt", "suppress", "alert", "resume", "advise"))
+_ACTIONS: Final = frozenset(("halt", "suppress", "alert", "resume", "advise", "pause"))
 #: Suppressed calls remembered per run; the oldest go first (they expire within a minute anyway).
 _SUPPRESSIONS_PER_RUN: Final = 256
 #: Decisions parked per unwatched run (a run has at most a few: halt, resume, halt...).
@@ -75,7 +75,9 @@ class ControlBoard:
     tree: the runs watched with that root (``watch(run_id, root_run_id=)``) and any started in it later.
     A tree halt is kept whether or not a run of the tree is watched yet. Decisions of scope ``thread``
     (keyed by ``tenant`` and ``thread_key``) halt a thread: no new run starts on it (``thread_halt``),
-    the runs going on finish. Scopes this board does not know (``tool``) are counted as ``ignored``."""
+    the runs going on finish. Decisions of scope ``tool`` (``tenant``, ``tool``, ``upstream``) pause a
+    tool for a tenant (``tool_pause``) until a ``resume``: the guard then lets one call through per wait.
+    Scopes this board does not know are counted as ``ignored``."""
 
     def __init__(
         self,
@@ -102,8 +104,9 @@ class ControlBoard:
         #: Root run id -> the tree halt in force; run id -> its tree's root (watched runs of a tree).
         self._tree_halts: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._roots: OrderedDict[str, str] = OrderedDict()
-        #: (tenant, thread key) -> the thread halt in force.
+        #: (tenant, thread key) -> the thread halt in force; (tenant, tool, upstream) -> the tool's pause.
         self._thread_halts: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
+        self._tool_pauses: OrderedDict[tuple[str, str, str], dict[str, Any]] = OrderedDict()
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._local_ids: OrderedDict[str, None] = OrderedDict()
         self._parked: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
@@ -162,6 +165,10 @@ class ControlBoard:
         """The halt in force for ``tenant``'s thread ``thread_key`` (None: the telemetry names no
         tenant), or None."""
         return self._thread_halts.get((tenant or "", thread_key))
+
+    def tool_pause(self, tenant: str | None, tool: str, upstream: str) -> dict[str, Any] | None:
+        """The pause in force for ``tenant``'s ``tool`` of ``upstream`` (control v1 object), or None."""
+        return self._tool_pauses.get((tenant or "", tool, upstream))
 
     def is_suppressed(self, run_id: str, tool: str, args_hash: str, now_ms: int) -> bool:
         """Whether this call must be handed the earlier result instead of being executed."""
@@ -224,6 +231,9 @@ class ControlBoard:
             return "applied"
         if scope == "thread":
             self._act_on_thread((message["tenant"], message["thread_key"]), message, source)
+            return "applied"
+        if scope == "tool":
+            self._act_on_tool((message["tenant"], message["tool"], message["upstream"]), message, source)
             return "applied"
         if scope != "run":  # a scope this board does not know yet: forward compatible
             self.counters["ignored"] += 1
@@ -320,6 +330,26 @@ class ControlBoard:
         for callback in self._callbacks:
             self._notify(callback, message)
 
+    def _act_on_tool(self, key: tuple[str, str, str], message: dict[str, Any], source: Source) -> None:
+        action = message["action"]
+        log_extra = {"tenant": key[0], "tool": key[1], "upstream": key[2], "decision_id": message["decision_id"],
+                     "verdict": message.get("verdict")}
+        if action == "pause":
+            self._tool_pauses.pop(key, None)
+            self._tool_pauses[key] = message  # a pause again (its wait doubled) replaces the one before
+            if len(self._tool_pauses) > self.max_parked_runs:
+                self._tool_pauses.popitem(last=False)
+            logger.info("tool paused: %s", message.get("reason"), extra=log_extra)
+        elif action == "resume":
+            self._tool_pauses.pop(key, None)
+            logger.info("tool resumed", extra=log_extra)
+        else:
+            logger.info("tool %s: %s", action, message.get("reason"), extra=log_extra)
+        self.counters["applied"] += 1
+        self.counters["local" if source == "local" else "fleet_only"] += 1
+        for callback in self._callbacks:
+            self._notify(callback, message)
+
     def _notify(self, callback: DecisionCallback, message: dict[str, Any]) -> None:
         """A callback's failure is logged, never propagated: it must not stop the next decision."""
         try:
@@ -363,7 +393,7 @@ def _decoded(raw: bytes | None) -> object:
 
 
 #: The field naming the key of each scope this board acts on (``tenant`` too for a thread).
-_SCOPE_KEYS = {"run": "run_id", "tree": "root_run_id", "thread": "thread_key"}
+_SCOPE_KEYS = {"run": "run_id", "tree": "root_run_id", "thread": "thread_key", "tool": "tool"}
 
 
 def _well_formed(message: object) -> TypeGuard[dict[str, Any]]:
@@ -377,6 +407,8 @@ def _well_formed(message: object) -> TypeGuard[dict[str, Any]]:
     ):
         return False
     if scope == "thread" and type(message.get("tenant")) is not str:
+        return False
+    if scope == "tool" and not (type(message.get("tenant")) is str and type(message.get("upstream")) is str):
         return False
     if message["action"] != "suppress":
         return True

@@ -1,9 +1,10 @@
 """``loopwarden halt|resume RUN_ID --reason TEXT [--wait]``: an operator's signed override of the detector.
 
 The command goes to the telemetry topic, keyed by the run id, signed with the operator's Ed25519 key.
-``--tree ROOT`` and ``--thread TENANT/THREAD`` halt or resume a sub-agent tree or a thread instead: the
-command goes to the facts topic (``LOOPWARDEN_FACTS_TOPIC``), keyed ``tree/ROOT`` or
-``thread/TENANT/THREAD`` like the facts of that key, so the keyed fold that owns it applies it in order
+``--tree ROOT`` and ``--thread TENANT/THREAD`` halt or resume a sub-agent tree or a thread instead, and
+``--tool TENANT/TOOL/UPSTREAM`` pauses (``halt``) or resumes a tool: the command goes to the facts topic
+(``LOOPWARDEN_FACTS_TOPIC``), keyed ``tree/ROOT``, ``thread/TENANT/THREAD`` or ``tool/TENANT/TOOL/UPSTREAM``
+like the facts of that key, so the keyed fold that owns it applies it in order
 with them; its answer is a decision of that scope, and the scopes topic keeps the halt (a resume
 tombstones it), so runtimes started later know.
 Workers apply it only if the key is one of their ``LOOPWARDEN_OPERATOR_KEYS`` (anything else goes to the
@@ -69,6 +70,12 @@ def parse_scope(scope: str, target: str) -> tuple[str, ...]:
         if not target:
             raise ValueError("--tree: the root run id of the tree")
         return (target,)
+    if scope == "tool":
+        parts = target.split("/", 2)
+        if len(parts) != 3 or not parts[1] or not parts[2]:
+            raise ValueError(f"--tool {target!r}: expected TENANT/TOOL/UPSTREAM (`/TOOL/UPSTREAM` when the "
+                             "telemetry names no tenant)")
+        return (parts[0], parts[1], parts[2])
     tenant, slash, thread = target.partition("/")
     if not slash or not thread:
         raise ValueError(f"--thread {target!r}: expected TENANT/THREAD (`/THREAD` when the telemetry names no "
@@ -176,10 +183,6 @@ def run_operator_command(action: str, run_id: str, reason: str, operator: str | 
     refused, 4 not confirmed). ``scope`` ``tree`` or ``thread``: ``run_id`` is the scope's key (``ROOT``,
     ``TENANT/THREAD``)."""
     env = os.environ if env is None else env
-    if scope == "tool":
-        print(f"loopwarden {action} --tool: tool scopes are paused and resumed by the tool-storm fold, which this "
-              "release does not have yet; halt the runs, or their tree or thread", file=sys.stderr)
-        return 2
     try:
         scope_key = parse_scope(scope, run_id) if scope != "run" else ()
     except ValueError as exc:
@@ -206,9 +209,10 @@ def run_operator_command(action: str, run_id: str, reason: str, operator: str | 
         command = build_command(action, run_id, reason.strip(), operator, wall_clock_ms())
         what = f"run {run_id}"
     else:
-        command = ScopeCommand(scope, scope_key, action, f"op-{uuid.uuid4().hex}", operator, reason.strip(),
+        scope_action = "pause" if scope == "tool" and action == "halt" else action  # a tool is paused, not halted
+        command = ScopeCommand(scope, scope_key, scope_action, f"op-{uuid.uuid4().hex}", operator, reason.strip(),
                                wall_clock_ms())
-        what = f"{'sub-agent tree' if scope == 'tree' else 'thread'} {run_id}"
+        what = f"{ {'tree': 'sub-agent tree', 'thread': 'thread', 'tool': 'tool'}[scope]} {run_id}"
     asyncio.run(config.check_connection())
     sent = f"{action} of {what} sent as {command.command_id} (operator {operator}, key {signer.key_id})"
     if not wait:

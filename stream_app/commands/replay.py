@@ -38,7 +38,18 @@ from ..core import (
     parse_event,
 )
 from ..core.contract import MAX_EVENT_BYTES, micro_usd, token_count
-from ..core.fleet import ScopeDecision, ThreadFact, ThreadFold, TreeFact, TreeFold, thread_fact, tree_fact
+from ..core.fleet import (
+    ScopeDecision,
+    ThreadFact,
+    ThreadFold,
+    ToolFact,
+    ToolFold,
+    TreeFact,
+    TreeFold,
+    thread_fact,
+    tool_fact,
+    tree_fact,
+)
 from ..core.runs import DEFAULT_MAX_RUNS
 
 Engine = Literal["auto", "native", "python"]
@@ -77,6 +88,8 @@ class ReplaySummary:
     halted_trees: list[str] = field(default_factory=list)
     #: Halted threads (``TENANT/THREAD``) in the order of their first halts.
     halted_threads: list[str] = field(default_factory=list)
+    #: Paused tools (``TENANT/TOOL/UPSTREAM``) in the order of their first pauses.
+    paused_tools: list[str] = field(default_factory=list)
     #: The newest event time seen (0: none).
     newest_ts_ms: int = 0
 
@@ -98,6 +111,10 @@ class ReplaySummary:
             listed = self.halted_threads[:HALTED_LISTED]
             more = len(self.halted_threads) - len(listed)
             text += (f"\nhalted threads: {', '.join(listed)}" + (f" and {_count(more, 'more thread')}" if more else ""))
+        if self.paused_tools:
+            listed = self.paused_tools[:HALTED_LISTED]
+            more = len(self.paused_tools) - len(listed)
+            text += (f"\npaused tools: {', '.join(listed)}" + (f" and {_count(more, 'more tool')}" if more else ""))
         if self.events and self.newest_ts_ms < SECONDS_LIKE_TS:
             text += ("\nwarning: every ts_ms is below 10^11, which looks like seconds, not milliseconds: windows "
                      "and run expiry would be a thousand times too long; send epoch milliseconds")
@@ -156,8 +173,9 @@ class _Writer:
     def scope_decision(self, decision: ScopeDecision) -> None:
         summary = self.summary
         summary.decisions[(decision.action, decision.verdict)] += 1
-        if decision.action == "halt":
-            halted = summary.halted_trees if decision.scope == "tree" else summary.halted_threads
+        if decision.action == "halt" or (decision.action == "pause" and decision.scope == "tool"):
+            halted = {"tree": summary.halted_trees, "thread": summary.halted_threads}.get(decision.scope,
+                                                                                       summary.paused_tools)
             if decision.key_text not in halted:
                 halted.append(decision.key_text)
         self.out.write(orjson.dumps(decision.to_control()) + b"\n")
@@ -216,6 +234,7 @@ class _Folds:
         self.policy = policy
         self.trees = TreeFold(policy.fleet)
         self.threads = ThreadFold(policy.fleet)
+        self.tools = ToolFold(policy.fleet)
 
     def event(self, writer: _Writer, event: TelemetryEvent) -> None:
         if (event.root_run_id is not None and event.root_run_id != event.run_id) or event.tool_class in (None, "spawn"):
@@ -223,6 +242,8 @@ class _Folds:
             self.tree(writer, tree_fact(event, tool_class))
         if event.thread_key is not None:
             self.thread(writer, thread_fact(event))
+        if event.upstream is not None:
+            self.tool(writer, tool_fact(event))
 
     def tree(self, writer: _Writer, fact: TreeFact | None) -> None:
         if fact is not None:
@@ -232,6 +253,11 @@ class _Folds:
     def thread(self, writer: _Writer, fact: ThreadFact | None) -> None:
         if fact is not None:
             for decision in self.threads.observe(fact):
+                writer.scope_decision(decision)
+
+    def tool(self, writer: _Writer, fact: ToolFact | None) -> None:
+        if fact is not None:
+            for decision in self.tools.observe(fact):
                 writer.scope_decision(decision)
 
 
@@ -253,9 +279,10 @@ def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer, engi
                                + [(item[0], 1, n, item) for n, item in enumerate(facts)])
                 for index, is_fact, _, item in steps:
                     if is_fact:
-                        _, tree, thread = item
+                        _, tree, thread, tool = item
                         folds.tree(writer, None if tree is None else TreeFact(*tree))
                         folds.thread(writer, None if thread is None else ThreadFact(*thread))
+                        folds.tool(writer, None if tool is None else ToolFact.of(*tool))
                     else:
                         decide(parse_event(chunk[index]), item)
             else:

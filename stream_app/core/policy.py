@@ -144,6 +144,15 @@ class FleetThresholds:
     max_thread_runs_per_hour: int = 6
     #: A thread with no event for this much event time is forgotten (a week: daily schedules).
     thread_ttl_ms: int = 604_800_000
+    #: Transient failures of a tool from this many distinct runs in one minute, and at least half of its
+    #: calls, pause the tool fleet-wide (``tool_storm``); 0 disables.
+    storm_min_runs: int = 10
+    #: A storm's pause when no call asked for a ``retry_after_ms``, and the longest one asked for is
+    #: capped at (a pause doubled again is capped too).
+    storm_wait_ms: int = 60_000
+    storm_max_wait_ms: int = 600_000
+    #: A tool key with no event for this much event time is forgotten.
+    tool_ttl_ms: int = 86_400_000
     #: Publish what would be a halt across runs as an ``alert`` (``would: halt``).
     shadow: bool = False
 
@@ -156,6 +165,12 @@ class FleetThresholds:
             _check_int(name, getattr(self, name), 0)
         _check_int("thread_ttl_ms", self.thread_ttl_ms, 1)
         _check_int("schedule_failing_runs", self.schedule_failing_runs, 0)
+        _check_int("storm_min_runs", self.storm_min_runs, 0)
+        for name in ("storm_wait_ms", "storm_max_wait_ms", "tool_ttl_ms"):
+            _check_int(name, getattr(self, name), 1)
+        if self.storm_wait_ms > self.storm_max_wait_ms:
+            raise PolicyError(f"storm_wait_ms: must be at most storm_max_wait_ms ({self.storm_max_wait_ms}), got "
+                              f"{self.storm_wait_ms}")
         if self.schedule_failing_runs == 1:
             raise PolicyError("schedule_failing_runs: must be 0 (off) or >= 2, got 1 (one failure would halt)")
         if self.max_tree_runs >= MAX_TREE_RUNS_TRACKED:

@@ -203,3 +203,42 @@ def simulate_threads(threads: int, seed: int = 13, start_ms: int = 1_764_000_000
         if rng.random() < redeliver_fraction:
             stream.append(event)
     return kinds_of, stream
+
+
+def simulate_storm(runs: int = 24, seed: int = 17, start_ms: int = 1_764_000_000_000, *, tenant: str = "acme",
+                   tool: str = "weather.lookup", upstream: str = "api.weather.example", degraded_s: int = 150,
+                   recovers: bool = True, redeliver_fraction: float = 0.02, prefix: str = "storm-") -> list[Event]:
+    """``runs`` concurrent runs of ``tenant`` calling ``tool`` of ``upstream`` every few seconds: healthy
+    for a minute, then the upstream answers 503 (asking for a 30 s Retry-After) for ``degraded_s``
+    seconds, then recovers (``recovers``; else the stream ends while it fails). Each run retries with small jittered waits and varying arguments, as agents
+    do; another tenant (``globex``) calls the same upstream at the same time, always with success: its
+    calls never pause ``tenant``'s tool, nor its own."""
+    rng = random.Random(seed)
+    events: list[Event] = []
+    degraded_from = start_ms + 60_000
+    degraded_to = degraded_from + degraded_s * 1000
+    end = degraded_to + 90_000 if recovers else degraded_to
+    for owner, count in ((tenant, runs), ("globex", 3)):
+        for r in range(count):
+            run_id = f"{prefix}{owner}-{r:03d}"
+            ts = start_ms + rng.randrange(5_000)
+            n = 0
+            while ts < end:
+                failing = owner == tenant and degraded_from <= ts < degraded_to
+                event: Event = {"schema_version": "1", "run_id": run_id, "event_id": f"{run_id}-{n}", "tool": tool,
+                                "ts_ms": ts, "tenant": owner, "upstream": upstream, "agent_id": "forecaster",
+                                "args": {"city": f"city-{(r + n) % 40}"},
+                                "outcome": "error" if failing else "success",
+                                "result": "503 Service Unavailable" if failing else f"forecast {n}"}
+                if failing:
+                    event.update(error_class="http_503", retry_after_ms=30_000)
+                events.append(event)
+                n += 1
+                ts += 5_000 + rng.randrange(4_000)
+    events.sort(key=lambda e: (e["ts_ms"], e["event_id"]))
+    stream: list[Event] = []
+    for event in events:
+        stream.append(event)
+        if rng.random() < redeliver_fraction:
+            stream.append(event)
+    return stream

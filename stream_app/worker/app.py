@@ -102,7 +102,8 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
         dlq=raw_topic(app, settings.dlq_topic),
     )
     runs = _table(app, RUNS_TABLE, settings)
-    # Trees and threads are few next to runs, and small: together they get a quarter of the RocksDB memory budget.
+    # Trees, threads and tools are few next to runs, and small: together they get a quarter of the RocksDB memory
+    # budget.
     fleet_tables = {kind.name: _table(app, kind.name, settings, share=4 * len(KINDS)) for kind in KINDS} \
         if settings.fleet_rules else {}
     fold = batch_fold(settings, Detector(policy), operator_keys)
@@ -142,7 +143,7 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
 
     fleet_effects = None
     if fleet_tables:
-        changelogs = {"trees": settings.trees_changelog_topic, "threads": settings.threads_changelog_topic}
+        changelogs = settings.fleet_changelog_topics
         fleet_effects = FleetEffects(topics, {name: RunStore(app, table, changelogs[name])
                                               for name, table in fleet_tables.items()},
                                      policy.fleet, metrics, dead_letters, signer, settings.event_source, decisions,

@@ -44,7 +44,7 @@ from ..core import (
     explain,
     parse_event,
 )
-from ..core.fleet import ThreadFact, TreeFact, thread_fact, tree_fact
+from ..core.fleet import ThreadFact, ToolFact, TreeFact, thread_fact, tool_fact, tree_fact
 from ..core.stored import FORMAT_VERSION, decode_run, encode_run
 
 __all__ = ["BatchFold", "BatchResult", "DeadLetter", "InputRecord", "NativeBatchFold", "RawRecord", "Rekey", "Verifier",
@@ -121,9 +121,9 @@ class BatchResult:
     watermarks: dict[int, int] = field(default_factory=dict)
     #: Folded events whose runtime's policy is not the worker's: (agent id or "", their digest) -> count.
     policy_mismatches: Counter[tuple[str, str]] = field(default_factory=Counter)
-    #: Tree and thread facts of the new events: (source partition, source offset, fact), in batch order per
-    #: run.
-    facts: list[tuple[int, int, TreeFact | ThreadFact]] = field(default_factory=list)
+    #: Tree, thread and tool facts of the new events: (source partition, source offset, fact), in batch
+    #: order per run (a tool fact per event: the publisher sums them per key and window).
+    facts: list[tuple[int, int, TreeFact | ThreadFact | ToolFact]] = field(default_factory=list)
 
 
 Item = TelemetryEvent | OperatorCommand
@@ -196,6 +196,10 @@ class BatchFold:
                             facts.append((partition, offset, fact))
                         if item.thread_key is not None:
                             facts.append((partition, offset, thread_fact(item)))  # type: ignore[arg-type]
+                        if item.upstream is not None:
+                            tool = tool_fact(item)
+                            if tool is not None:
+                                facts.append((partition, offset, tool))
                     if item.policy_digest is not None and item.policy_digest != self.policy_digest:
                         result.policy_mismatches[(item.agent_id or "", item.policy_digest)] += 1
                 run.offset = offset
@@ -279,12 +283,14 @@ class NativeBatchFold(BatchFold):
         for _, agent_id, digest in mismatches:
             result.policy_mismatches[(agent_id, digest)] += 1
         out = result.facts
-        for index, tree, thread in facts:  # each event's tree fact, then its thread fact, as the reference
+        for index, tree, thread, tool in facts:  # each event's tree, thread, tool fact, as the reference
             record = records[index]
             if tree is not None:
                 out.append((record.partition, record.offset, TreeFact(*tree)))
             if thread is not None:
                 out.append((record.partition, record.offset, ThreadFact(*thread)))
+            if tool is not None:
+                out.append((record.partition, record.offset, ToolFact.of(*tool)))
         if deferred:
             self._merge(result, deferred, super().fold([records[i] for i in deferred], stored, now_ms))
         return result

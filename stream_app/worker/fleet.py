@@ -50,8 +50,19 @@ from ..bus.clock import wall_clock_ms
 from ..bus.signing import SignatureRejected, Signer
 from ..bus.wire import KIND_HEADER, OPERATOR_KIND, encode_scope_control, header
 from ..core import InvalidEvent
-from ..core.fleet import ScopeDecision, ThreadFact, ThreadState, TreeFact, TreeState, threads, trees
-from ..core.fleet.scope import decode_scope_command
+from ..core.fleet import (
+    ScopeDecision,
+    ThreadFact,
+    ThreadState,
+    ToolFact,
+    ToolState,
+    TreeFact,
+    TreeState,
+    threads,
+    tools,
+    trees,
+)
+from ..core.fleet.scope import ScopeCommand, decode_scope_command
 from ..core.policy import FleetThresholds
 from ..core.stored import StoredRecordError
 from .batch import Verifier
@@ -67,7 +78,7 @@ FACTS_FORMAT = 1
 #: what this worker wrote last: after a rebalance, a recovery, a sweep).
 DECODED_KEYS = 4096
 
-Fact = TreeFact | ThreadFact
+Fact = TreeFact | ThreadFact | ToolFact
 
 
 @dataclass(frozen=True)
@@ -92,7 +103,10 @@ TREES = Kind("tree", "trees", "sub-agent tree", TreeFact, 12, ("root", "run_id",
              TreeState, trees.fold, lambda fleet: fleet.tree_ttl_ms)
 THREADS = Kind("thread", "threads", "thread", ThreadFact, 8, ("tenant", "thread_key", "run_id", "event_id"), ("ts_ms",),
                ThreadState, threads.fold, lambda fleet: fleet.thread_ttl_ms)
-KINDS: tuple[Kind, ...] = (TREES, THREADS)
+TOOLS = Kind("tool", "tools", "tool", ToolFact, 12, ("tenant", "tool", "upstream", "event_id", "run_id"),
+             ("window_ms", "ts_ms", "calls", "transient", "success_ts_ms", "retry_after_ms"), ToolState, tools.fold,
+             lambda fleet: fleet.tool_ttl_ms)
+KINDS: tuple[Kind, ...] = (TREES, THREADS, TOOLS)
 _KIND_OF: dict[type[Any], Kind] = {kind.fact: kind for kind in KINDS}
 _KIND_OF_SCOPE: dict[str, Kind] = {kind.scope: kind for kind in KINDS}
 
@@ -115,10 +129,11 @@ class FactsPublisher:
         self.producer = producer
 
     async def send(self, facts: Sequence[tuple[int, int, Fact]]) -> list[asyncio.Future[Any]]:
-        """Queue the facts; the futures resolve when the broker has them."""
+        """Queue the facts (tool facts summed per source partition, key and window, at the offset of the
+        last: one fact per key and window per batch); the futures resolve when the broker has them."""
         by_partition: dict[int, dict[str, list[list[Any]]]] = {}
         partitions = self.partitions
-        for source_partition, offset, fact in facts:
+        for source_partition, offset, fact in _summed(facts):
             kind = _KIND_OF[type(fact)]
             message = by_partition.setdefault(partition_of(f"{kind.scope}/{fact.key_text}", partitions), {})
             message.setdefault(kind.name, []).append([source_partition, offset, *fact.to_tuple()])
@@ -127,6 +142,27 @@ class FactsPublisher:
             value = orjson.dumps({"v": FACTS_FORMAT, **items})
             pending.append(await self.producer.send_to(self.topic, partition, value))
         return pending
+
+
+def _summed(facts: Sequence[tuple[int, int, Fact]]) -> list[tuple[int, int, Fact]]:
+    """``facts`` with the tool facts of one source partition, key and window summed into one (at the
+    largest offset among them), after the others."""
+    out: list[tuple[int, int, Fact]] = []
+    tool_facts: dict[tuple[int, tuple[str, str, str], int], tuple[int, list[ToolFact]]] = {}
+    for source_partition, offset, fact in facts:
+        if type(fact) is ToolFact:
+            mark = (source_partition, fact.key, fact.window_ms)
+            known = tool_facts.get(mark)
+            if known is None:
+                tool_facts[mark] = (offset, [fact])
+            else:
+                known[1].append(fact)
+                tool_facts[mark] = (max(known[0], offset), known[1])
+        else:
+            out.append((source_partition, offset, fact))
+    for (source_partition, _, _), (offset, items) in tool_facts.items():
+        out.append((source_partition, offset, items[0] if len(items) == 1 else tools.merge(items)[0]))
+    return out
 
 
 def decode_facts(value: bytes | None) -> list[tuple[Kind, int, int, Any]]:
@@ -148,7 +184,7 @@ def decode_facts(value: bytes | None) -> list[tuple[Kind, int, int, Any]]:
                 raise InvalidEvent(kind.name, f"a fact must be a list of {kind.arity + 2} fields")
             source_partition, offset, *fields = item
             try:
-                fact = kind.fact(*fields)
+                fact = kind.fact.of(*fields) if kind is TOOLS else kind.fact(*fields)
             except TypeError as exc:
                 raise InvalidEvent(kind.name, str(exc)) from exc
             if type(source_partition) is not int or type(offset) is not int \
@@ -195,13 +231,15 @@ class FleetEffects:
     async def _process(self, records: Sequence[Record]) -> None:
         # The batch's facts by (kind, partition, key), in offset order.
         by_key: dict[tuple[Kind, int, str], list[tuple[int, int, Any]]] = {}
-        commands: list[tuple[Kind, ScopeDecision]] = []
         for record in records:
             if record.headers and header(record.headers, KIND_HEADER) == OPERATOR_KIND:
                 try:
-                    commands.append(self._operator(record.value, record.headers))
+                    kind, command = self._operator(record.value, record.headers)
                 except InvalidEvent as exc:
                     await self.dead_letters.send(record, exc)
+                    continue
+                # in order with the key's facts; no source offset: a command applied twice is one decision
+                by_key.setdefault((kind, record.partition, command.key_text), []).append((-1, -1, command))
                 continue
             try:
                 facts = decode_facts(record.value)
@@ -210,7 +248,7 @@ class FleetEffects:
                 continue
             for kind, source_partition, offset, fact in facts:
                 by_key.setdefault((kind, record.partition, fact.key_text), []).append((source_partition, offset, fact))
-        decisions: list[tuple[Kind, ScopeDecision]] = commands
+        decisions: list[tuple[Kind, ScopeDecision]] = []
         changes: dict[str, dict[int, list[Change]]] = {}
         folded: dict[str, int] = {}
         redelivered: dict[str, int] = {}
@@ -231,6 +269,11 @@ class FleetEffects:
             sources = state.sources
             fold = kind.fold
             for source_partition, offset, fact in items:
+                if type(fact) is ScopeCommand:
+                    decisions.append((kind, fact.decision()))
+                    if kind is TOOLS and fact.action == "resume":
+                        state.pause = None  # an operator lifted it: no resume or pause again of the fold's
+                    continue
                 source = str(source_partition)
                 if offset <= sources.get(source, -1):
                     redelivered[kind.name] = redelivered.get(kind.name, 0) + 1
@@ -261,8 +304,8 @@ class FleetEffects:
         for name, count in self._tracked.items():
             self.metrics.fleet_keys_tracked.labels(fold=name).set(count)
 
-    def _operator(self, value: bytes | None, headers: Any) -> tuple[Kind, ScopeDecision]:
-        """The decision answering an operator's signed, recent scope command; else InvalidEvent."""
+    def _operator(self, value: bytes | None, headers: Any) -> tuple[Kind, ScopeCommand]:
+        """An operator's signed, recent scope command; else InvalidEvent."""
         if self.operator_keys is None:
             raise InvalidEvent("signature", "operator commands are disabled: LOOPWARDEN_OPERATOR_KEYS is empty")
         try:
@@ -274,7 +317,7 @@ class FleetEffects:
         if age_ms > self.operator_max_age_ms:
             raise InvalidEvent("ts_ms", f"operator command is {age_ms / 1000:.0f} s old, over "
                                         "LOOPWARDEN_OPERATOR_MAX_AGE_S: refused as a replay")
-        return _KIND_OF_SCOPE[command.scope], command.decision()
+        return _KIND_OF_SCOPE[command.scope], command
 
     async def _publish(self, decisions: list[tuple[Kind, ScopeDecision]]) -> None:
         pending = []
@@ -285,7 +328,7 @@ class FleetEffects:
                 headers.extend(self.signer.headers(value))
             pending.append(await self.decisions.send(control, key, value, headers))
             pending.append(await self.decisions.send(alerts, key, value, headers))
-            if decision.action == "halt" and self.scopes_topic:
+            if decision.action in ("halt", "pause") and self.scopes_topic:
                 expires_ms = decision.ts_ms + kind.ttl_ms(self.fleet)
                 in_force = orjson.dumps({**decision.to_control(), "expires_ms": expires_ms})
                 scope_headers = [h for h in headers if h[0] in ("content-type", "ce_id", "ce_type", "ce_subject")]

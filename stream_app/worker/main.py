@@ -39,10 +39,10 @@ async def ensure_topics(settings: WorkerSettings) -> None:
         settings.dlq_topic: {},
         settings.changelog_topic: {"cleanup.policy": "compact"},
     }
-    if settings.fleet_rules:  # the facts (an input, co-partitioned with the trees and threads tables), changelogs
+    if settings.fleet_rules:  # the facts (an input, co-partitioned with the keyed folds' tables), changelogs
         specs[settings.facts_topic] = {}
-        specs[settings.trees_changelog_topic] = {"cleanup.policy": "compact"}
-        specs[settings.threads_changelog_topic] = {"cleanup.policy": "compact"}
+        for changelog in settings.fleet_changelog_topics.values():
+            specs[changelog] = {"cleanup.policy": "compact"}
         specs[settings.scopes_topic] = {"cleanup.policy": "compact"}
     if settings.otlp_topic:  # the collector's topic; any partition count works (its records are relayed)
         specs[settings.otlp_topic] = {}
@@ -69,7 +69,7 @@ async def _wait_for_partitions(admin: AIOKafkaAdminClient, settings: WorkerSetti
     takes a moment to appear in metadata); refuse a partition count that differs from the table's."""
     topics = [settings.telemetry_topic, settings.changelog_topic]
     if settings.fleet_rules:
-        topics += [settings.facts_topic, settings.trees_changelog_topic, settings.threads_changelog_topic]
+        topics += [settings.facts_topic, *settings.fleet_changelog_topics.values()]
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         described = await admin.describe_topics(topics)

@@ -28,9 +28,9 @@ SETTINGS = SettingsTable((
     ("otlp_topic", "LOOPWARDEN_OTLP_TOPIC", "", "input: OTLP traces from the OpenTelemetry Collector's `kafka` exporter, whose tool spans become telemetry; empty: off"),
     ("otlp_encoding", "LOOPWARDEN_OTLP_ENCODING", "otlp_proto", "encoding of that topic, the exporter's `traces::encoding`: `otlp_proto` or `otlp_json`"),
     ("otlp_run_id", "LOOPWARDEN_OTLP_RUN_ID", "conversation", "run id of a tool span: `conversation` (its `gen_ai.conversation.id`, else its trace id) or `trace` (its trace id)"),
-    ("fleet_rules", "LOOPWARDEN_FLEET_RULES", "true", "fold the rules across runs (sub-agent trees, self-triggering threads: core/fleet) on re-keyed facts; false: per-run rules only"),
-    ("scopes_topic", "LOOPWARDEN_SCOPES_TOPIC", "loopwarden.scopes", "output: the halts of scopes wider than a run (sub-agent trees, threads) in force, compacted, keyed by scope key, signed, with their expiry; runtimes read it from the start"),
-    ("facts_topic", "LOOPWARDEN_FACTS_TOPIC", "loopwarden.facts", "internal: the facts the folds across runs learn from telemetry, keyed by scope key (`tree/ROOT`, `thread/TENANT/THREAD`; LOOPWARDEN_PARTITIONS partitions)"),
+    ("fleet_rules", "LOOPWARDEN_FLEET_RULES", "true", "fold the rules across runs (sub-agent trees, self-triggering threads, tool storms: core/fleet) on re-keyed facts; false: per-run rules only"),
+    ("scopes_topic", "LOOPWARDEN_SCOPES_TOPIC", "loopwarden.scopes", "output: the halts and pauses of scopes wider than a run (sub-agent trees, threads, tools) in force, compacted, keyed by scope key, signed, with their expiry; runtimes read it from the start"),
+    ("facts_topic", "LOOPWARDEN_FACTS_TOPIC", "loopwarden.facts", "internal: the facts the folds across runs learn from telemetry, keyed by scope key (`tree/ROOT`, `thread/TENANT/THREAD`, `tool/TENANT/TOOL/UPSTREAM`; LOOPWARDEN_PARTITIONS partitions)"),
     ("partitions", "LOOPWARDEN_PARTITIONS", "8", "partitions of the telemetry topic and the state table (must match)"),
     ("replication_factor", "LOOPWARDEN_REPLICATION_FACTOR", "1", "replication factor of topics the worker creates"),
     ("create_topics", "LOOPWARDEN_CREATE_TOPICS", "true", "create missing topics at start-up"),
@@ -127,6 +127,16 @@ class WorkerSettings:
     @property
     def threads_changelog_topic(self) -> str:
         return f"{self.app_id}-threads-changelog"
+
+    @property
+    def tools_changelog_topic(self) -> str:
+        return f"{self.app_id}-tools-changelog"
+
+    @property
+    def fleet_changelog_topics(self) -> dict[str, str]:
+        """The changelog of each keyed fold's table, by table name (``worker/fleet.py``: ``KINDS``)."""
+        return {"trees": self.trees_changelog_topic, "threads": self.threads_changelog_topic,
+                "tools": self.tools_changelog_topic}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerSettings:

@@ -302,7 +302,7 @@ def test_topic_job_creates_the_workers_topics(tmp_path: Path) -> None:
                                               ["cleanup.policy=compact"])
         assert settings.fleet_rules  # the rules across runs: the facts, the trees' and threads' changelogs
         expected[settings.facts_topic] = (settings.partitions, settings.replication_factor, [])
-        for changelog in (settings.trees_changelog_topic, settings.threads_changelog_topic):
+        for changelog in settings.fleet_changelog_topics.values():
             expected[changelog] = (settings.partitions, settings.replication_factor, ["cleanup.policy=compact"])
         expected[settings.scopes_topic] = (settings.partitions, settings.replication_factor, ["cleanup.policy=compact"])
         assert created == expected

@@ -185,3 +185,51 @@ def test_the_scopes_topic_yields_only_signed_unexpired_unlifted_halts(kafka_boot
     assert applied == 1 and board.tree_halt("in-force") is not None
     assert all(board.tree_halt(root) is None for root in ("expired", "unsigned", "lifted"))
     assert board.counters["unsigned"] == 1
+
+
+def test_a_storm_is_one_incident_paused_for_its_tenant_and_resumed_after_it_passes(
+        kafka_bootstrap: str, tmp_path: Path) -> None:
+    """Runs of one tenant on every partition fail on one upstream, folded by two workers: the tool is
+    paused once (the same decision id replay makes: scope tool, its window), paused again while it fails,
+    and resumed after it recovers; another tenant's tool never is. Then, with a storm that has not passed,
+    a runtime started later learns the pause from the scopes topic and is refused the call."""
+    from stream_app.client import ToolPaused
+    from stream_app.devtools.fleet_sim import simulate_storm
+
+    stream = simulate_storm(seed=3)
+    expected = [d for d in _replayed(stream) if d.get("scope") == "tool"]
+    assert (expected[0]["action"], expected[0]["evidence"]["rule"]) == ("pause", "storm")
+    assert expected[-1]["action"] == "resume" and {d["tenant"] for d in expected} == {"acme"}
+    assert len({e["run_id"] for e in stream}) > 3 * PARTITIONS  # the runs spread over every partition
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=PARTITIONS, settings=RULES)
+    fleet.start_worker()
+    fleet.start_worker()
+    try:
+        time.sleep(3)
+        run(produce(kafka_bootstrap, fleet.telemetry_topic, stream))
+        control = run(consume(kafka_bootstrap, fleet.control_topic, 1, timeout=60, settle=3.0))
+        got = [d for d in decisions_of(control) if d.get("scope") == "tool"]
+        storms = [d for d in got if d["evidence"]["rule"] == "storm"]
+        assert [d["decision_id"] for d in storms] == [expected[0]["decision_id"]], got  # one incident, replay's id
+        assert got[-1]["action"] == "resume" and {d["tenant"] for d in got} == {"acme"}, got
+
+        now = int(time.time() * 1000)
+        failing = simulate_storm(seed=4, start_ms=now - 62_000, recovers=False, prefix="late-", tenant="initech")
+        run(produce(kafka_bootstrap, fleet.telemetry_topic, failing))
+        scopes = run(consume(kafka_bootstrap, fleet.scopes_topic, 1, timeout=60, settle=2.0))
+        key = b"tool/initech/weather.lookup/api.weather.example"
+        assert key in {r.key for r in scopes}, [r.key for r in scopes]
+
+        async def late_runtime() -> None:
+            async with Guard.fleet(KafkaClientConfig(kafka_bootstrap), fleet.telemetry_topic, fleet.control_topic,
+                                   trusted_keys=fleet.trusted_keys(), lookback_ms=0,
+                                   scopes_topic=fleet.scopes_topic) as guard:
+                late = guard.run("late-runtime-run", tenant="initech")
+                with pytest.raises(ToolPaused) as paused:
+                    await late.call("weather.lookup", lambda **_: "sunny", {"city": "Oslo"},
+                                    upstream="api.weather.example")
+                assert paused.value.verdict == "tool_storm" and paused.value.retry_after_s > 0
+
+        run(late_runtime())
+    finally:
+        fleet.stop()

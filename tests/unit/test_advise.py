@@ -113,7 +113,7 @@ def test_a_warning_changes_no_runs_state_in_the_runtime() -> None:
     assert not board.is_suppressed("run-1", "search", "a", 4)
     assert board.advice("run-1") == message
     future = ControlBoard(watch_all=True)
-    assert future.apply({**message, "decision_id": "e" * 32, "action": "pause"}) == "ignored"
+    assert future.apply({**message, "decision_id": "e" * 32, "action": "quarantine"}) == "ignored"
 
 
 async def test_the_guarded_run_exposes_the_advice_for_the_model() -> None:

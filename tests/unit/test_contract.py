@@ -215,19 +215,43 @@ def test_an_operators_tree_and_thread_decisions_validate_and_bad_commands_name_t
     from stream_app.core.fleet.scope import ScopeCommand, decode_scope_command
 
     validator = _validator("control.v1.json")
-    for scope, key in (("tree", ("root-1",)), ("thread", ("", "pr-7")), ("thread", ("acme", "pr-7"))):
-        for action in ("halt", "resume"):
+    for scope, key in (("tree", ("root-1",)), ("thread", ("", "pr-7")), ("thread", ("acme", "pr-7")),
+                       ("tool", ("acme", "search", "api.example.com"))):
+        for action in ("pause" if scope == "tool" else "halt", "resume"):
             command = ScopeCommand(scope, key, action, "op-1", "alice", "runaway", 5, "ops-key")
             again = decode_scope_command(orjson.dumps(command.to_json()), "ops-key")
             assert again == command
             message = again.decision().to_control()
             validator.validate(message)
-            assert message["verdict"] == f"operator_{action}" and "run_id" not in message
+            assert message["verdict"] == ("operator_resume" if action == "resume" else "operator_halt")
+            assert message["action"] == action and "run_id" not in message
             assert message["evidence"] == {"operator": "alice", "reason": "runaway", "command_id": "op-1",
                                            "key_id": "ops-key"}
     good = ScopeCommand("thread", ("acme", "pr-7"), "halt", "op-1", "alice", "why", 5).to_json()
-    for change, field in (({"scope": "tool"}, "scope"), ({"thread_key": ""}, "thread_key"), ({"tenant": 3}, "tenant"),
+    for change, field in (({"scope": "galaxy"}, "scope"), ({"thread_key": ""}, "thread_key"), ({"tenant": 3}, "tenant"),
                           ({"action": "pause"}, "action"), ({"ts_ms": -1}, "ts_ms"), ({"reason": ""}, "reason")):
         with pytest.raises(InvalidEvent) as info:
             decode_scope_command(orjson.dumps({**good, **change}))
         assert info.value.field == field
+
+
+def test_every_tool_storm_decision_validates_and_names_no_run() -> None:
+    from stream_app.core.fleet import ToolFact, ToolFold
+    from stream_app.core.policy import FleetThresholds
+
+    validator = _validator("control.v1.json")
+    t0 = 1_764_000_000_000 - 1_764_000_000_000 % 60_000
+    facts = [ToolFact("acme", "search", "api", t0, f"e{i}", f"r{i}", t0 + i, 1, 1, -1, 0, (f"r{i}",)) for i in range(10)]
+    facts += [ToolFact("acme", "search", "api", t0 + 120_000, "late", "r0", t0 + 125_000, 1, 1, -1, 0, ("r0",)),
+              ToolFact("acme", "search", "api", t0 + 240_000, "ok", "r1", t0 + 250_000, 1, 0, t0 + 250_000, 0, ())]
+    seen = set()
+    for shadow in (False, True):
+        fold = ToolFold(FleetThresholds(shadow=shadow))
+        for f in facts:
+            for decision in fold.observe(f):
+                message = decision.to_control()
+                validator.validate(message)
+                seen.add((message["action"], message["evidence"]["rule"]))
+                with pytest.raises(Exception, match="should not be valid"):
+                    validator.validate({**message, "run_id": "r1"})
+    assert seen == {("pause", "storm"), ("pause", "still_failing"), ("resume", "recovered"), ("alert", "storm")}

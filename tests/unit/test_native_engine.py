@@ -105,7 +105,7 @@ POLICIES = [
                          "fleet": {"max_tree_depth": 1, "max_tree_runs": 3, "tree_task_repeats": 2,
                                    "max_tree_cost_usd": 1.0}}),
     Policy.from_mapping({"fleet": {"self_trigger_generation": 1, "schedule_failing_runs": 2,
-                                   "max_thread_runs_per_hour": 1}}),
+                                   "max_thread_runs_per_hour": 1, "storm_min_runs": 2, "storm_wait_ms": 5}}),
 ]
 
 tools = st.sampled_from(["search", "send", "code", "log", "fetch"])
@@ -177,6 +177,12 @@ def telemetry_lines(draw) -> list[bytes]:
                                  ("caused_by_run_id", st.sampled_from(["r1", "r2", "r3"])),
                                  ("error_class", st.sampled_from(["auth", "auth", "http_500"])),
                                  ("tenant", st.just("t"))):
+                if draw(st.booleans()):
+                    event[name] = draw(values)
+        if draw(st.booleans()):  # storms: calls naming their upstream, failing transiently or not
+            event["upstream"] = draw(st.sampled_from(["api", "api", "mcp"]))
+            for name, values in (("error_class", st.sampled_from(["http_503", "http_429", "timeout", "http_404"])),
+                                 ("retry_after_ms", st.sampled_from([0, 3, 30_000]))):
                 if draw(st.booleans()):
                     event[name] = draw(values)
         line = orjson.dumps(event)
@@ -256,13 +262,14 @@ def test_the_fast_path_never_accepts_a_line_the_reference_refuses(mutations) -> 
 
 def test_replay_of_trees_and_threads_is_byte_identical_and_reaches_every_rule_across_runs() -> None:
     """The simulated trees and threads (each kind with its expected decisions) through both engines."""
-    from stream_app.devtools.fleet_sim import simulate_threads, simulate_trees
+    from stream_app.devtools.fleet_sim import simulate_storm, simulate_threads, simulate_trees
 
-    events = simulate_trees(4)[1] + simulate_threads(8)[1]
+    events = simulate_trees(4)[1] + simulate_threads(8)[1] + simulate_storm(runs=12)
     events.sort(key=lambda e: (e["ts_ms"], e["event_id"]))
     lines = [orjson.dumps(e) + b"\n" for e in events]
     native = _run(lines, Policy(), "native")
     assert native == _run(lines, Policy(), "python")
     verdicts = {(m["action"], m["verdict"]) for m in map(orjson.loads, native[0].splitlines())}
     assert {("halt", "self_trigger"), ("halt", "schedule_failing"), ("alert", "thread_rate"),
-            ("halt", "tree_depth"), ("halt", "tree_recursion"), ("halt", "tree_fanout")} <= verdicts
+            ("halt", "tree_depth"), ("halt", "tree_recursion"), ("halt", "tree_fanout"), ("pause", "tool_storm"),
+            ("resume", "tool_storm")} <= verdicts

@@ -22,7 +22,7 @@ from stream_app.bus.signing import KeyRing, Signer, generate
 from stream_app.bus.wire import encode_operator, encode_telemetry
 from stream_app.core import Detector, OperatorCommand, RunTable, decode_event
 from stream_app.core.stored import FORMAT_VERSION, StateVersionError, StoredRun, decode_run, encode_run
-from stream_app.devtools.fleet_sim import simulate_fleet, simulate_threads, simulate_trees
+from stream_app.devtools.fleet_sim import simulate_fleet, simulate_storm, simulate_threads, simulate_trees
 from stream_app.worker.batch import BatchFold, BatchResult, NativeBatchFold, RawRecord
 
 BATCH = Path(__file__).resolve().parents[2] / "stream_app" / "worker" / "batch.py"
@@ -250,7 +250,7 @@ def _corpus(signer: Signer, seed: int) -> list[list[tuple[bytes | None, bytes | 
 
     rng = random.Random(seed)
     _, stream = simulate_fleet(150, seed=seed)
-    stream += simulate_trees(4, seed=seed)[1] + simulate_threads(8, seed=seed)[1]
+    stream += simulate_trees(4, seed=seed)[1] + simulate_threads(8, seed=seed)[1] + simulate_storm(6, seed=seed)[:300]
     messages: list[tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]] = []
     for n, event in enumerate(stream):
         event = dict(event)

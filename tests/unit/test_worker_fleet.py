@@ -85,7 +85,8 @@ def _effects(**fleet: Any) -> tuple[FleetEffects, _Store, _Producer, _DeadLetter
     """The effects with the trees' store (returned) and the threads' (``effects.stores["threads"]``)."""
     store, producer, dead, metrics = _Store(), _Producer(), _DeadLetters(), WorkerMetrics()
     topics: Any = type("T", (), {"control": _Topic("control"), "alerts": _Topic("alerts")})()
-    effects = FleetEffects(topics, {"trees": store, "threads": _Store()}, FleetThresholds(**fleet),  # type: ignore[dict-item]
+    effects = FleetEffects(topics, {"trees": store, "threads": _Store(), "tools": _Store()},  # type: ignore[dict-item]
+                           FleetThresholds(**fleet),
                            metrics, dead, None, "/test", producer, 10, "scopes")  # type: ignore[arg-type]
     return effects, store, producer, dead, metrics
 
@@ -169,3 +170,29 @@ async def test_a_thread_halt_goes_to_control_alerts_and_the_scopes_topic_with_th
     assert metrics.fleet_facts.labels(fold="threads", state="folded")._value.get() == 5
     await effects.process([_Record(1, 1, orjson.dumps({"v": FACTS_FORMAT, "threads": facts}))])  # again
     assert len(producer.sent) == 3 and metrics.fleet_facts.labels(fold="threads", state="redelivered")._value.get() == 5
+
+
+async def test_a_batchs_tool_facts_go_out_summed_per_source_partition_key_and_window() -> None:
+    from stream_app.core.fleet import ToolFact
+
+    producer = _Producer()
+    publisher = FactsPublisher("facts", 4, producer)  # type: ignore[arg-type]
+
+    def call(n: int, source: int, window: int = 60_000, ok: bool = False) -> tuple[int, int, Any]:
+        return (source, 100 + n, ToolFact("acme", "search", "api", window, f"e{n}", f"r{n}", window + n, 1,
+                                          0 if ok else 1, window + n if ok else -1, 0, () if ok else (f"r{n}",)))
+
+    facts = [call(0, 1), call(1, 1), call(2, 2), call(3, 1, ok=True), call(4, 1, window=120_000)]
+    await asyncio.gather(*await publisher.send(facts))
+    sent = [item for _, _, value in producer.sent for item in decode_facts(value)]
+    summed = {(source, fact.window_ms): (offset, fact.calls, fact.transient, fact.failing_runs, fact.event_id)
+              for kind, source, offset, fact in sent}
+    assert summed == {(1, 60_000): (103, 3, 2, ("r0", "r1"), "e3"), (2, 60_000): (102, 1, 1, ("r2",), "e2"),
+                      (1, 120_000): (104, 1, 1, ("r4",), "e4")}
+    effects, _, producer2, _, metrics = _effects(storm_min_runs=2)
+    records = [_Record(0, i, value) for i, (_, _, value) in enumerate(producer.sent)]
+    await effects.process(records)
+    pauses = [orjson.loads(v) for t, _, v in producer2.sent if t == "control"]
+    assert [(p["action"], p["verdict"], p["tool"]) for p in pauses] == [("pause", "tool_storm", "search")]
+    assert [k for t, k, _ in producer2.sent if t == "scopes"] == [b"tool/acme/search/api"]
+    assert metrics.fleet_facts.labels(fold="tools", state="folded")._value.get() == 3

@@ -7,6 +7,8 @@ from compact facts the per-run side extracts from each new (not redelivered) eve
   ``tree_budget``).
 * ``threads``: self-triggering chains, keyed by (tenant, thread key) (``self_trigger``,
   ``schedule_failing``, ``thread_rate``).
+* ``tools``: tool storms, keyed by (tenant, tool, upstream) (``tool_storm``: a fleet-wide pause, then
+  half-open, then ``resume``).
 
 A decision here is a ``ScopeDecision``: it names its scope and key (control v1's ``scope`` and key
 fields), never a ``run_id`` an older runtime would act on, and its id is derived from (scope, key,
@@ -19,7 +21,9 @@ from __future__ import annotations
 
 from .scope import SCOPES, ScopeDecision, scope_decision_id
 from .threads import ThreadFact, ThreadFold, ThreadState, thread_fact
+from .tools import ToolFact, ToolFold, ToolState, is_transient, tool_fact
 from .trees import TreeFact, TreeFold, TreeState, tree_fact
 
-__all__ = ["SCOPES", "ScopeDecision", "ThreadFact", "ThreadFold", "ThreadState", "TreeFact", "TreeFold", "TreeState",
-           "scope_decision_id", "thread_fact", "tree_fact"]
+__all__ = ["SCOPES", "ScopeDecision", "ThreadFact", "ThreadFold", "ThreadState", "ToolFact", "ToolFold", "ToolState",
+           "TreeFact", "TreeFold", "TreeState", "is_transient", "scope_decision_id", "thread_fact", "tool_fact",
+           "tree_fact"]

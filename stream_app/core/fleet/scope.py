@@ -77,15 +77,18 @@ def key_text(key: tuple[str, ...]) -> str:
     return "/".join([*(part.replace("%", "%25").replace("/", "%2F") for part in head), last])
 
 
-#: Scopes an operator halts and resumes through their keyed fold (``loopwarden halt --tree|--thread``).
-OPERATED_SCOPES: Final = ("tree", "thread")
+#: Scopes an operator halts (a tool: pauses) and resumes through their keyed fold (``loopwarden halt
+#: --tree|--thread|--tool``).
+OPERATED_SCOPES: Final = ("tree", "thread", "tool")
 
 
 @dataclass(slots=True, frozen=True)
 class ScopeCommand:
-    """An operator's halt or resume of a tree or a thread (``loopwarden halt|resume --tree|--thread``). It
-    travels on the facts topic, keyed by the scope key, so its keyed fold applies it in order with the
-    key's facts; the adapter has verified its signature (``key_id``) before the core sees it."""
+    """An operator's halt or resume of a tree or a thread, or pause or resume of a tool (``loopwarden
+    halt|resume --tree|--thread|--tool``). It travels on the facts topic, keyed by the scope key, so its
+    keyed fold applies it in order with the key's facts; the adapter has verified its signature
+    (``key_id``) before the core sees it. An operator's pause of a tool lets no call through until an
+    operator resumes it (no half-open)."""
 
     scope: str
     key: tuple[str, ...]
@@ -109,13 +112,13 @@ class ScopeCommand:
     def decision(self) -> ScopeDecision:
         """The signed answer: ``operator_halt`` or ``operator_resume`` of the scope, its id from the
         command (a command applied twice is one decision)."""
-        verdict = f"operator_{self.action}"
+        verdict = "operator_resume" if self.action == "resume" else "operator_halt"
         return ScopeDecision(
             self.scope, self.key, self.action, verdict, self.command_id, "",  # type: ignore[arg-type]
             scope_decision_id(self.scope, self.key, self.action, verdict, self.command_id), self.ts_ms,
             f"{self.action} by operator {self.operator}: {self.reason}",
             {"operator": self.operator, "reason": self.reason, "command_id": self.command_id, "key_id": self.key_id},
-            self.key[0] if self.scope == "thread" else None)
+            self.key[0] if self.scope in ("thread", "tool") else None)
 
 
 def decode_scope_command(raw: bytes, key_id: str = "") -> ScopeCommand:
@@ -135,8 +138,9 @@ def decode_scope_command(raw: bytes, key_id: str = "") -> ScopeCommand:
         if type(value) is not str or not (0 if empty_ok else 1) <= len(value) <= MAX_ID_LENGTH * (
                 4 if name == "reason" else 1):
             raise InvalidEvent(name, "required: a non-empty string" if not empty_ok else "required: a string")
-    if obj.get("action") not in ("halt", "resume"):
-        raise InvalidEvent("action", f"must be halt or resume, got {str(obj.get('action'))[:40]!r}")
+    actions = ("pause", "resume") if scope == "tool" else ("halt", "resume")
+    if obj.get("action") not in actions:
+        raise InvalidEvent("action", f"must be {' or '.join(actions)}, got {str(obj.get('action'))[:40]!r}")
     ts_ms = obj.get("ts_ms")
     if type(ts_ms) is not int or ts_ms < 0:
         raise InvalidEvent("ts_ms", "required: an integer >= 0 (epoch milliseconds)")

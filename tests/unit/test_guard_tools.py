@@ -1,0 +1,124 @@
+"""Tool storms through the SDK: failures classed from the exception, the storm paused fleet-wide
+(``ToolPaused`` with ``retry_after_s``), half-open (one call per wait, jittered), and the resume after a
+success lifting the pause; another tenant's calls, and calls naming no upstream, go on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from stream_app.client import Guard, ToolPaused
+from stream_app.client.guard import classify_error
+from stream_app.core import Policy
+
+T0 = 1_764_000_000_000 - 1_764_000_000_000 % 60_000
+UPSTREAM = "api.weather.example"
+
+
+class Unavailable(Exception):
+    """What an HTTP client raises for a 503 (httpx and requests carry the response)."""
+
+    def __init__(self, status: int = 503, retry_after: str | None = None) -> None:
+        super().__init__(f"{status} Service Unavailable")
+        headers = {"retry-after": retry_after} if retry_after is not None else {}
+        self.response = type("Response", (), {"status_code": status, "headers": headers})()
+
+
+def test_a_tools_exception_is_classed_for_the_storm_rule() -> None:
+    assert classify_error(Unavailable(429, "30")) == ("http_429", 30_000)
+    assert classify_error(Unavailable(404)) == ("http_404", None)
+    assert classify_error(TimeoutError("read timed out")) == ("timeout", None)
+    assert classify_error(ConnectionRefusedError("refused")) == ("connection", None)
+    assert classify_error(ValueError("bad")) == ("ValueError", None)
+    assert classify_error(Unavailable(503, "Wed, 21 Oct 2026 07:28:00 GMT")) == ("http_503", None)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def _unavailable(**_: Any) -> None:
+    raise Unavailable(503)
+
+
+def _ok(**_: Any) -> str:
+    return "sunny"
+
+
+async def _storm(guard: Guard, clock: _Clock, runs: int = 10, tenant: str = "acme") -> None:
+    for n in range(runs):
+        clock.now += 1_000
+        run = guard.run(f"{tenant}-run-{n}", tenant=tenant)
+        with pytest.raises(Unavailable):
+            await run.call("weather", _unavailable, {"city": "Oslo"}, upstream=UPSTREAM)
+
+
+async def test_ten_runs_failing_on_one_upstream_pause_the_tool_for_their_tenant_only() -> None:
+    clock = _Clock()
+    guard = Guard.in_process(Policy(), clock=clock)
+    await _storm(guard, clock)
+    eleventh = guard.run("acme-run-10", tenant="acme")
+    with pytest.raises(ToolPaused) as info:
+        await eleventh.call("weather", _ok, {"city": "Oslo"}, upstream=UPSTREAM)
+    assert info.value.verdict == "tool_storm" and 59 <= info.value.retry_after_s <= 60
+    assert (info.value.tool, info.value.upstream, info.value.run_id) == ("weather", UPSTREAM, "acme-run-10")
+    assert not eleventh.halted  # a pause is not a halt: the run goes on
+    assert await guard.run("globex-run", tenant="globex").call("weather", _ok, {}, upstream=UPSTREAM) == "sunny"
+    assert await eleventh.call("weather", _ok, {"city": "Oslo"}) == "sunny"  # no upstream named: not counted
+    assert await eleventh.call("news", _ok, {}, upstream=UPSTREAM) == "sunny"  # another tool of it
+
+
+async def test_half_open_one_call_per_wait_then_a_success_resumes_the_tool() -> None:
+    clock = _Clock()
+    guard = Guard.in_process(Policy(), clock=clock)
+    await _storm(guard, clock)
+    pause = guard.board.tool_pause("acme", "weather", UPSTREAM)
+    assert pause is not None
+    run = guard.run("acme-prober", tenant="acme")
+    clock.now = pause["ts_ms"] + 60_000  # the wait is over: one call goes through
+    with pytest.raises(Unavailable):
+        await run.call("weather", _unavailable, {"city": "Bergen"}, upstream=UPSTREAM)
+    with pytest.raises(ToolPaused) as info:  # the next waits for the next probe: the wait, + up to 20%
+        await run.call("weather", _ok, {"city": "Bergen"}, upstream=UPSTREAM)
+    assert 60 <= info.value.retry_after_s <= 72
+    clock.now += int(info.value.retry_after_s * 1000) + 1
+    assert await run.call("weather", _ok, {"city": "Bergen"}, upstream=UPSTREAM) == "sunny"  # recovered
+    assert guard.board.tool_pause("acme", "weather", UPSTREAM) is None  # the fold's resume lifted it
+    assert await guard.run("acme-after", tenant="acme").call("weather", _ok, {}, upstream=UPSTREAM) == "sunny"
+
+
+async def test_a_fleet_pause_is_obeyed_and_its_resume_lifts_it() -> None:
+    clock = _Clock()
+    guard = Guard.in_process(Policy(), clock=clock)
+    pause = {"schema_version": "1", "decision_id": "p" * 32, "scope": "tool", "tenant": "acme", "tool": "weather",
+             "upstream": UPSTREAM, "action": "pause", "verdict": "tool_storm", "trigger_event_id": "e",
+             "trigger_run_id": "r", "ts_ms": T0, "reason": "storm", "evidence": {"wait_ms": 30_000}}
+    assert guard.board.apply(pause) == "applied"
+    run = guard.run("acme-1", tenant="acme")
+    with pytest.raises(ToolPaused) as info:
+        await run.call("weather", _ok, {}, upstream=UPSTREAM)
+    assert info.value.retry_after_s == 30
+    assert guard.board.apply({**pause, "decision_id": "q" * 32, "action": "resume"}) == "applied"
+    assert await run.call("weather", _ok, {}, upstream=UPSTREAM) == "sunny"
+
+
+async def test_the_telemetry_names_the_upstream_the_class_and_the_wait() -> None:
+    guard = Guard.in_process(Policy(), clock=_Clock())
+    events: list[dict[str, Any]] = []
+    local = guard._local
+    assert local is not None
+    fold = local.fold
+    local.fold = lambda event: (events.append(event), fold(event))[1]  # type: ignore[method-assign]
+
+    def limited(**_: Any) -> None:
+        raise Unavailable(429, "12")
+
+    with pytest.raises(Unavailable):
+        await guard.run("r", tenant="acme").call("weather", limited, {}, upstream=UPSTREAM)
+    assert (events[0]["upstream"], events[0]["error_class"], events[0]["retry_after_ms"]) == (UPSTREAM, "http_429",
+                                                                                              12_000)
