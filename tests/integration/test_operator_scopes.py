@@ -86,7 +86,32 @@ def test_an_operator_halts_and_resumes_a_tree_and_a_thread(fleet: Fleet) -> None
     assert [r.value for r in scopes if r.key == f"tree/{root}".encode()][-1] is None
 
 
-def test_a_scope_command_the_workers_do_not_trust_is_refused_and_a_tool_scope_is_not_offered(
+def test_an_operator_pauses_and_resumes_a_tool(fleet: Fleet) -> None:
+    """`halt --tool` pauses it with no half-open (nothing goes through until `resume --tool`)."""
+    from stream_app.client import ToolPaused
+
+    tool = f"tool-{time.monotonic_ns()}"
+    result = _operator(fleet, "halt", "--tool", f"acme/{tool}/api.example.com")
+    assert result.returncode == 0 and "applied: operator_halt decision" in result.stdout, result.stderr
+
+    async def refused() -> bool:
+        async with Guard.fleet(KafkaClientConfig(fleet.bootstrap), fleet.telemetry_topic, fleet.control_topic,
+                               trusted_keys=fleet.trusted_keys(), lookback_ms=0,
+                               scopes_topic=fleet.scopes_topic) as guard:
+            try:
+                await guard.run(f"r-{time.monotonic_ns()}", tenant="acme").call(tool, lambda **_: "ok", {},
+                                                                                upstream="api.example.com")
+            except ToolPaused as exc:
+                return exc.verdict == "operator_halt"
+            return False
+
+    assert run(refused())
+    result = _operator(fleet, "resume", "--tool", f"acme/{tool}/api.example.com")
+    assert result.returncode == 0 and "applied: operator_resume decision" in result.stdout, result.stderr
+    assert not run(refused())
+
+
+def test_a_scope_command_the_workers_do_not_trust_is_refused_and_a_bad_key_is_named(
         fleet: Fleet, tmp_path: Path) -> None:
     private, _, key_id = generate(tmp_path, "mallory")
     result = _operator(fleet, "halt", "--tree", "root-x", key=private)
@@ -94,7 +119,7 @@ def test_a_scope_command_the_workers_do_not_trust_is_refused_and_a_tool_scope_is
     assert result.returncode == 3
     assert "refused by the workers: signature: operator command refused (unknown_key)" in result.stderr
     assert key_id in result.stderr and "Traceback" not in result.stderr
-    result = _operator(fleet, "halt", "--tool", "acme/search/api.example.com")
-    assert result.returncode == 2 and "tool-storm fold" in result.stderr
+    result = _operator(fleet, "halt", "--tool", "acme/search")
+    assert result.returncode == 2 and "expected TENANT/TOOL/UPSTREAM" in result.stderr
     result = _operator(fleet, "halt", "--thread", "no-slash")
     assert result.returncode == 2 and "expected TENANT/THREAD" in result.stderr
