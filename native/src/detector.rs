@@ -151,7 +151,13 @@ pub struct RunState {
     /// characters), and its first call's canonical arguments if it failed with raw ones (else empty).
     streak_ids: StreakIds,
     streak_args: String,
+    /// Every failure of the current streak was transient, and the pauses it had instead of a halt.
+    streak_transient: bool,
+    streak_pauses: i64,
 }
+
+/// Pauses a transient streak gets instead of a halt (the reference's `_STREAK_PAUSES`).
+const STREAK_PAUSES: i64 = 2;
 
 /// A streak's member ids after the first, oldest first: one text and each id's length in bytes (a
 /// continuing streak appends to buffers it keeps, not an allocation per call).
@@ -230,6 +236,8 @@ pub struct Step<'a> {
     pub tokens: i64,
     /// The call's canonical arguments (JSON text) if they were raw and at most 512 bytes, else empty.
     pub args: &'a [u8],
+    /// The call failed (outcome `error`) with a transient class (`contract::is_transient`).
+    pub transient: bool,
 }
 
 /// The rule that fired and the numbers its decision reports (the reference's `Finding`).
@@ -250,6 +258,8 @@ pub struct Finding {
     /// The streak's story (streak verdicts only): its event ids, its first call's canonical arguments.
     pub event_ids: Vec<String>,
     pub args_first: String,
+    /// A transient streak's pause instead of a halt (action `pause`): which one (1, 2), or 0.
+    pub pause: i64,
 }
 
 /// Whether a sum going from `before` to `after` first reaches 80% of `limit` (0: no limit).
@@ -272,6 +282,7 @@ impl Finding {
             advise: false,
             event_ids: Vec::new(),
             args_first: String::new(),
+            pause: 0,
         }
     }
 
@@ -406,6 +417,7 @@ impl RunState {
             return None;
         }
         let mut rule = "";
+        let mut pause = 0;
         let (verdict, count) = if self.calls > thresholds.iteration_ceiling {
             ("iteration_ceiling", self.calls)
         } else if let Some((budget, amount)) = spent {
@@ -414,14 +426,22 @@ impl RunState {
         } else if occurrences >= thresholds.circuit_open_at {
             ("circuit_open", occurrences)
         } else if failing && count > budget {
-            (
-                if self.streak_varied {
-                    "semantic_loop"
-                } else {
-                    "recursion"
-                },
-                count,
-            )
+            let verdict = if self.streak_varied {
+                "semantic_loop"
+            } else {
+                "recursion"
+            };
+            if self.streak_transient && self.streak_pauses < STREAK_PAUSES {
+                // every failure transient: the run's calls to the tool pause instead of a halt
+                self.streak_pauses += 1;
+                self.streak_ts.clear();
+                pause = self.streak_pauses;
+                (verdict, count)
+            } else if self.streak_transient {
+                ("recursion", count) // the third time: the run halts
+            } else {
+                (verdict, count)
+            }
         } else if period > 0 {
             ("cycle", count)
         } else if stuck {
@@ -454,8 +474,11 @@ impl RunState {
             advise: false,
             event_ids: if streak { self.streak_event_ids() } else { Vec::new() },
             args_first: if streak { self.streak_args.clone() } else { String::new() },
+            pause,
         };
-        self.halt(step, verdict, thresholds);
+        if pause == 0 {
+            self.halt(step, verdict, thresholds);
+        }
         Some(finding)
     }
 
@@ -614,6 +637,8 @@ impl RunState {
         self.reads.clear();
         self.targets.clear();
         self.advised = 0;
+        self.streak_transient = false;
+        self.streak_pauses = 0;
     }
 
     /// Count a successful read of this digest; its occurrences since the last successful write.
@@ -718,6 +743,9 @@ impl RunState {
             if step.call != self.streak_call {
                 self.streak_varied = true;
             }
+            if !step.transient {
+                self.streak_transient = false;
+            }
             self.streak_ids.push(cut_id(step.event_id));
         } else {
             self.streak_key = Some(key);
@@ -732,6 +760,8 @@ impl RunState {
             self.streak_fp = fp_key;
             self.streak_ids.clear();
             self.streak_args.clear();
+            self.streak_transient = step.transient;
+            self.streak_pauses = 0;
             if failing {
                 self.streak_args.push_str(std::str::from_utf8(step.args).unwrap_or_default());
             }
@@ -955,6 +985,11 @@ impl RunState {
                 None => String::new(),
                 Some(value) => value.as_str()?.to_owned(),
             },
+            streak_transient: match record.get("streak_transient") {
+                None => false,
+                Some(value) => value.as_bool()?,
+            },
+            streak_pauses: spend("streak_pauses")?,
             recent_sigs: chunks(&unhex(text("recent_sigs")?)?)?,
             recent_ts: times("recent_ts")?,
             recent_failing: record.get("recent_failing")?.as_u64()?,
@@ -1106,6 +1141,13 @@ impl RunState {
             if !self.streak_args.is_empty() {
                 out.extend_from_slice(b",\"streak_args\":");
                 string(out, &self.streak_args);
+            }
+            if self.streak_transient {
+                out.extend_from_slice(b",\"streak_transient\":true");
+            }
+            if self.streak_pauses != 0 {
+                write!(out, ",\"streak_pauses\":{}", self.streak_pauses)
+                    .expect("writing to a Vec cannot fail");
             }
         }
         write!(out, ",\"offset\":{offset}").expect("writing to a Vec cannot fail");

@@ -38,7 +38,7 @@ const POLICY_CACHE_LIMIT: usize = 10_000;
 /// args_first, args_last): read by the reference's `Finding.of_native` (PyO3 converts tuples of at most 12).
 type FindingTuple = (
     &'static str, i64, i64, i64, String, String, bool, String, String, bool, &'static str,
-    (&'static str, bool, Vec<String>, String, String),
+    (&'static str, bool, Vec<String>, String, String, i64),
 );
 
 /// The reference's hashes of a call it decoded: args, verified, result, fingerprint, canonical args.
@@ -288,6 +288,7 @@ impl Resolver {
                 cost_micro: call.cost_micro,
                 tokens: call.tokens,
                 args: &[],
+                transient: false,
             };
             return Ok(state
                 .model_call(&step, thresholds)
@@ -295,7 +296,7 @@ impl Resolver {
                 .map(|f| {
                     let outcome = OUTCOMES[f.outcome as usize];
                     (f.verdict, f.count, 0, 0, f.first_event_id, String::new(), true, String::new(),
-                     String::new(), false, outcome, (f.rule, f.advise, f.event_ids, f.args_first, String::new()))
+                     String::new(), false, outcome, (f.rule, f.advise, f.event_ids, f.args_first, String::new(), f.pause))
                 })
                 .collect());
         }
@@ -344,6 +345,7 @@ impl Resolver {
             cost_micro: call.cost_micro,
             tokens: call.tokens,
             args: if args_kept { &self.args_scratch } else { &[] },
+            transient: call.outcome == contract::ERROR && is_transient(call.error_class),
         };
         // The fingerprint, computed only when the fold asks for it (as the reference does).
         let mut fp: Option<HashOf> = None;
@@ -391,7 +393,7 @@ impl Resolver {
                 fp_text.clone(),
                 f.fuzzy,
                 OUTCOMES[f.outcome as usize],
-                (f.rule, f.advise, f.event_ids, f.args_first, args_last),
+                (f.rule, f.advise, f.event_ids, f.args_first, args_last, f.pause),
             )
         }).collect())
     }
@@ -646,7 +648,7 @@ impl Replayer {
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (run_id, event_id, tool, agent_id, ts_ms, outcome, args_hash, args_verified,
                         result_hash, result_fp, retry_budget, plan_step, side_effect, tool_class,
-                        target, state_hash, model_call, tokens, cost_micro, args_text))]
+                        target, state_hash, model_call, tokens, cost_micro, args_text, error_class=None))]
     fn observe(
         &mut self,
         py: Python<'_>,
@@ -670,6 +672,7 @@ impl Replayer {
         tokens: i64,
         cost_micro: i64,
         args_text: &str,
+        error_class: Option<&str>,
     ) -> PyResult<(bool, Vec<FindingTuple>)> {
         let tool_class = match tool_class {
             None => None,
@@ -712,7 +715,7 @@ impl Replayer {
             thread_key: None,
             trigger: None,
             caused_by_run_id: None,
-            error_class: None,
+            error_class,
             upstream: None,
             retry_after_ms: 0,
         };

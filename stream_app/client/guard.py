@@ -693,6 +693,10 @@ class GuardedRun:
                 "the fleet guard is not started: use 'async with guard' or await guard.start()"
             )
         self._raise_if_halted()
+        now_ms = self._clock()
+        paused = self._board.run_pause(self.run_id, tool, now_ms)
+        if paused is not None:  # this run's own transient streak: wait what the upstream asked for
+            raise ToolPaused(paused[1], self.run_id, tool, upstream, (paused[0] - now_ms) / 1000)
         if upstream is not None:
             if not isinstance(upstream, str) or not 0 < len(upstream) <= MAX_ID_LENGTH:
                 raise InvalidCall(f"upstream: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
@@ -718,7 +722,6 @@ class GuardedRun:
         )
         thresholds = self._builder.policy.resolve(self.agent_id, tool).thresholds
         side_effecting = side_effect if side_effect is not None else thresholds.side_effect
-        now_ms = self._clock()
         earlier = self._recall(spec.key, now_ms) if side_effecting else None
         if earlier is not None:
             repeat = self._event(spec, earlier, now_ms, 0.0, repeat=True)

@@ -63,6 +63,8 @@ class _RunView:
     advice: dict[str, Any] | None = None
     #: (tool, args_hash) -> epoch ms until which the call is suppressed.
     suppressed: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: tool -> (epoch ms until which the run's calls to it pause, the pause decision): a transient streak.
+    paused: dict[str, tuple[int, dict[str, Any]]] = field(default_factory=dict)
     tasks: weakref.WeakSet[asyncio.Task[Any]] = field(default_factory=weakref.WeakSet)
 
 
@@ -170,6 +172,17 @@ class ControlBoard:
         """The pause in force for ``tenant``'s ``tool`` of ``upstream`` (control v1 object), or None."""
         return self._tool_pauses.get((tenant or "", tool, upstream))
 
+    def run_pause(self, run_id: str, tool: str, now_ms: int) -> tuple[int, dict[str, Any]] | None:
+        """(until when, the decision) if the run's calls to ``tool`` are paused at ``now_ms``, else None."""
+        view = self._runs.get(run_id)
+        if view is None or tool not in view.paused:
+            return None
+        until, decision = view.paused[tool]
+        if now_ms >= until:
+            del view.paused[tool]
+            return None
+        return until, decision
+
     def is_suppressed(self, run_id: str, tool: str, args_hash: str, now_ms: int) -> bool:
         """Whether this call must be handed the earlier result instead of being executed."""
         view = self._runs.get(run_id)
@@ -263,7 +276,15 @@ class ControlBoard:
         elif action == "resume":
             view.halt = None
             view.suppressed.clear()
+            view.paused.clear()
             logger.info("run resumed", extra=log_extra)
+        elif action == "pause":  # the run's transient streak: its calls to the tool wait
+            evidence = message.get("evidence") or {}
+            wait_ms = evidence.get("wait_ms")
+            tool = evidence.get("tool")
+            if type(tool) is str and type(wait_ms) is int and wait_ms > 0 and type(message.get("ts_ms")) is int:
+                view.paused[tool] = (message["ts_ms"] + wait_ms, message)
+                logger.info("run's calls to %s paused: %s", tool, message.get("reason"), extra=log_extra)
         elif action == "advise":
             view.advice = message
             logger.info("run advised: %s", message.get("reason"), extra=log_extra)

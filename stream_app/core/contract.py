@@ -15,7 +15,7 @@ import orjson
 from .errors import InvalidEvent, NotJSON
 
 Outcome = Literal["success", "error", "empty", "noop"]
-Action = Literal["halt", "suppress", "alert", "resume", "advise"]
+Action = Literal["halt", "suppress", "alert", "resume", "advise", "pause"]
 Verdict = Literal[
     "recursion",
     "semantic_loop",
@@ -132,6 +132,21 @@ class TelemetryEvent:
     trigger: str | None = None
     caused_by_run_id: str | None = None
     thread_key: str | None = None
+
+
+#: Transient failure classes (``error_class``; besides ``http_500``..``http_599``): what an upstream's
+#: degradation causes, not the caller's mistake (every other 4xx).
+TRANSIENT_CLASSES: Final = frozenset(("http_429", "http_5xx", "timeout", "connection"))
+
+
+def is_transient(error_class: str | None) -> bool:
+    """Whether a failure of ``error_class`` is one an upstream's degradation causes (429, 5xx, timeout,
+    connection), not the caller's mistake (every other 4xx)."""
+    if error_class is None:
+        return False
+    if error_class in TRANSIENT_CLASSES:
+        return True
+    return len(error_class) == 8 and error_class.startswith("http_5") and error_class[5:].isdigit()
 
 
 #: What starts a run (``trigger``).

@@ -67,7 +67,16 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .argsdiff import args_diff
-from .contract import Action, Decision, OperatorCommand, TelemetryEvent, Verdict, micro_usd, token_count
+from .contract import (
+    Action,
+    Decision,
+    OperatorCommand,
+    TelemetryEvent,
+    Verdict,
+    is_transient,
+    micro_usd,
+    token_count,
+)
 from .errors import NormalisationError
 from .normalize import canonical_json, normalise, semantic_hash
 from .policy import CallPolicy, Policy, Thresholds
@@ -176,6 +185,10 @@ class RunState:
     streak_ids: str = ""
     streak_id_lens: bytes = b""
     streak_args: bytes = b""
+    #: Every failure of the current streak was transient (``core.fleet.is_transient``), and the pauses it
+    #: has had instead of a halt (the third time it would pause, it halts).
+    streak_transient: bool = False
+    streak_pauses: int = 0
 
     def streak_id_list(self) -> list[str]:
         """The streak's member ids after the first, oldest first."""
@@ -198,6 +211,8 @@ class RunState:
         self.recent_failing = 0
         self.reads = self.targets = None
         self.advised = 0
+        self.streak_transient = False
+        self.streak_pauses = 0
 
     def copy(self) -> RunState:
         """An independent copy (a scratch state to ask "what would this event decide?")."""
@@ -211,7 +226,7 @@ class RunState:
             {k: list(v) for k, v in self.targets.items()} if self.targets is not None else None,
             self.cost_micro, self.tokens, self.model_streak,
             dict(self.tool_counts) if self.tool_counts is not None else None, self.advised,
-            self.streak_ids, self.streak_id_lens, self.streak_args,
+            self.streak_ids, self.streak_id_lens, self.streak_args, self.streak_transient, self.streak_pauses,
         )
 
 
@@ -291,7 +306,8 @@ class Detector:
         # The fingerprint only matters when the exact hash breaks the streak: computed then, not before.
         result_fp = _result_fp(event, call_policy, result_hash) if failing and key != state.streak_key else ""
         count, budget = self._streak(state, event, call, key, _short(result_fp) + code + tool_sum if result_fp else b"",
-                                     args_text if failing else b"", thresholds)
+                                     args_text if failing else b"", thresholds,
+                                     outcome == "error" and is_transient(event.error_class))
         period, near = self._cycle(state, call + key, failing, event.ts_ms, thresholds)
 
         stuck = 0 < thresholds.no_progress_at <= reads
@@ -329,6 +345,15 @@ class Detector:
             verdict, count = "circuit_open", occurrences
         elif failing and count > budget:
             verdict = "semantic_loop" if state.streak_varied else "recursion"
+            if state.streak_transient:
+                if state.streak_pauses < _STREAK_PAUSES:
+                    # every failure transient: an upstream's trouble, not a loop of the run's own. Its calls
+                    # to the tool pause instead, and the streak must fill its budget again to pause again.
+                    state.streak_pauses += 1
+                    del state.streak_ts[:]
+                    return Finding(verdict, count, budget, period, state.streak_first_event_id,
+                                   fuzzy=state.streak_fuzzy, pause=state.streak_pauses, **_story(state))
+                verdict = "recursion"  # the third time: the run halts
         elif period:
             verdict = "cycle"
         elif reads:
@@ -525,7 +550,7 @@ class Detector:
 
     @staticmethod
     def _streak(state: RunState, event: TelemetryEvent, call: bytes, key: bytes, fp_key: bytes, args_text: bytes,
-                thresholds: Thresholds) -> tuple[int, int]:
+                thresholds: Thresholds, transient: bool) -> tuple[int, int]:
         """Extend or restart the streak of calls with this (tool, outcome, result) key, or failing that
         the streak's fingerprint key (``fp_key``: given only when the exact key differs); return the number
         of its calls within the window, and the budget that applies. ``args_text``: the call's canonical
@@ -536,6 +561,8 @@ class Detector:
                 state.streak_fuzzy = True
             if call != state.streak_call:
                 state.streak_varied = True
+            if not transient:
+                state.streak_transient = False
             member = event.event_id[:_ID_CHARS]
             ids, lens = state.streak_ids, state.streak_id_lens
             if len(lens) >= _STREAK_IDS - 1:
@@ -550,6 +577,7 @@ class Detector:
             state.streak_first_event_id = event.event_id
             state.streak_fp = fp_key
             state.streak_ids, state.streak_id_lens = "", b""
+            state.streak_transient, state.streak_pauses = transient, 0
             # A copy of exactly its size: orjson's output keeps the buffer it was written into (~1 KiB).
             state.streak_args = bytes(memoryview(args_text)) if args_text else b""
         budget = event.retry_budget if event.retry_budget is not None else thresholds.retry_budget
@@ -637,17 +665,23 @@ class Finding(NamedTuple):
     event_ids: tuple[str, ...] = ()
     args_first: str = ""
     args_last: str = ""
+    #: A transient streak's pause instead of a halt (action ``pause``): which one of the streak (1, 2), or 0.
+    pause: int = 0
 
     @classmethod
     def of_native(cls, found: tuple[Any, ...]) -> Finding:
         """A finding as the native engine returns it: the fields in order, the rest (``rule``, ``advise``,
         ``event_ids``, ``args_first``, ``args_last``) as one last tuple (PyO3 converts at most 12)."""
-        *fields, (rule, advise, event_ids, args_first, args_last) = found
+        *fields, (rule, advise, event_ids, args_first, args_last, pause) = found
         return cls(*fields)._replace(rule=rule, advise=advise, event_ids=tuple(event_ids), args_first=args_first,
-                                     args_last=args_last)
+                                     args_last=args_last, pause=pause)
 
 
 _ACTIONS: dict[str, Action] = {"duplicate_call": "suppress", "polling": "alert"}
+#: Pauses a transient streak gets instead of a halt; the next time it would pause, the run halts.
+_STREAK_PAUSES = 2
+#: A transient streak's pause when its failing call asked for no wait (``retry_after_ms``).
+PAUSE_WAIT_MS = 60_000
 _STREAK_VERDICTS = ("recursion", "semantic_loop")
 
 
@@ -742,7 +776,15 @@ def explain(event: TelemetryEvent, thresholds: Thresholds, finding: Finding) -> 
         evidence.update(count=count, first_event_id=finding.first_event_id, event_ids=list(finding.event_ids))
         reason = (f"{event.tool} returned the same successful result {count} times in a row "
                   "(polling?); advisory only")
-    action = "advise" if finding.advise else _ACTIONS.get(verdict, "halt")
+    action = "advise" if finding.advise else "pause" if finding.pause else _ACTIONS.get(verdict, "halt")
+    if finding.pause:
+        wait_ms = event.retry_after_ms or PAUSE_WAIT_MS
+        evidence.update(pause=finding.pause, pauses_before_halt=_STREAK_PAUSES, wait_ms=wait_ms)
+        if event.upstream is not None:
+            evidence["upstream"] = event.upstream
+        reason = (f"{reason}; every failure was transient ({event.error_class}): the run's calls to {event.tool} "
+                  f"pause for {wait_ms / 1000:g} s instead (pause {finding.pause} of {_STREAK_PAUSES}; the next "
+                  "halts the run)")
     if thresholds.shadow and action != "alert":
         evidence.update(shadow=True, would=action)
         reason = f"shadow mode, would {action}: {reason}"

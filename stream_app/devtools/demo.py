@@ -3,13 +3,15 @@
 This is what ``make run`` shows. It starts a worker process on the Kafka at KAFKA_BOOTSTRAP_SERVERS
 (topics and state of its own, so demos never mix), then runs agent runs concurrently through
 ``Guard.fleet``: healthy runs, legitimate retries against a flaky tool, runaway loops, argument-mutating
-loops, edit/patch cycles, polling and duplicate e-mails, and a sub-agent tree whose explorer agents
-keep delegating deeper. Runaways keep calling (and spawning) until the guard refuses.
+loops, edit/patch cycles, polling and duplicate e-mails, a sub-agent tree whose explorer agents
+keep delegating deeper, and a storm: the weather API every forecaster calls answers 503 for a while.
+Runaways keep calling (and spawning) until the guard refuses; forecasters wait when the tool is paused.
 It ends with a table: calls, halts by verdict, false halts, how many calls each runaway made after the
 call that triggered its halt (the overshoot: 0, since the guard folds its runs' per-run rules itself)
 and the side effects performed (a duplicate e-mail is one too many), then where the decisions were made
 and how long the fleet's confirmations took. Exit status 1 if anything was halted that should not have
-been, a runaway was never stopped, a side effect was repeated, or the runaway tree was not halted once.
+been, a runaway was never stopped, a side effect was repeated, the runaway tree was not halted once, or
+the storm was not one incident (one pause, then a resume, no forecaster halted).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..client import Guard, GuardedRun, KafkaClientConfig, RunHalted, Spawn, TreeHalted
+from ..client import Guard, GuardedRun, KafkaClientConfig, RunHalted, Spawn, ToolPaused, TreeHalted
 from .harness import Deployment, WorkerStartError
 from .scenarios import DEMO_MIX, Scenario, kinds
 
@@ -129,6 +131,73 @@ async def _runaway_tree(guard: Guard, record: TreeRecord, rng: random.Random) ->
         record.refused += 1
 
 
+class Upstream503(Exception):
+    """What the demo's weather API raises while it is degraded: an HTTP 503 asking for a wait."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__("503 Service Unavailable")
+        self.status_code = 503
+        self.retry_after = retry_after_s
+
+
+@dataclass
+class StormRecord:
+    """The demo's storm: forecasters calling one weather API that degrades, then recovers."""
+
+    tool: str
+    upstream: str
+    #: Seconds after the start the API degrades and recovers (monotonic clock, set by the storm).
+    degraded_from: float = 0.0
+    degraded_to: float = 0.0
+    #: Calls that reached the API: answered, failed; calls the guard refused while paused.
+    answered: int = 0
+    failed: int = 0
+    refused: int = 0
+    #: Forecasters the per-run rules halted (none should be: a storm is not a loop).
+    halted: int = 0
+    #: (seconds after the degradation, action, rule) of each tool decision the guard applied.
+    decisions: list[tuple[float, str, str]] | None = None
+
+
+async def _storm(guard: Guard, record: StormRecord, runs: int, tenant: str, rng: random.Random) -> None:
+    """``runs`` forecasters look up the weather for their cities every few hundred ms; two seconds in, the
+    API answers 503 (Retry-After 1 s) for six seconds. Ten runs failing in the same minute make it a
+    storm: the guard pauses the tool for the tenant (one incident, not a halt per run), each forecaster
+    waits what ``ToolPaused`` says, one call per wait goes through, and the first success resumes it."""
+    start = time.monotonic()
+    record.degraded_from, record.degraded_to = start + 2.0, start + 8.0
+
+    def lookup(city: str) -> str:
+        now = time.monotonic()
+        if record.degraded_from <= now < record.degraded_to:
+            record.failed += 1
+            raise Upstream503(1.0)
+        record.answered += 1
+        return f"{city}: sunny"
+
+    async def forecaster(n: int) -> None:
+        run = guard.run(f"{record.tool}-forecaster-{n:02d}", agent_id="forecaster", tenant=tenant)
+        cities = [f"city-{n}-{i}" for i in range(40)]
+        try:
+            for city in cities:
+                await asyncio.sleep(rng.uniform(0.2, 0.4))  # the forecaster's model turn
+                while time.monotonic() < start + 20.0:
+                    try:
+                        await run.call(record.tool, lookup, {"city": city}, upstream=record.upstream)
+                        break
+                    except ToolPaused as paused:
+                        record.refused += 1
+                        await asyncio.sleep(paused.retry_after_s)
+                    except Upstream503:
+                        await asyncio.sleep(rng.uniform(0.1, 0.3))  # the agent retries
+                if time.monotonic() > start + 12.0:
+                    return
+        except RunHalted:
+            record.halted += 1
+
+    await asyncio.gather(*(forecaster(n) for n in range(runs)))
+
+
 def _progress(records: list[RunRecord], started: float, done: int) -> str:
     halted = Counter(o.verdict for o in records if o.verdict)
     verdicts = ", ".join(f"{v} {n}" for v, n in sorted(halted.items())) or "none yet"
@@ -182,12 +251,23 @@ async def run_demo(bootstrap: str, runs: int, partitions: int, seed: int, workdi
         confirmed_ms: list[float] = []
         tree = TreeRecord(f"{name}-tree")
         tree_confirmed: list[str] = []
+        storm = StormRecord("weather.lookup", "api.weather.demo", decisions=[])
+        storm_confirmed: list[str] = []
         async with Guard.fleet(config, deployment.telemetry_topic, deployment.control_topic,
                                trusted_keys=deployment.trusted_keys(), scopes_topic=deployment.scopes_topic) as guard:
             guard.board.add_confirmation_callback(
                 lambda d: confirmed_ms.append(time.time() * 1000 - d["ts_ms"]) if d["action"] == "halt" else None)
             guard.board.add_confirmation_callback(
                 lambda d: tree_confirmed.append(d["verdict"]) if d.get("scope") == "tree" else None)
+            guard.board.add_confirmation_callback(
+                lambda d: storm_confirmed.append(d["action"]) if d.get("scope") == "tool" else None)
+
+            def on_tool(d: dict[str, Any]) -> None:
+                if d.get("scope") == "tool" and storm.decisions is not None:
+                    storm.decisions.append((time.monotonic() - storm.degraded_from, d["action"],
+                                            d["evidence"].get("rule", "")))
+
+            guard.on_decision(on_tool)
             print(f"loopwarden demo: {len(plan)} agent runs calling tools ...", file=sys.stderr, flush=True)
             started = time.monotonic()
             tasks = [
@@ -195,6 +275,7 @@ async def run_demo(bootstrap: str, runs: int, partitions: int, seed: int, workdi
                 for i, scenario in enumerate(plan)
             ]
             tasks.append(asyncio.create_task(_runaway_tree(guard, tree, random.Random(seed))))
+            tasks.append(asyncio.create_task(_storm(guard, storm, 12, name, random.Random(seed + 1))))
             try:
                 while True:
                     done = sum(task.done() for task in tasks[:len(records)])  # the runs' agents (then the tree)
@@ -209,8 +290,8 @@ async def run_demo(bootstrap: str, runs: int, partitions: int, seed: int, workdi
                 await asyncio.gather(*tasks, return_exceptions=True)
             for task in tasks:
                 task.result()  # surface a crashed agent instead of a wrong table
-            for _ in range(50):  # the fleet's copy of the tree halt, from the tree fold (a second at most)
-                if tree_confirmed or tree.verdict is None:
+            for _ in range(50):  # the fleet's copies of the tree halt and the storm's pause (a second at most)
+                if (tree_confirmed or tree.verdict is None) and (storm_confirmed or not storm.decisions):
                     break
                 await asyncio.sleep(0.1)
         table, false_halts, missed = summary_table(records)
@@ -230,11 +311,24 @@ async def run_demo(bootstrap: str, runs: int, partitions: int, seed: int, workdi
               f"({tree.verdict}); {tree.refused} calls and children refused after it; the fleet's tree fold "
               f"{'confirmed it' if tree_confirmed else 'did not confirm it (yet)'}." if tree_halted else
               f"sub-agent tree {tree.root_run_id}: NOT halted after {tree.runs} runs, {tree.depth} levels deep")
+        assert storm.decisions is not None
+        incidents = [t for t, action, rule in storm.decisions if action == "pause" and rule == "storm"]
+        resumed = [t for t, action, _ in storm.decisions if action == "resume"]
+        storm_ok = len(incidents) == 1 and bool(resumed) and storm.halted == 0
+        print(f"tool storm on {storm.tool} of {storm.upstream}: {storm.failed} calls failed (503) from the "
+              f"forecasters; {len(incidents)} incident{'s' if len(incidents) != 1 else ''}: "
+              + (f"paused {incidents[0]:.1f} s after the API degraded, {storm.refused} calls refused while paused "
+                 f"(they never reached the API), "
+                 + (f"resumed {resumed[-1] - (storm.degraded_to - storm.degraded_from):.1f} s after it recovered"
+                    if resumed else "NOT resumed") if incidents else "never paused")
+              + f"; forecasters halted: {storm.halted}; the fleet's tool fold "
+              + ("confirmed it." if storm_confirmed else "did not confirm it (yet)."))
         if confirmed_ms:
-            cuts = statistics.quantiles(confirmed_ms, n=100) if len(confirmed_ms) > 1 else confirmed_ms * 99
+            cuts = statistics.quantiles(confirmed_ms, n=100, method="inclusive") if len(confirmed_ms) > 1 \
+                else confirmed_ms * 99
             print(f"fleet path latency, end of the triggering call to the fleet's copy of the halt at the runtime: "
                   f"p50 {cuts[49]:.0f} ms, p95 {cuts[94]:.0f} ms, max {max(confirmed_ms):.0f} ms")
-        return 1 if false_halts or missed or extra or not tree_halted else 0
+        return 1 if false_halts or missed or extra or not tree_halted or not storm_ok else 0
     finally:
         deployment.stop()
         shutil.rmtree(deployment.root, ignore_errors=True)

@@ -31,4 +31,6 @@ def test_demo_halts_every_runaway_and_nothing_else(kafka_bootstrap: str, tmp_pat
     tree = next(line for line in result.stdout.splitlines() if line.startswith("sub-agent tree "))
     assert "5 levels deep, then halted (tree_depth)" in tree and "the fleet's tree fold confirmed it" in tree, tree
     assert sum(line.startswith("sub-agent tree ") for line in result.stdout.splitlines()) == 1  # one tree halt
+    storm = next(line for line in result.stdout.splitlines() if line.startswith("tool storm on "))
+    assert "; 1 incident: paused" in storm and "forecasters halted: 0" in storm and "resumed" in storm, storm
     assert "runs 21" in result.stderr  # progress lines were shown

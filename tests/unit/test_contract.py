@@ -255,3 +255,22 @@ def test_every_tool_storm_decision_validates_and_names_no_run() -> None:
                 with pytest.raises(Exception, match="should not be valid"):
                     validator.validate({**message, "run_id": "r1"})
     assert seen == {("pause", "storm"), ("pause", "still_failing"), ("resume", "recovered"), ("alert", "storm")}
+
+
+def test_a_transient_streaks_pauses_and_halt_validate() -> None:
+    """Where recursion would halt and every failure was transient: two pauses (the wait asked for), then
+    the halt; each validates against control.v1.json."""
+    from stream_app.core import RunState
+
+    validator = _validator("control.v1.json")
+    detector, run = Detector(), RunState()
+    seen = []
+    for n in range(12):
+        event = decode_event({"run_id": "r", "event_id": f"e{n}", "tool": "t", "ts_ms": n, "outcome": "error",
+                              "args": {}, "result": "503", "error_class": "http_503", "upstream": "u",
+                              "retry_after_ms": 5_000})
+        for decision in detector.evaluate(run, event).decisions:
+            message = decision.to_control()
+            validator.validate(message)
+            seen.append((message["action"], message["evidence"].get("pause"), message["evidence"].get("wait_ms")))
+    assert seen == [("advise", None, None), ("pause", 1, 5_000), ("pause", 2, 5_000), ("halt", None, None)]

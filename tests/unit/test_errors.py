@@ -15,7 +15,7 @@ from stream_app.core import errors as core_errors
 from stream_app.worker.batch import DeadLetter
 
 #: A simulated tool's own failure: what a tool raises, not what loopwarden raises.
-NOT_OURS = {"stream_app.devtools.scenarios.ToolFailed"}
+NOT_OURS = {"stream_app.devtools.scenarios.ToolFailed", "stream_app.devtools.demo.Upstream503"}
 
 
 def _exception_classes() -> list[type[BaseException]]:

@@ -122,3 +122,71 @@ async def test_the_telemetry_names_the_upstream_the_class_and_the_wait() -> None
         await guard.run("r", tenant="acme").call("weather", limited, {}, upstream=UPSTREAM)
     assert (events[0]["upstream"], events[0]["error_class"], events[0]["retry_after_ms"]) == (UPSTREAM, "http_429",
                                                                                               12_000)
+
+
+async def test_a_runs_transient_streak_pauses_its_calls_to_the_tool_twice_then_halts() -> None:
+    """One run alone retrying a failing upstream (no storm: one run): where recursion would halt, every
+    failure being transient, its calls to the tool pause for the Retry-After instead; the third time, it
+    halts (recursion)."""
+    from stream_app.client import RunHalted
+
+    clock = _Clock()
+    guard = Guard.in_process(Policy(), clock=clock)
+    run = guard.run("lonely", tenant="acme")
+
+    def limited(**_: Any) -> None:
+        raise Unavailable(503, "5")
+
+    pauses = []
+    for _ in range(40):
+        clock.now += 1_000
+        try:
+            await run.call("weather", limited, {"city": "Oslo"}, upstream=UPSTREAM)
+        except Unavailable:
+            continue
+        except ToolPaused as paused:
+            pauses.append(paused)
+            if len(pauses) == 1:
+                with pytest.raises(ToolPaused):  # still paused a moment later
+                    await run.call("weather", limited, {"city": "Oslo"}, upstream=UPSTREAM)
+            clock.now += int(paused.retry_after_s * 1000)
+        except RunHalted as halted:
+            verdict = halted.verdict
+            break
+    else:
+        pytest.fail("never halted")
+    assert verdict == "recursion"
+    assert len(pauses) == 2 and [p.decision["evidence"]["pause"] for p in pauses] == [1, 2]
+    assert all(p.decision["action"] == "pause" and p.decision["evidence"]["wait_ms"] == 5_000 for p in pauses)
+    assert 0 < pauses[0].retry_after_s <= 5
+
+
+async def test_a_streak_with_a_failure_that_is_not_transient_halts_as_before() -> None:
+    from stream_app.client import RunHalted
+
+    guard = Guard.in_process(Policy(), clock=_Clock())
+    run = guard.run("buggy", tenant="acme")
+
+    def not_found(**_: Any) -> None:
+        raise Unavailable(404)
+
+    for _ in range(4):
+        with pytest.raises(Unavailable):
+            await run.call("weather", not_found, {"city": "Atlantis"}, upstream=UPSTREAM)
+    with pytest.raises(RunHalted) as info:
+        await run.call("weather", not_found, {"city": "Atlantis"}, upstream=UPSTREAM)
+    assert info.value.verdict == "recursion"
+
+
+async def test_a_runs_pause_holds_only_its_calls_to_that_tool() -> None:
+    guard = Guard.in_process(Policy(), clock=_Clock())
+    pause = {"schema_version": "1", "decision_id": "r" * 32, "run_id": "r1", "action": "pause",
+             "verdict": "recursion", "trigger_event_id": "e", "ts_ms": T0, "reason": "transient",
+             "evidence": {"tool": "weather", "wait_ms": 5_000}}
+    run, other = guard.run("r1", tenant="acme"), guard.run("r2", tenant="acme")
+    assert guard.board.apply(pause) == "applied"
+    with pytest.raises(ToolPaused) as info:
+        await run.call("weather", _ok, {})
+    assert info.value.retry_after_s == 5 and not run.halted
+    assert await run.call("news", _ok, {}) == "sunny"
+    assert await other.call("weather", _ok, {}) == "sunny"

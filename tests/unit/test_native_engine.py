@@ -272,4 +272,5 @@ def test_replay_of_trees_and_threads_is_byte_identical_and_reaches_every_rule_ac
     verdicts = {(m["action"], m["verdict"]) for m in map(orjson.loads, native[0].splitlines())}
     assert {("halt", "self_trigger"), ("halt", "schedule_failing"), ("alert", "thread_rate"),
             ("halt", "tree_depth"), ("halt", "tree_recursion"), ("halt", "tree_fanout"), ("pause", "tool_storm"),
+            ("pause", "semantic_loop"),
             ("resume", "tool_storm")} <= verdicts

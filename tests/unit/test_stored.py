@@ -121,3 +121,31 @@ def test_a_copy_of_a_state_is_independent(run: Run) -> None:
     copy.streak_ts.append(99)
     assert encode_run(StoredRun(run.state)) == before
     assert copy != run.state
+
+
+def test_a_transient_streaks_pauses_survive_version_2_and_a_reader_that_drops_them_halts_as_before() -> None:
+    """The two keys a transient streak adds to version 2: written only when set, read back; a record
+    without them (an earlier release's reader wrote it again) is a streak that halts by recursion."""
+    from stream_app.core import Detector, decode_event
+
+    detector = Detector()
+    state = RunState()
+    for n in range(5):
+        detector.evaluate(state, decode_event({"run_id": "r", "event_id": f"e{n}", "tool": "t", "ts_ms": n,
+                                               "outcome": "error", "args": {}, "result": "503",
+                                               "error_class": "http_503"}))
+    assert state.streak_transient and state.streak_pauses == 1
+    record = orjson.loads(encode_run(StoredRun(state)))
+    assert (record["streak_transient"], record["streak_pauses"]) == (True, 1)
+    again = decode_run(orjson.dumps(record)).state
+    assert (again.streak_transient, again.streak_pauses) == (True, 1)
+    dropped = decode_run(orjson.dumps({k: v for k, v in record.items()
+                                       if k not in ("streak_transient", "streak_pauses")})).state
+    actions = []
+    for n in range(5, 10):
+        actions += [d.action for d in detector.evaluate(dropped, decode_event({
+            "run_id": "r", "event_id": f"e{n}", "tool": "t", "ts_ms": n, "outcome": "error", "args": {},
+            "result": "503", "error_class": "http_503"})).decisions]
+    assert "halt" in actions and "pause" not in actions
+    plain = orjson.loads(encode_run(StoredRun(RunState())))
+    assert "streak_transient" not in plain and "streak_pauses" not in plain

@@ -32,12 +32,12 @@ from typing import Any, Final
 
 import orjson
 
-from ..contract import TelemetryEvent
+from ..contract import TRANSIENT_CLASSES, TelemetryEvent, is_transient
+
+__all__ = ["TRANSIENT_CLASSES", "ToolFact", "ToolFold", "ToolState", "fold", "is_transient", "merge", "tool_fact"]
 from ..policy import FleetThresholds
 from .scope import ScopeDecision, key_text, scope_decision_id
 
-#: Transient failure classes (besides ``http_500``..``http_599``), documented in the telemetry schema.
-TRANSIENT_CLASSES: Final = frozenset(("http_429", "http_5xx", "timeout", "connection"))
 #: The storm's counting window (event time, epoch-aligned).
 STORM_WINDOW_MS: Final = 60_000
 #: Windows one key keeps; distinct failing runs one window lists at most (the rule needs ``storm_min_runs``).
@@ -45,16 +45,6 @@ MAX_TOOL_WINDOWS: Final = 4
 MAX_LISTED_RUNS: Final = 64
 #: Keys tracked at most by one fold (the least recently active are forgotten first).
 DEFAULT_MAX_TOOLS: Final = 1_000_000
-
-
-def is_transient(error_class: str | None) -> bool:
-    """Whether a failure of ``error_class`` is one an upstream's degradation causes (429, 5xx, timeout,
-    connection), not the caller's mistake (every other 4xx)."""
-    if error_class is None:
-        return False
-    if error_class in TRANSIENT_CLASSES:
-        return True
-    return len(error_class) == 8 and error_class.startswith("http_5") and error_class[5:].isdigit()
 
 
 @dataclass(frozen=True, slots=True)
