@@ -21,6 +21,7 @@ pub const TOOL_CLASSES: [&str; 6] = ["read", "write", "poll", "spawn", "handoff"
 pub const READ: u8 = 0;
 pub const WRITE: u8 = 1;
 pub const SPAWN: u8 = 3;
+pub const HANDOFF: u8 = 4;
 
 /// Where a call's arguments or result come from: the raw JSON, or a hash the runtime computed.
 pub enum Hashed<'a> {

@@ -32,6 +32,8 @@ pub struct Thresholds {
     pub max_tokens: i64,
     pub max_calls: i64,
     pub max_model_calls_without_tool: i64,
+    /// Round trips of handoffs between two agents that halt the run (`handoff_loop`; 0: off).
+    pub handoff_round_trips: i64,
     /// Warn before a halt (action `advise`).
     pub advise: bool,
 }
@@ -154,7 +156,14 @@ pub struct RunState {
     /// Every failure of the current streak was transient, and the pauses it had instead of a halt.
     streak_transient: bool,
     streak_pauses: i64,
+    /// Handoffs in a row back and forth between two agents, and the (from, to) agent digests of the last.
+    handoffs: i64,
+    handoff_from: Digest,
+    handoff_to: Digest,
 }
+
+/// Handoffs in a row counted at most (the reference's `_HANDOFF_CAP`).
+const HANDOFF_CAP: i64 = 1 << 20;
 
 /// Pauses a transient streak gets instead of a halt (the reference's `_STREAK_PAUSES`).
 const STREAK_PAUSES: i64 = 2;
@@ -238,6 +247,9 @@ pub struct Step<'a> {
     pub args: &'a [u8],
     /// The call failed (outcome `error`) with a transient class (`contract::is_transient`).
     pub transient: bool,
+    /// The digests of the call's agent and of the agent it hands off to (handoff-class calls).
+    pub agent: Digest,
+    pub child_agent: Digest,
 }
 
 /// The rule that fired and the numbers its decision reports (the reference's `Finding`).
@@ -385,6 +397,18 @@ impl RunState {
         } else if step.tool_class == crate::contract::WRITE && !failing {
             self.reads.clear();
         }
+        let mut handoffs = 0;
+        if step.tool_class == crate::contract::HANDOFF {
+            let back = self.handoffs > 0
+                && step.agent == self.handoff_to
+                && step.child_agent == self.handoff_from;
+            self.handoffs = if back { (self.handoffs + 1).min(HANDOFF_CAP) } else { 1 };
+            self.handoff_from = step.agent;
+            self.handoff_to = step.child_agent;
+            handoffs = self.handoffs;
+        } else if !failing {
+            self.handoffs = 0;
+        }
         let mut side_key = [0u8; 12];
         side_key[..8].copy_from_slice(&step.call);
         side_key[8..].copy_from_slice(&step.tool);
@@ -405,7 +429,10 @@ impl RunState {
             *advice = self.advice(thresholds, failing, count, budget, near, reads, revisit, nearing, outcome);
         }
 
+        let looping =
+            0 < thresholds.handoff_round_trips && 2 * thresholds.handoff_round_trips <= handoffs;
         if !(self.calls > thresholds.iteration_ceiling
+            || looping
             || occurrences >= 2
             || (failing && count > budget)
             || period > 0
@@ -442,6 +469,8 @@ impl RunState {
             } else {
                 (verdict, count)
             }
+        } else if looping {
+            ("handoff_loop", handoffs)
         } else if period > 0 {
             ("cycle", count)
         } else if stuck {
@@ -639,6 +668,9 @@ impl RunState {
         self.advised = 0;
         self.streak_transient = false;
         self.streak_pauses = 0;
+        self.handoffs = 0;
+        self.handoff_from = [0; 8];
+        self.handoff_to = [0; 8];
     }
 
     /// Count a successful read of this digest; its occurrences since the last successful write.
@@ -887,6 +919,18 @@ impl RunState {
                 key => Some(key.try_into().ok()?),
             },
         };
+        // The handoff ping-pong in progress (absent: none).
+        let (handoffs, handoff_from, handoff_to): (i64, Digest, Digest) = match record.get("handoffs") {
+            None | Some(Value::Null) => (0, [0; 8], [0; 8]),
+            Some(value) => match value.as_array()?.as_slice() {
+                [n, from, to] => (
+                    n.as_i64()?,
+                    unhex(from.as_str()?)?.as_slice().try_into().ok()?,
+                    unhex(to.as_str()?)?.as_slice().try_into().ok()?,
+                ),
+                _ => return None,
+            },
+        };
         let streak_fuzzy = match record.get("streak_fuzzy") {
             None => false,
             Some(value) => value.as_bool()?,
@@ -990,6 +1034,9 @@ impl RunState {
                 Some(value) => value.as_bool()?,
             },
             streak_pauses: spend("streak_pauses")?,
+            handoffs,
+            handoff_from,
+            handoff_to,
             recent_sigs: chunks(&unhex(text("recent_sigs")?)?)?,
             recent_ts: times("recent_ts")?,
             recent_failing: record.get("recent_failing")?.as_u64()?,
@@ -1148,6 +1195,13 @@ impl RunState {
             if self.streak_pauses != 0 {
                 write!(out, ",\"streak_pauses\":{}", self.streak_pauses)
                     .expect("writing to a Vec cannot fail");
+            }
+            if self.handoffs != 0 {
+                write!(out, ",\"handoffs\":[{},", self.handoffs).expect("writing to a Vec cannot fail");
+                hex_of(out, &mut std::iter::once(self.handoff_from.as_slice()));
+                out.push(b',');
+                hex_of(out, &mut std::iter::once(self.handoff_to.as_slice()));
+                out.push(b']');
             }
         }
         write!(out, ",\"offset\":{offset}").expect("writing to a Vec cannot fail");

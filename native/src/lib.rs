@@ -108,6 +108,7 @@ impl CallPolicy {
                 max_tokens: int("max_tokens")?,
                 max_calls: int("max_calls")?,
                 max_model_calls_without_tool: int("max_model_calls_without_tool")?,
+                handoff_round_trips: int("handoff_round_trips")?,
                 advise: flag("advise")?,
             },
             tool: tool_digest(tool),
@@ -289,6 +290,8 @@ impl Resolver {
                 tokens: call.tokens,
                 args: &[],
                 transient: false,
+                agent: [0; 8],
+                child_agent: [0; 8],
             };
             return Ok(state
                 .model_call(&step, thresholds)
@@ -346,6 +349,8 @@ impl Resolver {
             tokens: call.tokens,
             args: if args_kept { &self.args_scratch } else { &[] },
             transient: call.outcome == contract::ERROR && is_transient(call.error_class),
+            agent: checksum(call.agent_id.unwrap_or("")),
+            child_agent: checksum(call.child_agent_id.unwrap_or("")),
         };
         // The fingerprint, computed only when the fold asks for it (as the reference does).
         let mut fp: Option<HashOf> = None;
@@ -648,7 +653,8 @@ impl Replayer {
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (run_id, event_id, tool, agent_id, ts_ms, outcome, args_hash, args_verified,
                         result_hash, result_fp, retry_budget, plan_step, side_effect, tool_class,
-                        target, state_hash, model_call, tokens, cost_micro, args_text, error_class=None))]
+                        target, state_hash, model_call, tokens, cost_micro, args_text, error_class=None,
+                        child_agent_id=None))]
     fn observe(
         &mut self,
         py: Python<'_>,
@@ -673,6 +679,7 @@ impl Replayer {
         cost_micro: i64,
         args_text: &str,
         error_class: Option<&str>,
+        child_agent_id: Option<&str>,
     ) -> PyResult<(bool, Vec<FindingTuple>)> {
         let tool_class = match tool_class {
             None => None,
@@ -709,7 +716,7 @@ impl Replayer {
             root_run_id: None,
             depth: None,
             child_run_id: None,
-            child_agent_id: None,
+            child_agent_id,
             task_hash: None,
             tenant: None,
             thread_key: None,

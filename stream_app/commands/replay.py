@@ -318,7 +318,7 @@ def _observe(engine: Any, event: TelemetryEvent, policy: Policy) -> tuple[bool, 
         event.run_id, event.event_id, event.tool, event.agent_id, event.ts_ms, event.outcome, args_hash,
         args_verified, result_hash, result_fp, event.retry_budget, event.plan_step, event.side_effect,
         event.tool_class, event.target, event.state_hash, event.kind == "model_call", token_count(event.tokens),
-        micro_usd(event.cost_usd), args_text, event.error_class)
+        micro_usd(event.cost_usd), args_text, event.error_class, event.child_agent_id)
     return bool(duplicate), list(findings)
 
 

@@ -27,6 +27,7 @@ Verdict = Literal[
     "no_progress",
     "oscillation",
     "budget_exceeded",
+    "handoff_loop",
     "operator_halt",
     "operator_resume",
 ]

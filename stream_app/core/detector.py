@@ -189,6 +189,11 @@ class RunState:
     #: has had instead of a halt (the third time it would pause, it halts).
     streak_transient: bool = False
     streak_pauses: int = 0
+    #: Handoffs in a row going back and forth between two agents (since the last successful call of
+    #: another class), and the (from, to) agent digests of the last.
+    handoffs: int = 0
+    handoff_from: bytes = b""
+    handoff_to: bytes = b""
 
     def streak_id_list(self) -> list[str]:
         """The streak's member ids after the first, oldest first."""
@@ -213,6 +218,8 @@ class RunState:
         self.advised = 0
         self.streak_transient = False
         self.streak_pauses = 0
+        self.handoffs = 0
+        self.handoff_from = self.handoff_to = b""
 
     def copy(self) -> RunState:
         """An independent copy (a scratch state to ask "what would this event decide?")."""
@@ -227,6 +234,7 @@ class RunState:
             self.cost_micro, self.tokens, self.model_streak,
             dict(self.tool_counts) if self.tool_counts is not None else None, self.advised,
             self.streak_ids, self.streak_id_lens, self.streak_args, self.streak_transient, self.streak_pauses,
+            self.handoffs, self.handoff_from, self.handoff_to,
         )
 
 
@@ -299,6 +307,11 @@ class Detector:
             reads = self._read(state, _checksum_bytes(call + _short(result_hash) + tool_sum))
         elif tool_class == "write" and not failing:
             state.reads = None  # a successful write is progress
+        handoffs = 0
+        if tool_class == "handoff":
+            handoffs = self._handoff(state, event)
+        elif not failing:
+            state.handoffs = 0  # a successful call of another class: the agents got somewhere
 
         occurrences = self._side_effect_occurrence(state, event, call + tool_sum, thresholds)
         code = _OUTCOME_CODE[outcome]
@@ -314,13 +327,15 @@ class Detector:
         oscillating = 0 < thresholds.oscillation_revisits <= revisit
         advice = self._advice(state, thresholds, failing, count, budget, near, reads, revisit, nearing) \
             if thresholds.advise else None
+        looping = thresholds.handoff_round_trips > 0 and 2 * thresholds.handoff_round_trips <= handoffs
         decide = (state.calls > thresholds.iteration_ceiling or occurrences >= 2 or (failing and count > budget)
-                  or period or stuck or oscillating or spent is not None
+                  or period or stuck or oscillating or spent is not None or looping
                   or (not failing and 0 < thresholds.poll_alert_after <= count))
         if advice is None and not decide:
             return _NOTHING  # the common case: nothing to decide, no evidence to build
         finding = self._judge(state, event, thresholds, failing, occurrences, count, budget, period,
-                              reads if stuck else 0, revisit if oscillating else 0, spent) if decide else None
+                              reads if stuck else 0, revisit if oscillating else 0, spent,
+                              handoffs if looping else 0) if decide else None
         if advice is not None and finding is not None and finding.verdict == advice.verdict:
             advice = None  # the rule halts on this very call: nothing left to warn about
         if finding is not None and finding.fuzzy and failing and not result_fp:
@@ -333,7 +348,7 @@ class Detector:
 
     def _judge(self, state: RunState, event: TelemetryEvent, thresholds: Thresholds, failing: bool,
                occurrences: int, count: int, budget: int, period: int, reads: int, revisits: int,
-               spent: tuple[str, int] | None) -> Finding | None:
+               spent: tuple[str, int] | None, handoffs: int = 0) -> Finding | None:
         """Pick the rule that wins (module docstring order) and apply its effect on the run."""
         verdict: Verdict
         rule = ""
@@ -354,6 +369,8 @@ class Detector:
                     return Finding(verdict, count, budget, period, state.streak_first_event_id,
                                    fuzzy=state.streak_fuzzy, pause=state.streak_pauses, **_story(state))
                 verdict = "recursion"  # the third time: the run halts
+        elif handoffs:
+            verdict, count = "handoff_loop", handoffs
         elif period:
             verdict = "cycle"
         elif reads:
@@ -437,6 +454,16 @@ class Detector:
         if nearing is not None:
             return Finding("budget_exceeded", nearing[1], rule=nearing[0], advise=True)
         return None
+
+    @staticmethod
+    def _handoff(state: RunState, event: TelemetryEvent) -> int:
+        """Count a handoff-class call (from the event's agent to its ``child_agent_id``): the handoffs in
+        a row going back and forth between the same two agents, this one included."""
+        source, target = _checksum(event.agent_id or ""), _checksum(event.child_agent_id or "")
+        back = state.handoffs and source == state.handoff_to and target == state.handoff_from
+        state.handoffs = min(state.handoffs + 1, _HANDOFF_CAP) if back else 1
+        state.handoff_from, state.handoff_to = source, target
+        return state.handoffs
 
     @staticmethod
     def _count_tool(state: RunState, tool: bytes) -> int:
@@ -678,6 +705,8 @@ class Finding(NamedTuple):
 
 
 _ACTIONS: dict[str, Action] = {"duplicate_call": "suppress", "polling": "alert"}
+#: Handoffs in a row counted at most (the rule fires long before).
+_HANDOFF_CAP = 1 << 20
 #: Pauses a transient streak gets instead of a halt; the next time it would pause, the run halts.
 _STREAK_PAUSES = 2
 #: A transient streak's pause when its failing call asked for no wait (``retry_after_ms``).
@@ -767,6 +796,13 @@ def explain(event: TelemetryEvent, thresholds: Thresholds, finding: Finding) -> 
                         state_hash=event.state_hash)
         reason = (f"{event.tool} put {event.target[:80]} back into an earlier state for the {count}th time "
                   "(edits undone and redone)")
+    elif verdict == "handoff_loop":
+        trips = count // 2
+        evidence.update(count=count, round_trips=trips, handoff_round_trips=thresholds.handoff_round_trips,
+                        agents=[event.agent_id, event.child_agent_id])
+        reason = (f"agents {event.agent_id or '(unnamed)'} and {event.child_agent_id or '(unnamed)'} handed the run "
+                  f"back and forth {count} times ({trips} round trips) with no successful call of another kind "
+                  "between: a handoff loop")
     elif verdict == "duplicate_call":
         evidence.update(count=count, window_ms=thresholds.side_effect_window_ms)
         reason = (f"side-effecting call {event.tool} is a duplicate (occurrence {count} within "

@@ -91,6 +91,10 @@ class Thresholds:
     #: Model calls in a row with no tool call between (context compaction spirals): the 25th halts
     #: (``no_progress``, evidence.rule ``model_calls``); 0 disables.
     max_model_calls_without_tool: int = 25
+    #: Agents handing a run back and forth (handoff-class calls A->B, B->A, ...) this many round trips with
+    #: no successful call of another class between halt it (``handoff_loop``) at the handoff completing
+    #: them; 0 disables.
+    handoff_round_trips: int = 3
     #: Warn before a halt (action ``advise``, the rule's verdict, a reason written for the model): at the
     #: last identical failure the retry budget allows, one cycle short, one read and one revisit short,
     #: and at the first call reaching 80% of a budget. Halt points do not move.
@@ -98,7 +102,8 @@ class Thresholds:
 
     def __post_init__(self) -> None:
         for name in ("retry_budget", "window_calls", "iteration_ceiling", "poll_alert_after", "no_progress_at",
-                     "oscillation_revisits", "max_tokens", "max_calls", "max_model_calls_without_tool"):
+                     "oscillation_revisits", "max_tokens", "max_calls", "max_model_calls_without_tool",
+                     "handoff_round_trips"):
             _check_int(name, getattr(self, name), 0)
         for name in ("window_ms", "side_effect_window_ms", "run_ttl_ms"):
             _check_int(name, getattr(self, name), 1)
@@ -112,6 +117,10 @@ class Thresholds:
         check_tokens("volatile_prefixes", self.volatile_prefixes)
         check_tokens("volatile_keywords", self.volatile_keywords)
 
+
+#: Settings added after digests were first published: in a digest only when set to other than the default,
+#: so a policy that does not use them keeps its digest (and runtimes of the release before count as alike).
+_SINCE_DIGEST = frozenset(("handoff_round_trips",))
 
 #: Runs a tree fold tracks at most (``max_tree_runs`` must be below it).
 MAX_TREE_RUNS_TRACKED = 10_000
@@ -225,7 +234,8 @@ class Policy:
         their matching order. Two processes with the same digest decide alike."""
         document = {
             "version": 1,
-            "defaults": {f.name: getattr(self.defaults, f.name) for f in fields(Thresholds)},
+            "defaults": {f.name: getattr(self.defaults, f.name) for f in fields(Thresholds)
+                         if f.name not in _SINCE_DIGEST or getattr(self.defaults, f.name) != f.default},
             "agents": [[pattern, overrides] for pattern, overrides in self._agents],
             "tools": [[pattern, overrides] for pattern, overrides in self._tools],
         }

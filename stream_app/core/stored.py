@@ -19,11 +19,12 @@ Versions:
   calls], ...]``), ``advised`` (bits: advice given for the current streak, cycle), ``streak_ids`` (the
   streak's member ids after the first, most recent last, each at most 64 characters) and ``streak_args``
   (the canonical JSON text of its first call's arguments): the evidence's story of a streak;
-  ``streak_transient`` (true: every failure of the streak was transient) and ``streak_pauses`` (the pauses
-  it had instead of a halt). These two were added to version 2 without a new version: a reader of an
-  earlier release ignores them (every reader ignores keys it does not know) and, writing the record again,
-  drops them, which only makes a transient streak halt by recursion as before (a pause is a courtesy,
-  never a safety rule), so no rolling-upgrade step is needed.
+  ``streak_transient`` (true: every failure of the streak was transient), ``streak_pauses`` (the pauses
+  it had instead of a halt) and ``handoffs`` (``[count, from agent digest hex, to agent digest hex]``: the
+  handoff ping-pong in progress). These three were added to version 2 without a new version: a reader of
+  an earlier release ignores them (every reader ignores keys it does not know) and, writing the record
+  again, drops them, which only makes a transient streak halt by recursion as before (a pause is a
+  courtesy, never a safety rule) and a handoff count start again, so no rolling-upgrade step is needed.
   Written as version 0 or 1 they are left out: the run's current streak then goes on by exact hashes only,
   its read and write history starts again, and what it spent and its per-tool and model-call counts are
   lost at every write (and with them the warnings given and a streak's member ids and first arguments,
@@ -111,6 +112,8 @@ def encode_run(run: StoredRun, version: int = FORMAT_VERSION) -> bytes:
             record["streak_transient"] = True
         if state.streak_pauses:
             record["streak_pauses"] = state.streak_pauses
+        if state.handoffs:
+            record["handoffs"] = [state.handoffs, state.handoff_from.hex(), state.handoff_to.hex()]
     record["offset"] = run.offset
     if version >= 1:
         record[VERSION_KEY] = version
@@ -207,6 +210,9 @@ def _state_of(record: dict[str, Any]) -> RunState:
         streak_args=record.get("streak_args", "").encode(),
         streak_transient=record.get("streak_transient", False),
         streak_pauses=record.get("streak_pauses", 0),
+        handoffs=(handoffs := record.get("handoffs") or [0, "", ""])[0],
+        handoff_from=bytes.fromhex(handoffs[1]),
+        handoff_to=bytes.fromhex(handoffs[2]),
         side_effects=(
             {bytes.fromhex(k): list(v) for k, v in side_effects.items()} if side_effects else None
         ),

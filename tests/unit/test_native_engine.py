@@ -104,7 +104,8 @@ POLICIES = [
     Policy.from_mapping({"tools": {"code": {"tool_class": "spawn"}},
                          "fleet": {"max_tree_depth": 1, "max_tree_runs": 3, "tree_task_repeats": 2,
                                    "max_tree_cost_usd": 1.0}}),
-    Policy.from_mapping({"fleet": {"self_trigger_generation": 1, "schedule_failing_runs": 2,
+    Policy.from_mapping({"defaults": {"handoff_round_trips": 1},
+                         "fleet": {"self_trigger_generation": 1, "schedule_failing_runs": 2,
                                    "max_thread_runs_per_hour": 1, "storm_min_runs": 2, "storm_wait_ms": 5}}),
 ]
 
@@ -149,7 +150,11 @@ def telemetry_lines(draw) -> list[bytes]:
             if draw(st.integers(0, 3)) == 0:
                 event[name] = draw(st.sampled_from([0, 1, 7, 2.5, 0.3, 10**6, 1e300]))
         if draw(st.integers(0, 2)) == 0:  # tool classes: reads that repeat, writes that revisit states
-            event["tool_class"] = draw(st.sampled_from(["read", "write", "write", "poll", "other", "spawn"]))
+            event["tool_class"] = draw(st.sampled_from(["read", "write", "write", "poll", "other", "spawn", "handoff",
+                                                        "handoff"]))
+            if event["tool_class"] == "handoff":  # agents handing the run back and forth
+                event["agent_id"] = draw(st.sampled_from(["a1", "bot"]))
+                event["child_agent_id"] = {"a1": "bot", "bot": "a1"}[event["agent_id"]]
             if draw(st.integers(0, 3)):
                 event["target"] = draw(st.sampled_from(["/a", "/b", ""]))
             if draw(st.integers(0, 3)):
