@@ -1,12 +1,13 @@
 """``make bench``: every benchmark in one run, then BENCHMARKS.md and its plots.
 
-    python -m bench [--quick] [--skip-core] [--only limit,fleet,halt,overshoot,settings,trees]
+    python -m bench [--quick] [--skip-core] [--only limit,fleet,halt,overshoot,settings,trees,treehalt,stormpause]
 
 1. The core benchmark (``python -m bench.core --json bench/results/core.json``).
 2. On one broker (``KAFKA_BOOTSTRAP_SERVERS``, else a local one started here): the limit (raw
    consume, round trip), fleet throughput (one and two workers), halt latency at three loads,
-   overshoot at three call rates, worker settings tried through their environment variables, and the
-   worker's CPU per event with the rules across runs (sub-agent trees) on and off.
+   overshoot at three call rates, worker settings tried through their environment variables, the
+   worker's CPU per event with the rules across runs (trees, threads, tool storms) on and off, and how
+   soon a tree halt and a storm's pause reach a runtime.
    Workers are real ``python -m stream_app worker`` processes with RocksDB state and changelogs.
 3. Results go to ``bench/results/*.json``; ``bench.report`` renders BENCHMARKS.md and the PNG plots
    from them (``python -m bench.report`` re-renders without measuring).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -35,12 +37,13 @@ from stream_app.worker.settings import SETTINGS
 
 from . import corpus, fleet, halt, limit, report
 from .kafka import broker
+from .loadgen import LoadGen
 from .stats import progress
 from .workers import REPO, BenchDeployment, commit_overruns
 
 RESULTS = REPO / "bench" / "results"
 WORKDIR = REPO / "var" / "bench"
-SECTIONS = ("limit", "fleet", "halt", "overshoot", "settings", "trees", "treehalt")
+SECTIONS = ("limit", "fleet", "halt", "overshoot", "settings", "trees", "treehalt", "stormpause")
 
 #: Settings tried against the default, one worker, saturation probe: (label, worker settings by field,
 #: other environment). PRODUCER_LINGER_MS is faust's own variable (faust reads it over the app's
@@ -149,6 +152,9 @@ async def kafka_benches(bootstrap: str, plan: Plan, sections: set[str], results:
 
     if "treehalt" in sections:
         save("treehalt", await tree_halt_section(bootstrap, plan))
+
+    if "stormpause" in sections:
+        save("stormpause", await storm_pause_section(bootstrap, plan, sustained_one))
 
 
 async def fleet_section(bootstrap: str, template: Path, plan: Plan, results: Path) -> dict[str, Any]:
@@ -268,6 +274,7 @@ async def _interleaved(bootstrap: str, template: Path, plan: Plan, backlog: int,
                 await deployment.start_worker_async()
                 probe = await fleet.capacity(deployment, template, backlog, f"{prefix}{round_}{len(probes[label])}",
                                              None, plan.warm_s, plan.measure_s - 2, drain=False)
+                probe["rss_peak_mb"] = deployment.workers[0].rss_mb(peak=True)
             finally:
                 deployment.stop()
             probes[label].append(probe)
@@ -275,7 +282,8 @@ async def _interleaved(bootstrap: str, template: Path, plan: Plan, backlog: int,
                      f"{probe['applied_per_s']:,.0f} ev/s, {probe['worker_cpu_us_per_event']:,.0f} us CPU per event")
     return [{"label": label, "env": {**SETTINGS.env(**settings), **env}, "probes": probes[label],
              "applied_per_s": statistics.median(p["applied_per_s"] for p in probes[label]),
-             "worker_cpu_us_per_event": statistics.median(p["worker_cpu_us_per_event"] for p in probes[label])}
+             "worker_cpu_us_per_event": statistics.median(p["worker_cpu_us_per_event"] for p in probes[label]),
+             "rss_peak_mb": max(p["rss_peak_mb"] for p in probes[label])}
             for label, settings, env in configs]
 
 
@@ -352,6 +360,72 @@ async def tree_halt_section(bootstrap: str, plan: Plan, trees: int = 40) -> dict
     progress(f"treehalt: {len(latencies)} trees, p50 {cuts[49]:.0f} ms, p95 {cuts[94]:.0f} ms, max {max(latencies):.0f} ms")
     return {"trees": len(latencies), "latencies_ms": latencies, "p50_ms": cuts[49], "p95_ms": cuts[94],
             "max_ms": max(latencies)}
+
+
+class _Unavailable(Exception):
+    """The bench's degraded upstream: an HTTP 503."""
+
+    status_code = 503
+
+
+async def storm_pause_section(bootstrap: str, plan: Plan, sustained: float | None, storms: int = 30,
+                              level: float = 0.1) -> dict[str, Any]:
+    """How soon a storm's pause reaches a runtime, at ``level`` (10%) of one worker's sustained rate of
+    background telemetry (the fleet as the SDK sends it, every call naming its upstream): per storm, ten
+    runs (one runtime, fleet path only: no local rules, telemetry sent at once) fail once each on a fresh
+    tool key; a second runtime watches. Latency: from the end of the 10th run's failing call (the pause's
+    ``ts_ms``: the fact that crossed) to the watcher's board applying the pause."""
+    template = WORKDIR / "corpus-trees.tsv"
+    if not template.exists():
+        corpus.write_tree_template(template, plan.template_runs, max(8, plan.template_runs // 100))
+    load = level * (sustained or 1000.0)
+    deployment = BenchDeployment(bootstrap, WORKDIR)
+    latencies: list[float] = []
+    gen = None
+    try:
+        await deployment.start_worker_async()
+        await fleet.warm_up(deployment, template, "sw")
+        config = KafkaClientConfig(bootstrap)
+        common: dict[str, Any] = {"trusted_keys": deployment.trusted_keys(), "scopes_topic": deployment.scopes_topic}
+        failing = Guard.fleet(config, deployment.telemetry_topic, deployment.control_topic, local_rules=False,
+                              linger_ms=0, **common)
+        watcher = Guard.fleet(config, deployment.telemetry_topic, deployment.control_topic, **common)
+        arrived: dict[str, float] = {}
+        waiting: dict[str, asyncio.Event] = {}
+
+        def applied(decision: dict[str, Any]) -> None:
+            tenant = decision.get("tenant")
+            if decision.get("scope") == "tool" and decision["action"] == "pause" and tenant in waiting:
+                arrived[tenant] = time.time() * 1000 - decision["ts_ms"]
+                waiting[tenant].set()
+
+        def broken(**_: Any) -> None:
+            raise _Unavailable("503 Service Unavailable")
+
+        watcher.board.add_callback(applied)
+        gen = LoadGen(bootstrap, deployment.telemetry_topic, template, load, storms * 2.0 + 30, "sb")
+        await gen.prepare()
+        await gen.go()
+        async with failing, watcher:
+            for n in range(storms):
+                tenant = f"{deployment.name}-storm-{n}"
+                waiting[tenant] = asyncio.Event()
+                for r in range(10):
+                    with contextlib.suppress(_Unavailable):
+                        await failing.run(f"{tenant}-run-{r}", tenant=tenant, local_rules=False).call(
+                            "weather.lookup", broken, {"city": f"c{r}"}, upstream="api.weather.example")
+                await asyncio.wait_for(waiting[tenant].wait(), 30)
+                latencies.append(arrived[tenant])
+                await asyncio.sleep(0.5)
+    finally:
+        if gen is not None:
+            await gen.kill()
+        deployment.stop()
+    cuts = statistics.quantiles(latencies, n=100, method="inclusive")
+    progress(f"stormpause: {len(latencies)} storms at {load:,.0f} ev/s of background: p50 {cuts[49]:.0f} ms, "
+             f"p95 {cuts[94]:.0f} ms, max {max(latencies):.0f} ms")
+    return {"storms": len(latencies), "level": level, "background_per_s": load, "latencies_ms": latencies,
+            "p50_ms": cuts[49], "p95_ms": cuts[94], "max_ms": max(latencies)}
 
 
 def main(argv: list[str] | None = None) -> int:

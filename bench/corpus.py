@@ -15,7 +15,7 @@ from pathlib import Path
 import orjson
 
 from stream_app.bus.wire import encode_telemetry
-from stream_app.devtools.fleet_sim import simulate_fleet, simulate_trees
+from stream_app.devtools.fleet_sim import simulate_fleet, simulate_storm, simulate_threads, simulate_trees
 
 #: Run ids in the template start with this (``fleet_sim`` names runs ``run-000123``).
 TEMPLATE_PREFIX = b"run-"
@@ -37,14 +37,21 @@ def write_template(path: Path, runs: int, seed: int = 7) -> int:
 
 def write_tree_template(path: Path, runs: int, trees: int, seed: int = 7) -> tuple[int, int]:
     """The fleet of ``write_template`` as the SDK sends it (every event names its run's tree:
-    ``root_run_id``, the run itself), interleaved with ``trees`` sub-agent trees of every kind
-    (``fleet_sim.TREE_KINDS``, run ids ``run-t...``); return (events, events that are tree facts)."""
+    ``root_run_id``, the run itself; and the upstream its tool calls: every call a tool fact),
+    interleaved with ``trees`` sub-agent trees of every kind (``fleet_sim.TREE_KINDS``, run ids
+    ``run-t...``), as many threads of every kind (``THREAD_KINDS``, ``run-h...``) and a storm of 24 runs
+    (``run-s...``); return (events, the facts they make for the folds across runs)."""
     _, stream = simulate_fleet(runs, seed=seed, redeliver_fraction=0.0)
     for event in stream:
         event["root_run_id"] = event["run_id"]
+        event["upstream"] = f"{event['tool']}.example.com"
     _, tree_stream = simulate_trees(trees, seed=seed, redeliver_fraction=0.0, prefix="run-t")
-    facts = sum(e["run_id"] != e["root_run_id"] or e.get("tool_class") == "spawn" for e in tree_stream)
-    merged = sorted([*stream, *tree_stream], key=lambda e: (e["ts_ms"], e["event_id"]))
+    _, thread_stream = simulate_threads(trees, seed=seed, redeliver_fraction=0.0, prefix="run-h",
+                                        start_ms=1_764_000_000_000 - 4 * 86_400_000)
+    storm = simulate_storm(seed=seed, redeliver_fraction=0.0, prefix="run-s")
+    facts = len(stream) + len(thread_stream) + len(storm) + sum(
+        e["run_id"] != e["root_run_id"] or e.get("tool_class") == "spawn" for e in tree_stream)
+    merged = sorted([*stream, *tree_stream, *thread_stream, *storm], key=lambda e: (e["ts_ms"], e["event_id"]))
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("wb") as out:
         for event in merged:

@@ -116,6 +116,7 @@ class Page:
         self.settings = _load(results, "settings")
         self.trees = _load(results, "trees")
         self.treehalt = _load(results, "treehalt")
+        self.stormpause = _load(results, "stormpause")
         self.lines: list[str] = []
 
     def add(self, *lines: str) -> None:
@@ -181,7 +182,7 @@ class Page:
         if not measured:
             return []
         older = []
-        for name in ("core", "limit", "fleet", "halt", "overshoot", "settings", "trees", "treehalt"):
+        for name in ("core", "limit", "fleet", "halt", "overshoot", "settings", "trees", "treehalt", "stormpause"):
             data = getattr(self, name, None)
             if data and name not in measured and name != "core":
                 when = data.get("measured", {})
@@ -582,13 +583,15 @@ class Page:
         rounds = len(tried[0].get("probes", [None]))
         ratio = self.trees["cpu_ratio"]
         self.add(
-            "## Rules across runs (sub-agent trees)",
+            "## Rules across runs (sub-agent trees, threads, tool storms)",
             "",
             "Command: `python -m bench --skip-core --only trees`. One worker, saturation probe as above, on the",
-            f"simulated fleet as the SDK sends it (every event names its tree) with {corpus['trees']} sub-agent trees",
-            f"of every kind: {_n(corpus['events'])} events, {_n(corpus['tree_facts'])} of them tree facts. Each",
+            "simulated fleet as the SDK sends it (every event names its tree and its upstream) with "
+            f"{corpus['trees']} sub-agent trees",
+            f"and as many threads of every kind and a storm: {_n(corpus['events'])} events, "
+            f"{_n(corpus['tree_facts'])} facts for the folds across runs. Each",
             f"configuration on a fresh deployment, in {rounds} interleaved rounds. Every fold: the per-run fold,",
-            "the facts published re-keyed by root run id, and the tree fold's agent, all in the one worker.",
+            "the facts published re-keyed by scope key, and the keyed folds' agent, all in the one worker.",
             "",
             "| configuration | events/s saturated (median; each probe) | worker CPU per event (median) |",
             "|---|---|---|",
@@ -598,6 +601,11 @@ class Page:
             self.add(f"| {t['label']} | {_n(t['applied_per_s'])} ({each}) | {_n(t['worker_cpu_us_per_event'])} us |")
         self.add("", f"Worker CPU per event with every fold: {ratio:.2f}x the per-run rules' alone (target <= 1.2x: "
                  f"{_met(ratio <= 1.2)}).", "")
+        peaks = [(t["label"], t["rss_peak_mb"]) for t in tried if "rss_peak_mb" in t]
+        if peaks:
+            self.add("Worker peak resident memory (VmHWM) over its probes: "
+                     + ", ".join(f"{label} {mb:,.0f} MiB" for label, mb in peaks)
+                     + f" (the chart's limit: 1 GiB; {_met(all(mb <= 1024 for _, mb in peaks))}).", "")
         if self.treehalt:
             t = self.treehalt
             self.add("Tree halts reaching a guarded run in another process (`python -m bench --skip-core --only "
@@ -606,6 +614,15 @@ class Page:
                      f"spawn's end to the second runtime's board, over {t['trees']} trees:",
                      f"p50 {_ms(t['p50_ms'])} ms, p95 {_ms(t['p95_ms'])} ms, max {_ms(t['max_ms'])} ms (target p95 <= 500 ms: "
                      f"{_met(t['p95_ms'] <= 500)}).", "")
+        if self.stormpause:
+            t = self.stormpause
+            self.add("Storm pauses reaching a runtime (`python -m bench --skip-core --only stormpause`): over "
+                     f"{_n(t['background_per_s'])} events/s of", f"background telemetry ({t['level']:.0%} of one "
+                     "worker's sustained rate), ten runs of one runtime (fleet path) fail once each on a",
+                     "fresh tool key; from the end of the 10th failing call to a second runtime's board applying "
+                     f"the pause, over {t['storms']} storms:",
+                     f"p50 {_ms(t['p50_ms'])} ms, p95 {_ms(t['p95_ms'])} ms, max {_ms(t['max_ms'])} ms (target p95 <= 1 s: "
+                     f"{_met(t['p95_ms'] <= 1000)}).", "")
 
     def _defaults(self) -> tuple[float, float]:
         """Mean saturated events/s and worker CPU us per event of one default worker, over every probe."""

@@ -76,10 +76,11 @@ class WorkerProcess:
         stat = Path(f"/proc/{self.process.pid}/stat").read_text().rpartition(")")[2].split()
         return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
 
-    def rss_mb(self) -> float:
-        """Resident memory of the process now, MiB (Linux /proc)."""
+    def rss_mb(self, peak: bool = False) -> float:
+        """Resident memory of the process now (``peak``: its high-water mark), MiB (Linux /proc)."""
         status = Path(f"/proc/{self.process.pid}/status").read_text()
-        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
+        field = "VmHWM:" if peak else "VmRSS:"
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith(field))) / 1024
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

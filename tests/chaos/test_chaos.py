@@ -75,6 +75,26 @@ def test_worker_crash_while_trees_are_folded(kafka_bootstrap: str, tmp_path: Pat
 
 
 @pytest.mark.parametrize("trial", range(max(1, TRIALS // 5)))
+def test_worker_crash_while_a_storm_is_folded(kafka_bootstrap: str, tmp_path: Path, trial: int) -> None:
+    """A tool storm (24 runs of one tenant on every partition failing on one upstream) while the worker is
+    SIGKILLed and restarted: the storm is one incident (its pause, the id replay gives, applied once; no
+    second), every run's decision replay makes (their transient streaks' pauses) arrives once, and the
+    storm's last word is a resume."""
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4, settings={"log_level": "info"})
+    fleet.start_worker(0)
+    try:
+        fault = harness.worker_crash(fleet, fresh_state=trial % 2 == 1)
+        result = asyncio.run(harness.run_trial("worker_crash_storm", trial, fleet, fault, seed=8000 + trial,
+                                               kind="storm"))
+        _check(result)
+        storm = result.notes.get("storm", [])
+        assert [s for s in storm if s[1] == "storm"] == [("pause", "storm")], storm
+        assert storm[-1] == ("resume", "recovered"), storm
+    finally:
+        fleet.stop()
+
+
+@pytest.mark.parametrize("trial", range(max(1, TRIALS // 5)))
 def test_rebalance(kafka_bootstrap: str, tmp_path: Path, trial: int) -> None:
     """Two workers under load; one is killed (its partitions move to the other) and later restarted."""
     fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4)
