@@ -607,6 +607,7 @@ class GuardedRun:
         cost_usd: int | float | None = None,
         spawn: Spawn | None = None,
         upstream: str | None = None,
+        agent_id: str | None = None,
     ) -> Any:
         """Run ``fn(**args)`` (sync or async) as tool ``tool`` and return its result, unless the run is
         halted (``RunHalted``), the tool is paused (``ToolPaused``) or the call is a suppressed duplicate
@@ -624,12 +625,14 @@ class GuardedRun:
         ``max_cost_usd``).
         ``spawn``: the call starts a sub-agent (``Spawn``: its run id, agent and task); spawn-class.
         ``upstream``: the host or MCP server the tool calls, for the storm rule (a paused tool of it
-        raises ``ToolPaused``).
+        raises ``ToolPaused``). ``agent_id``: the agent making this call when it is not the run's (a
+        handoff moved the run to another agent); its policy applies, and ``handoff_loop`` compares it
+        with the ``child_agent_id`` of the handoff before.
         Sync tools run on the event loop's thread; wrap a blocking one in ``asyncio.to_thread``.
         """
         pending = await self.begin(tool, args, side_effect=side_effect, retry_budget=retry_budget,
                                    plan_step=plan_step, ids=ids, tool_class=tool_class, target=target, spawn=spawn,
-                                   upstream=upstream)
+                                   upstream=upstream, agent_id=agent_id)
         if pending.earlier is not None:
             return pending.earlier.replay()
         started = time.perf_counter()
@@ -681,6 +684,7 @@ class GuardedRun:
         target: str | None = None,
         spawn: Spawn | None = None,
         upstream: str | None = None,
+        agent_id: str | None = None,
     ) -> PendingCall:
         """The first half of ``call``, for frameworks that report a tool call in two hooks (before it
         runs, after it ran): raises ``RunHalted`` if the run is halted; returns a ``PendingCall`` whose
@@ -701,17 +705,20 @@ class GuardedRun:
             if not isinstance(upstream, str) or not 0 < len(upstream) <= MAX_ID_LENGTH:
                 raise InvalidCall(f"upstream: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
             self._guard.admit(self.tenant, tool, upstream, self.run_id)
+        if agent_id is not None and (not isinstance(agent_id, str) or not 0 < len(agent_id) <= MAX_ID_LENGTH):
+            raise InvalidCall(f"agent_id: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+        agent = agent_id if agent_id is not None else self.agent_id
         arguments = dict(args or {})
         fleet_fields = self._fleet_fields
         if upstream is not None:
             fleet_fields = {**fleet_fields, "upstream": upstream}
         if spawn is not None:
             tool_class = tool_class or "spawn"
-            fleet_fields = {**fleet_fields, **self._spawn_fields(tool, spawn)}
+            fleet_fields = {**fleet_fields, **self._spawn_fields(tool, spawn, agent)}
         spec = _CallSpec(
             tool,
             arguments,
-            self._builder.args_hash(self.agent_id, tool, arguments),
+            self._builder.args_hash(agent, tool, arguments),
             side_effect,
             retry_budget,
             plan_step,
@@ -719,8 +726,9 @@ class GuardedRun:
             tool_class,
             target,
             fleet_fields,
+            agent,
         )
-        thresholds = self._builder.policy.resolve(self.agent_id, tool).thresholds
+        thresholds = self._builder.policy.resolve(agent, tool).thresholds
         side_effecting = side_effect if side_effect is not None else thresholds.side_effect
         earlier = self._recall(spec.key, now_ms) if side_effecting else None
         if earlier is not None:
@@ -767,7 +775,7 @@ class GuardedRun:
         await self._record(self._event(pending.spec, done, end_ms, latency_ms))
         return value
 
-    def _spawn_fields(self, tool: str, spawn: Spawn) -> dict[str, Any]:
+    def _spawn_fields(self, tool: str, spawn: Spawn, agent: str | None) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if spawn.child_run_id is not None:
             out["child_run_id"] = spawn.child_run_id
@@ -775,7 +783,7 @@ class GuardedRun:
             out["child_agent_id"] = spawn.child_agent_id
         task_hash = spawn.task_hash
         if task_hash is None and spawn.task is not None:
-            task_hash = self._builder.args_hash(self.agent_id, tool, {"task": spawn.task})
+            task_hash = self._builder.args_hash(agent, tool, {"task": spawn.task})
         if task_hash is not None:
             out["task_hash"] = task_hash
         return out
@@ -799,7 +807,7 @@ class GuardedRun:
                 ts_ms,
                 latency_ms,
                 seq=self._seq,
-                agent_id=self.agent_id,
+                agent_id=spec.agent_id,
                 tenant=self.tenant,
                 side_effect=spec.side_effect,
                 retry_budget=spec.retry_budget,
@@ -882,6 +890,8 @@ class _CallSpec:
     target: str | None = None
     #: The run's (and a spawn's) fields for the rules across runs.
     fleet: Mapping[str, Any] | None = None
+    #: The agent making the call (None: the run's).
+    agent_id: str | None = None
 
     @property
     def key(self) -> tuple[str, str]:

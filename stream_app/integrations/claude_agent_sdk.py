@@ -14,6 +14,13 @@ Outcome: ``PostToolUseFailure`` (the CLI's failed tool calls, ``error`` text) is
 ``success`` false is an error; an empty response (None, "", [], {}) is empty; anything else is a
 success. Ids: the run is the ``session_id`` (sub-agents' calls belong to their session's run), the tool
 call id is the ``tool_use_id``; hook inputs carry no trace ids.
+
+Sub-agents: a call of the ``Agent`` tool (``Task`` before Claude Code 2.1) starts one, so it is reported as
+a spawn-class call: ``child_agent_id`` is its ``subagent_type``, the task its ``prompt`` (else its
+``description``), hashed like arguments, so the same task delegated again and again is seen.
+
+A paused tool (``ToolPaused``: a storm on its upstream, or this run's own transient streak) is denied with
+the wait in the reason, and the agent goes on: Claude can retry later or do something else.
 """
 
 from __future__ import annotations
@@ -35,11 +42,14 @@ from claude_agent_sdk.types import (
     SyncHookJSONOutput,
 )
 
-from ..client import CallIds, Guard, PendingCall, RunHalted, ToolOutcome
+from ..client import CallIds, Guard, PendingCall, RunHalted, Spawn, ToolOutcome, ToolPaused
+from ..core.contract import MAX_ID_LENGTH
 
 #: Calls begun but not finished, kept per guard: a call another hook or the user denied never gets its
 #: post hook, so the oldest are forgotten past this many.
 _MAX_PENDING: Final = 1024
+#: The tool that starts a sub-agent: ``Agent`` since Claude Code 2.1, ``Task`` (still its alias) before.
+SUBAGENT_TOOLS: Final = frozenset(("Agent", "Task"))
 
 
 class ClaudeAgentGuard:
@@ -59,12 +69,15 @@ class ClaudeAgentGuard:
     ) -> SyncHookJSONOutput:
         """Begin the call; deny it and stop the agent if the run is halted."""
         call = cast(PreToolUseHookInput, input_data)
-        run = self.guard.run(call["session_id"], agent_id=self.agent_id)
         try:
-            pending = await run.begin(call["tool_name"], call["tool_input"],
+            run = self.guard.run(call["session_id"], agent_id=self.agent_id)
+            pending = await run.begin(call["tool_name"], call["tool_input"], spawn=spawn_of(call),
                                       ids=CallIds(tool_call_id=call["tool_use_id"]))
         except RunHalted as halted:
             return {"continue_": False, "stopReason": str(halted), "hookSpecificOutput": _deny(str(halted))}
+        except ToolPaused as paused:
+            return {"hookSpecificOutput": _deny(f"{paused}. The call was not made; retry it later or do something "
+                                                f"else.")}
         if pending.earlier is not None:
             earlier = orjson.dumps(pending.earlier.replay(), default=str).decode()
             return {"hookSpecificOutput": _deny(
@@ -111,6 +124,17 @@ class ClaudeAgentGuard:
                                       "additionalContext": f"loopwarden: {advice}"}
             return {"hookSpecificOutput": context_for_claude}
         return {"continue_": False, "stopReason": str(RunHalted(decision))}
+
+
+def spawn_of(call: PreToolUseHookInput) -> Spawn | None:
+    """The sub-agent an ``Agent``/``Task`` call starts (see the module docstring), else None."""
+    if call["tool_name"] not in SUBAGENT_TOOLS:
+        return None
+    tool_input = call["tool_input"] if isinstance(call["tool_input"], Mapping) else {}
+    agent = tool_input.get("subagent_type")
+    task = tool_input.get("prompt") or tool_input.get("description")
+    named = isinstance(agent, str) and 0 < len(agent) <= MAX_ID_LENGTH  # the model wrote it: never trusted to fit
+    return Spawn(child_agent_id=agent if named else None, task=task or None)
 
 
 def is_error(response: Any) -> bool:

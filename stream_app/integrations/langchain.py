@@ -23,11 +23,28 @@ LangSmith calls the trace; ``config["run_id"]`` when the caller set it), the mid
 handler also maps the run tree onto W3C ids: the trace id is the root run's UUID in hex (as LangSmith's
 OpenTelemetry export has it), span ids the last 8 bytes of the tool's and its parent's run UUIDs.
 LangChain's run ids are UUIDv7, whose first 8 bytes (LangSmith's choice) repeat within a millisecond.
+
+Sub-agents: an agent or graph that a tool call runs (agents as tools, a supervisor's workers, a ``task``
+tool) is a sub-agent, so its tool calls go to a child run of the calling run, in its tree
+(``parent_run_id``; ``root_run_id`` the outermost run, also when the nesting goes deeper): the tree rules
+see it, and its calls do not count toward its caller's loops and ceiling. The child run is the tool
+call's: the handler names it by the tool's LangChain run UUID, the middleware by an id of its own; a
+thread id the sub-agent inherited from its caller's config does not name it. A subgraph that is a node
+of its parent graph, not run by a tool, is a step of the same run, as are the graph's own nested chains:
+flat use is one run, as before. The handler sees the nesting through LangChain's parent run ids; the
+middleware through the tool call it is running, so both the calling agent and the sub-agent need a
+``LoopwardenMiddleware``.
+
+A paused tool (``ToolPaused``: a storm on its upstream, or the run's own transient streak) is not a
+halt: the middleware answers the call with an error ``ToolMessage`` saying when to retry, without
+running the tool, and the run goes on; the handler cannot skip a tool, so its ``ToolPaused`` ends the
+invocation, like a ``DuplicateSuppressed``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
 import time
@@ -55,6 +72,7 @@ from ..client import (
     PendingCall,
     RunHalted,
     ToolOutcome,
+    ToolPaused,
     UsageError,
 )
 
@@ -70,6 +88,10 @@ ToolResult = ToolMessage | Command[Any]
 _REMEMBERED = 1_000
 #: LangChain logs every exception a callback raises, at WARNING, however often the same halt is refused.
 _CALLBACK_LOGGER = "langchain_core.callbacks.manager"
+#: The middleware's tool call in progress, (its run id, the id of the child run a sub-agent it runs gets);
+#: a context variable, so that an agent the tool invokes (on this thread or a task) sees it.
+_TOOL_CALL: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("loopwarden_tool_call",
+                                                                                    default=None)
 
 
 class _OnceFilter(logging.Filter):
@@ -151,7 +173,9 @@ class LoopwardenCallbackHandler(BaseCallbackHandler):
         self.agent_id = agent_id
         self.tenant = tenant
         self._bridge = _Bridge(loop)
-        self._roots: dict[UUID, UUID] = {}  # run id of each chain in flight -> its root run id
+        self._roots: dict[UUID, UUID] = {}  # run id of each chain and tool in flight -> its root run id
+        #: Chains in flight inside a tool call (a sub-agent) -> (their child run's id, its parent run's id).
+        self._children: dict[UUID, tuple[str, str]] = {}
         self._pending: dict[UUID, tuple[GuardedRun, PendingCall, float]] = {}
         self._refused: set[UUID] = set()  # invocations (root runs) in which a call was refused
         self._warned = False
@@ -163,13 +187,23 @@ class LoopwardenCallbackHandler(BaseCallbackHandler):
         parent_run_id: UUID | None = None, **kwargs: Any,
     ) -> None:
         self._roots[run_id] = self._roots.get(parent_run_id, parent_run_id) if parent_run_id else run_id
+        if parent_run_id is None:
+            return
+        calling = self._pending.get(parent_run_id)
+        if calling is not None:  # run by a tool call: a sub-agent, in a child run of the calling run
+            self._children[run_id] = (str(parent_run_id), calling[0].run_id)
+        elif parent_run_id in self._children:
+            self._children[run_id] = self._children[parent_run_id]
 
     def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
-        self._roots.pop(run_id, None)
-        self._refused.discard(run_id)
+        self._ended(run_id)
 
     def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        self._ended(run_id)
+
+    def _ended(self, run_id: UUID) -> None:
         self._roots.pop(run_id, None)
+        self._children.pop(run_id, None)
         self._refused.discard(run_id)
 
     def on_tool_start(
@@ -185,8 +219,8 @@ class LoopwardenCallbackHandler(BaseCallbackHandler):
         **kwargs: Any,
     ) -> None:
         root = self._roots.get(parent_run_id, parent_run_id) if parent_run_id else run_id
+        child = self._children.get(parent_run_id) if parent_run_id else None
         thread_id = (metadata or {}).get("thread_id")
-        run = self.guard.run(str(thread_id or root), self.agent_id, self.tenant)
         ids = CallIds(
             tool_call_id=tool_call_id,
             trace_id=root.hex,
@@ -194,7 +228,12 @@ class LoopwardenCallbackHandler(BaseCallbackHandler):
             parent_span_id=_span_id(parent_run_id) if parent_run_id else None,
         )
         tool = serialized["name"]
+        run_name = child[0] if child is not None else str(thread_id or root)
         try:
+            if child is not None:
+                run = self.guard.run(child[0], self.agent_id, self.tenant, parent_run_id=child[1])
+            else:
+                run = self.guard.run(run_name, self.agent_id, self.tenant)
             pending = self._bridge.run(run.begin(tool, _args(inputs, input_str), ids=ids))
         except RunHalted:
             if root in self._refused and not self._warned:
@@ -202,20 +241,23 @@ class LoopwardenCallbackHandler(BaseCallbackHandler):
                 _warn_swallowed("a tool error handler catches every exception (ToolNode(handle_tool_errors=True), "
                                 "ToolErrorMiddleware answering all) and hands it to the model",
                                 "let RunHalted through (handle_tool_errors=(ToolException,)), or guard with "
-                                "LoopwardenMiddleware listed first", run.run_id)
+                                "LoopwardenMiddleware listed first", run_name)
             self._refused.add(root)
             raise
         if pending.earlier is not None:
             raise DuplicateSuppressed(run.run_id, tool, "a callback handler", "LoopwardenMiddleware")
         self._pending[run_id] = (run, pending, time.perf_counter())
+        self._roots[run_id] = root  # for the chains the tool runs
 
     def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        self._roots.pop(run_id, None)
         begun = self._pending.pop(run_id, None)
         if begun is not None:
             run, pending, started = begun
             self._bridge.run(run.finish(pending, _reported(output), latency_ms=_ms_since(started)))
 
     def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        self._roots.pop(run_id, None)
         begun = self._pending.pop(run_id, None)
         # An interrupt (GraphBubbleUp) pauses the call, which runs again on resume; it did not fail.
         if begun is not None and isinstance(error, Exception) and not isinstance(error, GraphBubbleUp):
@@ -227,6 +269,8 @@ class _GuardedState(AgentState[Any]):
     """The agent state plus the run id, chosen once per invocation (not checkpointed, not in the output)."""
 
     loopwarden_run_id: NotRequired[Annotated[str, UntrackedValue, PrivateStateAttr]]
+    #: The run of the tool call that runs this agent, when it is a sub-agent (its run is a child of that one).
+    loopwarden_parent_run_id: NotRequired[Annotated[str, UntrackedValue, PrivateStateAttr]]
     #: This invocation's id: a second refusal within one invocation means a RunHalted was swallowed.
     loopwarden_invocation: NotRequired[Annotated[str, UntrackedValue, PrivateStateAttr]]
 
@@ -259,19 +303,29 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
         self._warned = False
 
     def before_agent(self, state: _GuardedState, runtime: Runtime[Any]) -> dict[str, Any]:
+        invocation = uuid.uuid4().hex
+        calling = _TOOL_CALL.get()
+        if calling is not None:  # run by a guarded agent's tool call: a sub-agent, in a child run of that run
+            return {"loopwarden_run_id": calling[1], "loopwarden_parent_run_id": calling[0],
+                    "loopwarden_invocation": invocation}
         info = runtime.execution_info
         run_id = (info.thread_id or info.run_id) if info is not None else None
-        return {"loopwarden_run_id": str(run_id or uuid.uuid4()), "loopwarden_invocation": uuid.uuid4().hex}
+        return {"loopwarden_run_id": str(run_id or uuid.uuid4()), "loopwarden_invocation": invocation}
 
     def wrap_tool_call(
         self, request: ToolCallRequest, handler: Callable[[ToolCallRequest], ToolResult]
     ) -> ToolResult:
-        run, tool, args, ids = self._call(request)
-        with self._noticing_swallowed_halts(request, run):
-            pending = self._bridge.run(run.begin(tool, args, ids=ids))
+        tool, args, ids = _call(request)
+        with self._noticing_swallowed_halts(request):
+            run = self._run(request)
+            try:
+                pending = self._bridge.run(run.begin(tool, args, ids=ids))
+            except ToolPaused as paused:
+                return _paused(request, paused)
         if pending.earlier is not None:
             return _replayed(request, pending)
         started = time.perf_counter()
+        calling = _TOOL_CALL.set((run.run_id, str(uuid.uuid4())))
         try:
             result = handler(request)
         except GraphBubbleUp:
@@ -279,18 +333,25 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
         except Exception as exc:
             self._bridge.run(run.finish(pending, error=exc, latency_ms=_ms_since(started)))
             raise
+        finally:
+            _TOOL_CALL.reset(calling)
         self._bridge.run(run.finish(pending, _reported(result), latency_ms=_ms_since(started)))
         return _advised(result, run.take_advice())
 
     async def awrap_tool_call(
         self, request: ToolCallRequest, handler: Callable[[ToolCallRequest], Awaitable[ToolResult]]
     ) -> ToolResult:
-        run, tool, args, ids = self._call(request)
-        with self._noticing_swallowed_halts(request, run):
-            pending = await run.begin(tool, args, ids=ids)
+        tool, args, ids = _call(request)
+        with self._noticing_swallowed_halts(request):
+            run = self._run(request)
+            try:
+                pending = await run.begin(tool, args, ids=ids)
+            except ToolPaused as paused:
+                return _paused(request, paused)
         if pending.earlier is not None:
             return _replayed(request, pending)
         started = time.perf_counter()
+        calling = _TOOL_CALL.set((run.run_id, str(uuid.uuid4())))
         try:
             result = await handler(request)
         except GraphBubbleUp:
@@ -298,32 +359,41 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
         except Exception as exc:
             await run.finish(pending, error=exc, latency_ms=_ms_since(started))
             raise
+        finally:
+            _TOOL_CALL.reset(calling)
         await run.finish(pending, _reported(result), latency_ms=_ms_since(started))
         return _advised(result, run.take_advice())
 
     @contextmanager
-    def _noticing_swallowed_halts(self, request: ToolCallRequest, run: GuardedRun) -> Iterator[None]:
+    def _noticing_swallowed_halts(self, request: ToolCallRequest) -> Iterator[None]:
         """A second refusal in one invocation: the first RunHalted did not end it, so a middleware listed
         before this one (outside it) turned it into a message; warn once, with the fix."""
         try:
             yield
-        except RunHalted:
+        except RunHalted as halted:
             invocation = str(request.state.get("loopwarden_invocation", ""))
             if invocation in self._refused and not self._warned:
                 self._warned = True
                 _warn_swallowed("a middleware listed before LoopwardenMiddleware (outside it) catches tool errors "
                                 "(ToolErrorMiddleware, ToolRetryMiddleware...)",
                                 "list LoopwardenMiddleware first: create_agent(..., middleware=[LoopwardenMiddleware("
-                                "guard), ...])", run.run_id)
+                                "guard), ...])", halted.run_id)
             self._refused[invocation] = None
             if len(self._refused) > _REMEMBERED:
                 self._refused.popitem(last=False)
             raise
 
-    def _call(self, request: ToolCallRequest) -> tuple[GuardedRun, str, dict[str, Any], CallIds]:
-        call = request.tool_call
-        run = self.guard.run(request.state["loopwarden_run_id"], self.agent_id, self.tenant)
-        return run, call["name"], dict(call["args"]), CallIds(tool_call_id=call["id"])
+    def _run(self, request: ToolCallRequest) -> GuardedRun:
+        """The call's run; a sub-agent's is started as a child of its caller's (``TreeHalted`` if that
+        tree is halted)."""
+        state = request.state
+        return self.guard.run(state["loopwarden_run_id"], self.agent_id, self.tenant,
+                              parent_run_id=state.get("loopwarden_parent_run_id"))
+
+
+def _call(request: ToolCallRequest) -> tuple[str, dict[str, Any], CallIds]:
+    call = request.tool_call
+    return call["name"], dict(call["args"]), CallIds(tool_call_id=call["id"])
 
 
 def _args(inputs: Mapping[str, Any] | None, input_str: str) -> dict[str, Any]:
@@ -345,6 +415,12 @@ def _advised(result: ToolResult, advice: str | None) -> ToolResult:
     if advice is None or not isinstance(result, ToolMessage) or not isinstance(result.content, str):
         return result
     return result.model_copy(update={"content": f"{result.content}\n\n[loopwarden] {advice}"})
+
+
+def _paused(request: ToolCallRequest, paused: ToolPaused) -> ToolMessage:
+    """The answer to a paused tool's call, which did not run: the model reads when to retry."""
+    return ToolMessage(content=f"{paused}. The call was not made.", name=request.tool_call["name"],
+                       tool_call_id=request.tool_call["id"], status="error")
 
 
 def _replayed(request: ToolCallRequest, pending: PendingCall) -> ToolMessage:

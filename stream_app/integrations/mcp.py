@@ -17,6 +17,13 @@ not let clients choose their run (a client could rotate ids to escape) passes it
 tool call id is the JSON-RPC request id; the trace and span ids come from the W3C ``traceparent`` the
 client puts in ``_meta`` (the MCP SDK's client does when OpenTelemetry is on): the client's span of
 this call.
+
+Upstream: every call names this server as its ``upstream``, so that the storm rule sees many runs
+failing on the same server and pauses its tool for their tenant; a paused tool's call is answered as a
+tool error saying when to retry (``ToolPaused``), without running it. The name is ``upstream`` if given
+(the name or URL agents know the server by), else the ``serverInfo`` name the server answers with: in
+the ``initialize`` result of a handshake-era session, in the ``_meta`` of every 2026-era result. A
+2026-era client's first call, before any answer, names no upstream; pass ``upstream`` to have it too.
 """
 
 from __future__ import annotations
@@ -27,13 +34,14 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from mcp.server.context import CallNext, HandlerResult, ServerMiddleware, ServerRequestContext
-from mcp_types import CallToolResult, TextContent
+from mcp_types import SERVER_INFO_META_KEY, CallToolResult, TextContent
 from opentelemetry.trace import get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import BaseModel
 
-from ..client import CallIds, Guard, RunHalted, ToolOutcome
+from ..client import CallIds, Guard, RunHalted, ToolOutcome, ToolPaused
 from ..core import Outcome
+from ..core.contract import MAX_ID_LENGTH
 
 #: ``_meta`` key under which a client names its run (reverse-DNS prefixed, as MCP asks of ``_meta`` keys).
 RUN_ID_META_KEY: Final = "dev.loopwarden/run_id"
@@ -48,13 +56,18 @@ class LoopGuardMiddleware(ServerMiddleware[Any]):
 
     ``run_id``: a function of the request context naming its run (default ``run_id_from_meta``); when it
     returns None the run is this server process. ``agent_id``: the agent the guard's policy resolves
-    these calls under. A fleet guard must be started first (e.g. in the server's lifespan).
+    these calls under. ``upstream``: the name of this server in the calls' telemetry (default: its
+    ``serverInfo`` name, see the module docstring). A fleet guard must be started first (e.g. in the
+    server's lifespan).
     """
 
-    def __init__(self, guard: Guard, *, run_id: RunIdFunction | None = None, agent_id: str | None = None) -> None:
+    def __init__(self, guard: Guard, *, run_id: RunIdFunction | None = None, agent_id: str | None = None,
+                 upstream: str | None = None) -> None:
         self.guard = guard
         self.agent_id = agent_id
         self.process_run_id = f"mcp-{uuid.uuid4().hex}"
+        #: What the calls name as their upstream: given, or learned from the server's answers (None: not yet).
+        self.upstream = upstream
         self._run_id = run_id or run_id_from_meta
 
     async def __call__(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
@@ -62,24 +75,30 @@ class LoopGuardMiddleware(ServerMiddleware[Any]):
         tool, arguments = params.get("name"), params.get("arguments")
         # The middleware runs before the SDK validates params: malformed calls get the SDK's own error.
         if ctx.method != "tools/call" or not isinstance(tool, str) or not isinstance(arguments, Mapping | None):
-            return await call_next(ctx)
-        run = self.guard.run(self._run_id(ctx) or self.process_run_id, agent_id=self.agent_id)
+            return self._learn(await call_next(ctx))
         try:
-            pending = await run.begin(tool, arguments, ids=call_ids(ctx))
-        except RunHalted as halted:
-            return CallToolResult(content=[TextContent(type="text", text=str(halted))], is_error=True)
+            run = self.guard.run(self._run_id(ctx) or self.process_run_id, agent_id=self.agent_id)
+            pending = await run.begin(tool, arguments, ids=call_ids(ctx), upstream=self.upstream)
+        except (RunHalted, ToolPaused) as refused:
+            return CallToolResult(content=[TextContent(type="text", text=str(refused))], is_error=True)
         if pending.earlier is not None:
             earlier: HandlerResult = pending.earlier.replay()
             return earlier
         started = time.perf_counter()
         try:
-            result = await call_next(ctx)
+            result = self._learn(await call_next(ctx))
         except Exception as exc:
             await run.finish(pending, error=exc, latency_ms=(time.perf_counter() - started) * 1000)
             raise
         answered: HandlerResult = await run.finish(pending, ToolOutcome(outcome(result), result),
                                                    latency_ms=(time.perf_counter() - started) * 1000)
         return advised(answered, run.take_advice())
+
+    def _learn(self, result: HandlerResult) -> HandlerResult:
+        """``result``, once the server's name is read from it if not known yet (see the module docstring)."""
+        if self.upstream is None:
+            self.upstream = server_name(result)
+        return result
 
 
 def advised(result: HandlerResult, advice: str | None) -> HandlerResult:
@@ -93,6 +112,19 @@ def advised(result: HandlerResult, advice: str | None) -> HandlerResult:
     if not isinstance(result, dict):
         return result
     return {**result, "content": [*(result.get("content") or []), note]}
+
+
+def server_name(result: HandlerResult) -> str | None:
+    """The ``serverInfo`` name in a server's answer: an ``initialize`` result's, or the 2026-era stamp in
+    any result's ``_meta``; None if it has none (or one that cannot be an id)."""
+    if isinstance(result, BaseModel):
+        result = result.model_dump(mode="json", by_alias=True, exclude_none=True)
+    if not isinstance(result, dict):
+        return None
+    meta = result.get("_meta")
+    info = result.get("serverInfo") or (meta.get(SERVER_INFO_META_KEY) if isinstance(meta, dict) else None)
+    name = info.get("name") if isinstance(info, dict) else None
+    return name if isinstance(name, str) and 0 < len(name) <= MAX_ID_LENGTH else None
 
 
 def run_id_from_meta(ctx: ServerRequestContext[Any, Any]) -> str | None:

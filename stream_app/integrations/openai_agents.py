@@ -22,6 +22,24 @@ Ids: the run is ``run_id`` (a string, or a function of the run context) if given
 ``group_id`` (``RunConfig(group_id=...)``, the SDK's conversation id), else its trace id (one per
 ``Runner.run`` while tracing is on). The model's call id goes to ``attrs.tool_call_id``; the trace id
 (``trace_<32 hex>``) to the W3C ``trace_id`` without its prefix.
+
+Sub-agents, for the rules across agents:
+
+- A handoff (``on_handoff``, run hooks only: guardrails never see one) is reported once it happened as a
+  handoff-class call of the handoff's tool (``transfer_to_<agent>``, or its ``tool_name_override``) naming
+  the agent handed to as ``child_agent_id``. The hook gets no ``RunConfig``, so its run is ``run_id``, else
+  the trace's group id, else the trace id: a run named only by its group id with tracing off cannot be
+  told, and its handoffs go unreported (warned once; pass ``run_id=``). The call's ``agent_id`` is the
+  run's (``agent_id=``), not the agent handing off: the SDK takes a run's agent once, at ``Guard.run``, so
+  ``handoff_loop``, which compares the agents of consecutive handoffs, cannot see A->B->A from here yet.
+- An agent used as a tool (``agent.as_tool(...)``) is a spawn-class call: ``child_agent_id`` is the
+  sub-agent's name, the task its input. The sub-agent's own calls (hooks passed to ``as_tool``) stay in
+  the calling run, as before: the nested run has no id of its own to put in the tree.
+
+A paused tool (``ToolPaused``: a storm on its upstream, or this run's own transient streak) is not a halt:
+the guardrails answer the model that the call was not made and when to retry, and the run goes on. Run
+hooks cannot skip a tool: their ``ToolPaused`` ends the run, as the SDK's ``UserError`` ("Error running
+tool ...: ... retry in N s") whose ``__cause__`` it is.
 """
 
 from __future__ import annotations
@@ -36,6 +54,7 @@ from typing import Any, Final
 import orjson
 from agents import (
     AgentsException,
+    Handoff,
     RunContextWrapper,
     RunHooks,
     ToolGuardrailFunctionOutput,
@@ -51,7 +70,7 @@ from agents.tool_context import ToolContext
 from agents.tracing import get_current_trace
 
 from .. import client
-from ..client import CallIds, Guard, GuardedRun, InvalidCall, PendingCall, RunHalted
+from ..client import CallIds, Guard, GuardedRun, InvalidCall, PendingCall, RunHalted, Spawn, ToolPaused
 
 __all__ = [
     "AgentRunHalted",
@@ -80,6 +99,11 @@ def tool_failed(context: RunContextWrapper[Any], error: Exception) -> str:
 
 class AgentRunHalted(RunHalted, AgentsException):
     """``RunHalted`` as an ``AgentsException``, which the SDK lets out of a hook unwrapped."""
+
+
+def _halted(halted: RunHalted) -> AgentRunHalted:
+    """The run's ``AgentRunHalted``; a tree's or thread's decision names no run, so the refused one is added."""
+    return AgentRunHalted({**halted.decision, "run_id": halted.run_id})
 
 
 class GuardrailHalted(RunHalted, ToolInputGuardrailTripwireTriggered):
@@ -114,14 +138,19 @@ class _ToolCalls:
         self._run_id = run_id
         self._pending: dict[tuple[str, str], tuple[GuardedRun, PendingCall, float]] = {}
         self._warned: set[str] = set()
+        self._warned_handoff = False
 
-    async def _begin(self, context: ToolContext[Any]) -> tuple[GuardedRun, PendingCall]:
-        """``GuardedRun.begin`` for this call (``RunHalted`` propagates); remembered until it ends unless
-        it is a suppressed duplicate, which is already reported."""
+    async def _begin(self, context: ToolContext[Any], tool: Any = None) -> tuple[GuardedRun, PendingCall]:
+        """``GuardedRun.begin`` for this call (``RunHalted``, ``ToolPaused`` propagate); remembered until it
+        ends unless it is a suppressed duplicate, which is already reported. ``tool``: the called tool, if
+        known; an agent's ``as_tool`` makes the call a spawn."""
         run = self.guard.run(self._run_of(context), self.agent_id, self.tenant)
         w3c = _SDK_TRACE_ID.fullmatch(_sdk_trace_id() or "")
         ids = CallIds(tool_call_id=context.tool_call_id, trace_id=w3c.group(1) if w3c else None)
-        pending = await run.begin(context.tool_name, _arguments(context.tool_arguments), ids=ids)
+        args = _arguments(context.tool_arguments)
+        sub_agent = _sub_agent(tool)
+        spawn = None if sub_agent is None else Spawn(child_agent_id=sub_agent, task=_task(args))
+        pending = await run.begin(context.tool_name, args, ids=ids, spawn=spawn)
         if pending.earlier is None:
             self._pending[run.run_id, context.tool_call_id] = (run, pending, time.perf_counter())
         return run, pending
@@ -136,12 +165,19 @@ class _ToolCalls:
         await run.finish(pending, result, error=error, latency_ms=(time.perf_counter() - started) * 1000)
         return run
 
-    def _run_of(self, context: ToolContext[Any]) -> str:
-        """The call's run id: ``run_id`` (or what it returns), else the group id, else the trace id."""
+    def _run_of(self, context: RunContextWrapper[Any], required: bool = True) -> str:
+        """The call's run id: ``run_id`` (or what it returns), else the group id (the tool's run config, or
+        the trace's for a context without one), else the trace id. ``required=False``: "" if none."""
         if callable(self._run_id):
             return self._run_id(context)
-        group_id = context.run_config.group_id if context.run_config else None
+        if isinstance(context, ToolContext):
+            group_id = context.run_config.group_id if context.run_config else None
+        else:
+            trace = get_current_trace()
+            group_id = getattr(trace, "group_id", None) if trace is not None else None
         run_id = self._run_id or group_id or _sdk_trace_id()
+        if not run_id and not required:
+            return ""
         if not run_id:
             raise InvalidCall(
                 "loopwarden cannot tell which run this tool call belongs to: pass run_id=, or run with "
@@ -162,15 +198,39 @@ class LoopwardenRunHooks(_ToolCalls, RunHooks[Any]):
             return
         self._check_failures_reach_the_hooks(tool)
         try:
-            run, pending = await self._begin(context)
+            run, pending = await self._begin(context, tool)
         except RunHalted as halted:
-            raise AgentRunHalted(halted.decision) from None
+            raise _halted(halted) from None
         if pending.earlier is not None:
             raise DuplicateSuppressed(run.run_id, context.tool_name, "a run hook", "LoopwardenToolGuardrails")
 
     async def on_tool_end(self, context: RunContextWrapper[Any], agent: Any, tool: Any, result: Any) -> None:
         if isinstance(context, ToolContext):
             await self._finish(context, result)
+
+    async def on_handoff(self, context: RunContextWrapper[Any], from_agent: Any, to_agent: Any) -> None:
+        """Report the handoff that just happened as a handoff-class call to ``to_agent``; a halted run is
+        stopped here (the handoff itself is done: the SDK calls this hook after it)."""
+        run_id = self._run_of(context, required=False)
+        if not run_id:
+            if not self._warned_handoff:
+                self._warned_handoff = True
+                logger.warning(
+                    "loopwarden: a handoff from %r to %r went unreported: its hook sees no RunConfig, so a run "
+                    "named only by its group_id cannot be told while tracing is off. Fix: LoopwardenRunHooks("
+                    "guard, run_id=...) (a string, or a function of the run context)",
+                    from_agent.name, to_agent.name)
+            return
+        w3c = _SDK_TRACE_ID.fullmatch(_sdk_trace_id() or "")
+        try:
+            run = self.guard.run(run_id, self.agent_id, self.tenant)
+            pending = await run.begin(_handoff_tool(from_agent, to_agent), tool_class="handoff", agent_id=from_agent.name,
+                                      spawn=Spawn(child_agent_id=to_agent.name),
+                                      ids=CallIds(trace_id=w3c.group(1) if w3c else None))
+        except RunHalted as halted:
+            raise _halted(halted) from None
+        if pending.earlier is None:
+            await run.finish(pending, {"assistant": to_agent.name})
 
     def _check_failures_reach_the_hooks(self, tool: Any) -> None:
         """Warn once per tool whose failures the SDK turns into messages the hooks cannot tell from a
@@ -201,10 +261,15 @@ class LoopwardenToolGuardrails(_ToolCalls):
 
     async def _before(self, data: ToolInputGuardrailData) -> ToolGuardrailFunctionOutput:
         try:
-            _, pending = await self._begin(data.context)
+            _, pending = await self._begin(data.context, _tool_of(data.agent, data.context.tool_name))
         except RunHalted as halted:
             # The SDK's tripwire, raised here so that its message names the halt.
-            raise GuardrailHalted(self.input, halted.decision) from None
+            raise GuardrailHalted(self.input, {**halted.decision, "run_id": halted.run_id}) from None
+        except ToolPaused as paused:
+            # Not a halt: the model is told the call was not made and when to retry, and the run goes on.
+            return ToolGuardrailFunctionOutput.reject_content(
+                f"{paused}. The call was not made.",
+                output_info={"paused": paused.decision, "retry_after_s": paused.retry_after_s})
         if pending.earlier is None:
             return ToolGuardrailFunctionOutput.allow()
         try:
@@ -230,6 +295,35 @@ def _arguments(raw: str) -> dict[str, Any]:
     except orjson.JSONDecodeError:
         return {"input": raw}
     return value if isinstance(value, dict) else {"input": value}
+
+
+def _sub_agent(tool: Any) -> str | None:
+    """The name of the agent an ``agent.as_tool(...)`` tool runs, else None. The SDK marks such tools only
+    with these two fields (what its run state reads, too)."""
+    if not isinstance(tool, FunctionTool) or not getattr(tool, "_is_agent_tool", False):
+        return None
+    name = getattr(getattr(tool, "_agent_instance", None), "name", None)
+    return name if isinstance(name, str) and name else None
+
+
+def _tool_of(agent: Any, name: str) -> Any:
+    """The function tool ``name`` of ``agent``, or None (a guardrail is told the tool's name only)."""
+    return next((t for t in getattr(agent, "tools", None) or () if isinstance(t, FunctionTool) and t.name == name),
+                None)
+
+
+def _task(args: dict[str, Any]) -> Any:
+    """What an agent tool delegates: the ``input`` it was given (its default schema), else its arguments."""
+    return args["input"] if set(args) == {"input"} else args
+
+
+def _handoff_tool(from_agent: Any, to_agent: Any) -> str:
+    """The name of the tool the model called to hand ``from_agent``'s run to ``to_agent``: its handoff's
+    ``tool_name`` when ``from_agent`` lists one for it, else the SDK's default ``transfer_to_<agent>``."""
+    for entry in getattr(from_agent, "handoffs", None) or ():
+        if isinstance(entry, Handoff) and entry.agent_name == to_agent.name:
+            return entry.tool_name
+    return Handoff.default_tool_name(to_agent)
 
 
 def _sdk_trace_id() -> str | None:

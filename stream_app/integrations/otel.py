@@ -5,10 +5,12 @@ ended GenAI tool span (``gen_ai.operation.name = execute_tool``) as one telemetr
         provider.add_span_processor(processor)
 
 The span is mapped exactly as the worker maps the collector's OTLP records (``stream_app.sources.otlp``: tool,
-outcome, run id, event id ``{trace_id}-{span_id}``, end time, our ``dev.loopwarden.*`` attributes), so
-a call reported both ways counts once. Unlike the collector route, the event is built by the SDK's
-``TelemetryBuilder``: secrets are redacted and arguments and results are hashed here, in the app, so
-they do not travel unless a tool is opted in (``raw_tools``).
+outcome, run id, event id ``{trace_id}-{span_id}``, end time, error class, upstream, our ``dev.loopwarden.*``
+attributes), so a call reported both ways counts once. The processor sees one span at a time, so a
+sub-agent tree is only what the spans declare (``dev.loopwarden.parent_run_id`` and the rest), never
+what a record's span parentage gives the collector route. Unlike the collector route, the event is
+built by the SDK's ``TelemetryBuilder``: secrets are redacted and arguments and results are hashed
+here, in the app, so they do not travel unless a tool is opted in (``raw_tools``).
 
 Spans end on whichever thread ran the tool, and ``on_end`` must neither block nor raise: the event is
 handed to the publisher's event loop (the loop running when the processor is made, or ``loop=``) in
@@ -149,7 +151,7 @@ class LoopwardenSpanProcessor(SpanProcessor):
             FinishedCall(call.run_id, call.tool, call.args or {}, call.outcome, call.result, call.ts_ms,
                          call.latency_ms, agent_id=call.agent_id, side_effect=call.side_effect,
                          retry_budget=call.retry_budget, plan_step=call.plan_step, error_class=call.error_class,
-                         kind=call.kind, tokens=call.tokens),
+                         kind=call.kind, tokens=call.tokens, tool_class=call.tool_class, fleet=call.fleet()),
             args_hash=call.args_hash if call.args is None else None,  # arguments, when present, win
         )
         event.update(event_id=call.event_id, trace_id=call.trace_id, span_id=call.span_id)

@@ -90,7 +90,7 @@ def answer(text: str) -> TResponseOutputItem:
 
 
 def timed_out(n: int) -> str:
-    raise TimeoutError("search backend timed out")
+    raise RuntimeError("search backend timed out")  # not a TimeoutError: that is transient (paused, not halted)
 
 
 class Counted:
@@ -148,7 +148,7 @@ async def test_hooks_refuse_the_fifth_identical_failing_call_before_its_tool_run
     assert len(model.inputs) == 5  # the model asked for a 5th call; it never ran
     assert (halted.value.run_id, halted.value.verdict) == ("conv-7", "recursion")
     assert [(e["run_id"], e["tool"], e["outcome"], e["error_class"], e["attrs"]) for e in telemetry] == [
-        ("conv-7", "search_docs", "error", "TimeoutError", {"tool_call_id": f"call-{n}"})
+        ("conv-7", "search_docs", "error", "RuntimeError", {"tool_call_id": f"call-{n}"})
         for n in range(1, 5)]
 
 

@@ -413,9 +413,9 @@ async def test_runaway_is_halted_through_the_bus_by_the_core_detector(
     The client-side hashes are what the detector compares: the verdict is recursion on verified args."""
     telemetry, control = topics
     run = guard.run("run-loop", agent_id="support-agent")
-    tool = Counted(ConnectionError("index unavailable"))
+    tool = Counted(RuntimeError("index unavailable"))
     for _ in range(4):
-        with pytest.raises(ConnectionError):
+        with pytest.raises(RuntimeError):
             await run.call("search_docs", tool, {"query": "quarterly report", "nonce": wall_clock_ms()})
 
     table = RunTable(Detector())

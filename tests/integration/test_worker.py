@@ -223,7 +223,7 @@ async def _runaway_through_the_sdk(fleet: Fleet) -> tuple[int, RunHalted, int]:
         nonlocal executed
         executed += 1
         await asyncio.sleep(0.05)  # the tool's own time
-        raise TimeoutError("index unavailable")
+        raise RuntimeError("index unavailable")  # not transient: a loop, no pause
 
     config = KafkaClientConfig(fleet.bootstrap)
     async with Guard.fleet(config, fleet.telemetry_topic, fleet.control_topic,
@@ -232,7 +232,7 @@ async def _runaway_through_the_sdk(fleet: Fleet) -> tuple[int, RunHalted, int]:
         for _ in range(100):
             try:
                 await run_.call("search_docs", search_docs, {"query": "q3 report"})
-            except TimeoutError:
+            except RuntimeError:
                 await asyncio.sleep(0.05)  # the model's turn
             except RunHalted as halted:
                 refused_at = executed

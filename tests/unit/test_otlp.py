@@ -3,12 +3,16 @@ encoded both ways the collector's kafka exporter writes them."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
-from opentelemetry.trace import StatusCode
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
 
 from stream_app.core import InvalidEvent, decode_event
+from stream_app.core.contract import is_transient
+from stream_app.integrations.otel import LoopwardenSpanProcessor
 from stream_app.sources.otlp import ToolCall, tool_calls_of
 from stream_app.worker.settings import SettingsError, WorkerSettings
 from tests.otlp_payloads import ENCODINGS, Recorder, encode, hex_ids
@@ -141,6 +145,19 @@ def test_our_attributes_carry_what_has_no_convention() -> None:
         ({"dev.loopwarden.args_hash": 7}, "dev.loopwarden.args_hash"),
         ({"dev.loopwarden.result_fp": 7}, "dev.loopwarden.result_fp"),
         ({"gen_ai.conversation.id": 42}, "gen_ai.conversation.id"),
+        ({"dev.loopwarden.parent_run_id": "run-parent"}, "dev.loopwarden.root_run_id"),  # a parent needs its root
+        ({"dev.loopwarden.root_run_id": 7}, "dev.loopwarden.root_run_id"),
+        ({"dev.loopwarden.depth": -1}, "dev.loopwarden.depth"),
+        ({"dev.loopwarden.depth": "2"}, "dev.loopwarden.depth"),
+        ({"dev.loopwarden.tool_class": "delegate"}, "dev.loopwarden.tool_class"),
+        ({"dev.loopwarden.child_run_id": "x" * 600}, "dev.loopwarden.child_run_id"),
+        ({"dev.loopwarden.child_agent_id": 7}, "dev.loopwarden.child_agent_id"),
+        ({"dev.loopwarden.task_hash": 7}, "dev.loopwarden.task_hash"),
+        ({"dev.loopwarden.thread_key": 7}, "dev.loopwarden.thread_key"),
+        ({"dev.loopwarden.trigger": "cron"}, "dev.loopwarden.trigger"),
+        ({"dev.loopwarden.caused_by_run_id": 7}, "dev.loopwarden.caused_by_run_id"),
+        ({"dev.loopwarden.upstream": 443}, "dev.loopwarden.upstream"),
+        ({"dev.loopwarden.retry_after_ms": -5}, "dev.loopwarden.retry_after_ms"),
     ],
 )
 def test_a_bad_tool_span_is_rejected_naming_the_attribute_and_the_others_still_count(
@@ -244,3 +261,281 @@ def test_bad_otlp_settings_name_the_variable(env: dict[str, str], message: str) 
 def test_otlp_input_is_off_by_default() -> None:
     settings = WorkerSettings.from_env({"LOOPWARDEN_ALLOW_UNSIGNED": "true"})
     assert (settings.otlp_topic, settings.otlp_encoding, settings.otlp_run_id) == ("", "otlp_proto", "conversation")
+
+
+@pytest.mark.parametrize(
+    ("attributes", "upstream"),
+    [
+        ({"server.address": "api.example.com"}, "api.example.com"),
+        ({"server.address": "api.example.com", "server.port": 443}, "api.example.com"),  # a default port: unwritten
+        ({"server.address": "localhost", "server.port": 8931}, "localhost:8931"),  # tells local MCP servers apart
+        ({"server.address": "::1", "server.port": 3000}, "[::1]:3000"),
+        ({"server.address": "api.example.com", "dev.loopwarden.upstream": "mcp:github"}, "mcp:github"),  # ours wins
+        ({"network.transport": "pipe", "dev.loopwarden.upstream": "mcp:filesystem"}, "mcp:filesystem"),  # stdio MCP
+        ({"network.transport": "pipe"}, None),  # no address, no name: no upstream
+        ({"server.address": 7}, None),  # a mistyped convention is ignored, not a reason to refuse the call
+        ({"server.address": "api.example.com", "server.port": "8080"}, "api.example.com"),
+    ],
+)
+def test_upstream_is_ours_else_the_server_address(attributes: dict[str, Any], upstream: str | None) -> None:
+    recorder = Recorder()
+    recorder.tool("search_docs", end_ms=T0, **attributes)
+    event = only_call(recorder).telemetry()
+    assert event.get("upstream") == upstream
+    assert decode_event(event).upstream == upstream
+
+
+@pytest.mark.parametrize(
+    ("status", "attributes", "outcome", "error_class", "transient"),
+    [
+        (StatusCode.ERROR, {"http.response.status_code": 503}, "error", "http_503", True),
+        (StatusCode.ERROR, {"http.response.status_code": 429, "error.type": "429"}, "error", "http_429", True),
+        (StatusCode.UNSET, {"http.response.status_code": 502, "error.type": "502"}, "error", "http_502", True),
+        (StatusCode.ERROR, {"http.response.status_code": 404}, "error", "http_404", False),  # the caller's mistake
+        # error.type contradicts the status, or stands alone (a JSON-RPC code, on an MCP span): as given
+        (StatusCode.ERROR, {"http.response.status_code": 503, "error.type": "tool_error"}, "error", "tool_error",
+         False),
+        (StatusCode.ERROR, {"error.type": "503"}, "error", "503", False),
+        (StatusCode.ERROR, {"error.type": "java.net.SocketTimeoutException"}, "error",
+         "java.net.SocketTimeoutException", False),  # exception names are not guessed at
+        (StatusCode.ERROR, {"error.type": "timeout"}, "error", "timeout", True),
+        (StatusCode.UNSET, {"http.response.status_code": 503}, "success", None, False),  # did not fail: no class
+        (StatusCode.ERROR, {"http.response.status_code": "503"}, "error", None, False),  # mistyped: ignored
+    ],
+)
+def test_error_class_is_the_error_type_or_a_failed_span_s_http_status(
+        status: StatusCode, attributes: dict[str, Any], outcome: str, error_class: str | None,
+        transient: bool) -> None:
+    recorder = Recorder()
+    recorder.tool("fetch_page", end_ms=T0, status=status, message="upstream said no", **attributes)
+    call = only_call(recorder)
+    assert (call.outcome, call.error_class, is_transient(call.error_class)) == (outcome, error_class, transient)
+
+
+def test_a_failed_span_keeps_its_error_type_in_the_result_details() -> None:
+    """The result stands for what the span said (a retry whose error changes is a retry); the class is
+    what the rules read."""
+    recorder = Recorder()
+    recorder.tool("fetch_page", end_ms=T0, status=StatusCode.ERROR, message="busy", error="503",
+                  **{"http.response.status_code": 503})
+    call = only_call(recorder)
+    assert (call.error_class, call.result) == ("http_503", {"error_type": "503", "message": "busy"})
+
+
+@pytest.mark.parametrize(
+    ("status", "attributes", "retry_after_ms"),
+    [
+        (StatusCode.ERROR, {"http.response.header.retry-after": ["30"]}, 30_000),
+        (StatusCode.ERROR, {"http.response.header.retry-after": ["1.5", "9"]}, 1_500),  # the first value
+        (StatusCode.ERROR, {"http.response.header.retry-after": ["Wed, 21 Oct 2026 07:28:00 GMT"]}, None),
+        (StatusCode.ERROR, {"http.response.header.retry-after": ["-1"]}, None),
+        (StatusCode.ERROR, {"http.response.header.retry-after": ["999999"]}, None),  # past a day: the default
+        (StatusCode.UNSET, {"http.response.header.retry-after": ["30"]}, None),  # a success asks for no wait
+        (StatusCode.UNSET, {"dev.loopwarden.retry_after_ms": 2_000}, 2_000),  # ours, as given
+        (StatusCode.ERROR, {"dev.loopwarden.retry_after_ms": 2_000, "http.response.header.retry-after": ["30"]},
+         2_000),
+    ],
+)
+def test_retry_after_is_ours_else_a_failed_span_s_retry_after_header(
+        status: StatusCode, attributes: dict[str, Any], retry_after_ms: int | None) -> None:
+    recorder = Recorder()
+    recorder.tool("fetch_page", end_ms=T0, status=status, **attributes)
+    event = only_call(recorder).telemetry()
+    assert event.get("retry_after_ms") == retry_after_ms
+    decode_event(event)
+
+
+DECLARED = {
+    "dev.loopwarden.parent_run_id": "run-parent", "dev.loopwarden.root_run_id": "run-root",
+    "dev.loopwarden.depth": 2, "dev.loopwarden.thread_key": "github:acme/api#42", "dev.loopwarden.trigger": "webhook",
+    "dev.loopwarden.caused_by_run_id": "run-earlier",
+}
+SPAWN = {"dev.loopwarden.tool_class": "spawn", "dev.loopwarden.child_run_id": "run-child",
+         "dev.loopwarden.child_agent_id": "researcher", "dev.loopwarden.task_hash": "d" * 64}
+
+
+def test_our_attributes_carry_the_fields_of_the_rules_across_runs() -> None:
+    """A run's lineage and thread on any of its spans (a model call's too), a spawn's child on its tool span."""
+    recorder = Recorder()
+    recorder.tool("Task", end_ms=T0, **DECLARED, **SPAWN, **{"gen_ai.conversation.id": "run-self"})
+    recorder.span("chat claude", end_ms=T0 + 1, **DECLARED, **{"gen_ai.operation.name": "chat"})
+    tool, model = (call.telemetry() for call in calls_of(recorder))
+    fields = {k.removeprefix("dev.loopwarden."): v for k, v in DECLARED.items()}
+    assert {k: tool.get(k) for k in (*fields, "run_id", "tool_class", "child_run_id", "child_agent_id", "task_hash")} == {
+        **fields, "run_id": "run-self", "tool_class": "spawn", "child_run_id": "run-child",
+        "child_agent_id": "researcher", "task_hash": "d" * 64}
+    assert {k: model.get(k) for k in fields} == fields
+    decoded = decode_event(tool)
+    assert (decoded.parent_run_id, decoded.depth, decoded.trigger, decoded.task_hash) == (
+        "run-parent", 2, "webhook", "d" * 64)
+    decode_event(model)
+
+
+def open_span(recorder: Recorder, name: str, *, parent: Span | None = None, kind: SpanKind = SpanKind.INTERNAL,
+              **attributes: Any) -> Span:
+    """A span left open for others to nest under."""
+    context = set_span_in_context(parent) if parent is not None else None
+    return recorder.tracer.start_span(name, context=context, kind=kind, attributes=attributes,
+                                      start_time=(T0 - 1_000) * 1_000_000)
+
+
+def open_agent(recorder: Recorder, agent: str, parent: Span | None = None,
+               kind: SpanKind = SpanKind.INTERNAL) -> Span:
+    return open_span(recorder, f"invoke_agent {agent}", parent=parent, kind=kind,
+                     **{"gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": agent})
+
+
+def close(*spans: Span) -> None:
+    """End open spans, innermost first, after the calls in them."""
+    for n, span in enumerate(spans):
+        span.end(end_time=(T0 + 100 + n) * 1_000_000)
+
+
+def span_id(span: Span) -> str:
+    return hex_ids(span)[1]  # type: ignore[arg-type]
+
+
+def delegation(recorder: Recorder, **tool_attributes: Any) -> dict[str, Span]:
+    """A planner that calls a tool itself and delegates through one (``research``) to a researcher, which
+    calls a tool, asks the model and nests a summarizer directly (no tool between)."""
+    spans: dict[str, Span] = {"planner": open_agent(recorder, "planner")}
+    spans["read_plan"] = recorder.tool("read_plan", end_ms=T0 + 1, parent=spans["planner"], **tool_attributes)
+    spans["research"] = open_span(recorder, "execute_tool research", parent=spans["planner"], **tool_attributes,
+                                  **{"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "research"})
+    spans["researcher"] = open_agent(recorder, "researcher", spans["research"])
+    spans["search"] = recorder.tool("search", end_ms=T0 + 2, parent=spans["researcher"], **tool_attributes)
+    spans["chat"] = recorder.span("chat claude", end_ms=T0 + 3, parent=spans["researcher"],
+                                  **tool_attributes, **{"gen_ai.operation.name": "chat"})
+    spans["summarizer"] = open_agent(recorder, "summarizer", spans["researcher"])
+    spans["summarize"] = recorder.tool("summarize", end_ms=T0 + 4, parent=spans["summarizer"], **tool_attributes)
+    close(spans["summarizer"], spans["researcher"], spans["research"], spans["planner"])
+    return spans
+
+
+def lineage(calls: list[ToolCall]) -> list[tuple[Any, ...]]:
+    return [(c.tool, c.run_id, c.parent_run_id, c.root_run_id, c.depth, c.tool_class, c.child_run_id,
+             c.child_agent_id) for c in calls]
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_invoke_agent_parentage_in_a_record_gives_the_sub_agent_tree(encoding: str) -> None:
+    """The root agent's calls keep the trace's run; a sub-agent's are a run of its own, under the run
+    that started it; the tool span that started it is a spawn naming it."""
+    recorder = Recorder()
+    spans = delegation(recorder)
+    trace = hex_ids(spans["planner"])[0]  # type: ignore[arg-type]
+    researcher, summarizer = (f"{trace}-{span_id(spans[name])}" for name in ("researcher", "summarizer"))
+    calls = calls_of(recorder, encoding)
+    assert lineage(calls) == [
+        ("read_plan", trace, None, None, None, None, None, None),
+        ("search", researcher, trace, trace, 1, None, None, None),
+        ("chat", researcher, trace, trace, 1, None, None, None),  # the sub-agent's model call is its too
+        ("summarize", summarizer, researcher, trace, 2, None, None, None),
+        ("research", trace, None, None, None, "spawn", researcher, "researcher"),
+    ]
+    for call in calls:
+        decode_event(call.telemetry())
+
+
+def test_the_root_of_a_tree_is_the_run_the_calls_would_have_had() -> None:
+    recorder = Recorder()
+    spans = delegation(recorder, **{"gen_ai.conversation.id": "conv-4"})
+    researcher = "-".join(hex_ids(spans["researcher"]))  # type: ignore[arg-type]
+    calls = {c.tool: c for c in calls_of(recorder)}
+    assert calls["read_plan"].run_id == calls["research"].run_id == "conv-4"
+    assert (calls["search"].run_id, calls["search"].parent_run_id, calls["search"].root_run_id) == (
+        researcher, "conv-4", "conv-4")
+
+
+def test_a_record_without_the_spans_above_a_sub_agent_gives_what_it_holds() -> None:
+    """Spans of one trace come in several records: a sub-agent whose starting work is in another record
+    is not known to be one (its calls stay in the root run, as before trees), and a depth counts the
+    ancestors in the record only, so it is never more than the true one."""
+    recorder = Recorder()
+    spans = delegation(recorder)
+    trace = hex_ids(spans["planner"])[0]  # type: ignore[arg-type]
+    researcher, summarizer = (f"{trace}-{span_id(spans[name])}" for name in ("researcher", "summarizer"))
+
+    def record(*names: str) -> list[tuple[Any, ...]]:
+        ids = {span_id(spans[name]) for name in names}
+        kept = [s for s in recorder.spans() if format(s.get_span_context().span_id, "016x") in ids]
+        calls, errors = tool_calls_of(encode(kept, "otlp_proto"), "otlp_proto")
+        assert errors == []
+        return lineage(calls)
+
+    assert record("search", "researcher") == [("search", trace, None, None, None, None, None, None)]
+    assert record("search", "researcher", "research") == [  # a tool started it: a sub-agent, whoever called it
+        ("search", researcher, trace, trace, 1, None, None, None),
+        ("research", trace, None, None, None, "spawn", researcher, "researcher")]
+    assert record("summarize", "summarizer", "researcher") == [  # truly depth 2
+        ("summarize", summarizer, trace, trace, 1, None, None, None)]
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_a_remote_agent_serving_a_client_invocation_is_that_invocation(encoding: str) -> None:
+    """A CLIENT invoke_agent span and the invocation that serves it (a transport span between) are one
+    sub-agent, one level down, not two."""
+    recorder = Recorder()
+    planner = open_agent(recorder, "planner")
+    remote = open_agent(recorder, "billing", planner, SpanKind.CLIENT)
+    post = open_span(recorder, "POST /agents/billing", parent=remote, kind=SpanKind.CLIENT)
+    served = open_agent(recorder, "billing", post, SpanKind.SERVER)
+    recorder.tool("refund", end_ms=T0, parent=served)
+    close(served, post, remote, planner)
+    trace = hex_ids(planner)[0]  # type: ignore[arg-type]
+    assert lineage(calls_of(recorder, encoding)) == [
+        ("refund", f"{trace}-{span_id(remote)}", trace, trace, 1, None, None, None)]
+
+
+def test_declared_lineage_and_tool_class_win_over_parentage() -> None:
+    recorder = Recorder()
+    planner = open_agent(recorder, "planner")
+    handoff = open_span(recorder, "execute_tool transfer", parent=planner, **{
+        "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "transfer", "dev.loopwarden.tool_class": "handoff"})
+    worker = open_agent(recorder, "worker", handoff)
+    recorder.tool("lookup", end_ms=T0, parent=worker, **{"dev.loopwarden.root_run_id": "run-root"})
+    close(worker, handoff, planner)
+    trace = hex_ids(planner)[0]  # type: ignore[arg-type]
+    assert lineage(calls_of(recorder)) == [
+        ("lookup", trace, None, "run-root", None, None, None, None),  # its run: the trace, as declared alone
+        ("transfer", trace, None, None, None, "handoff", None, None),
+    ]
+
+
+class _Publisher:
+    """What the span processor needs of a TelemetryPublisher, keeping the events."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    async def flush(self) -> None:
+        pass
+
+    async def publish(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+
+
+def test_the_span_processor_reports_the_fields_of_the_rules_across_runs() -> None:
+    async def report() -> list[dict[str, Any]]:
+        publisher = _Publisher()
+        async with LoopwardenSpanProcessor(publisher) as processor:  # type: ignore[arg-type]
+            provider = TracerProvider()
+            provider.add_span_processor(processor)
+            with provider.get_tracer("t").start_as_current_span("execute_tool Task", attributes={
+                    "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "Task", "server.address": "localhost",
+                    "server.port": 8931, "http.response.status_code": 503,
+                    "http.response.header.retry-after": ["7"], **DECLARED, **SPAWN}) as span:
+                span.set_status(Status(StatusCode.ERROR, "busy"))
+        return publisher.events
+
+    (event,) = asyncio.run(report())
+    fields = {k.removeprefix("dev.loopwarden."): v for k, v in {**DECLARED, **SPAWN}.items()}
+    assert {k: event.get(k) for k in (*fields, "upstream", "error_class", "retry_after_ms")} == {
+        **fields, "upstream": "localhost:8931", "error_class": "http_503", "retry_after_ms": 7_000}
+    decode_event(event)

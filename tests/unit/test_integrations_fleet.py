@@ -1,0 +1,550 @@
+"""The framework integrations fill the fields of the rules across runs and agents: OpenAI Agents handoffs
+(handoff-class, to the agent handed to) and agents used as tools (spawn-class), the Claude Agent SDK's
+``Agent``/``Task`` tool (spawn-class), LangChain/LangGraph sub-agents run by a tool (child runs in the
+caller's tree, rooted at the outermost run) and MCP servers (the ``upstream`` of every call). A paused
+tool is answered, not halted, where the framework lets the integration answer. In-process guards, the
+frameworks' own libraries driven by scripted models; no network."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import agents
+import orjson
+import pytest
+from agents import Agent, RunConfig, Runner, UserError, function_tool, handoff
+from agents.items import ModelResponse, TResponseOutputItem
+from agents.models.interface import Model
+from agents.usage import Usage
+from langchain.agents import create_agent
+from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+from langchain_core.messages import AIMessage, ToolMessage
+from langchain_core.tools import StructuredTool
+from mcp import Client
+from mcp.server.context import ServerRequestContext
+from mcp.server.mcpserver import MCPServer
+from mcp.shared.exceptions import MCPError
+from mcp_types import CallToolResult, TextContent
+from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage, ResponseOutputText
+
+from stream_app.client import Guard, GuardedRun, ToolPaused
+from stream_app.integrations import claude_agent_sdk, langchain, mcp, openai_agents
+
+SESSION = "5b0c9a52-1f7e-4c47-9f0e-2d1d8a7f3c11"
+T0 = 1_764_000_000_000
+
+
+def frozen() -> Guard:
+    """An in-process guard whose clock stands still: a pause's wait is exactly its 60 s."""
+    return Guard.in_process(clock=lambda: T0)
+
+
+def telemetry_of(guard: Guard) -> list[dict[str, Any]]:
+    """Every telemetry event the guard builds from now on (in-process, they go to its detector)."""
+    events: list[dict[str, Any]] = []
+    build = guard.builder.build
+
+    def recording(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        events.append(build(*args, **kwargs))
+        return events[-1]
+
+    guard.builder.build = recording  # type: ignore[method-assign]
+    return events
+
+
+def fields(events: list[dict[str, Any]], *names: str) -> list[tuple[Any, ...]]:
+    return [tuple(e.get(name) for name in names) for e in events]
+
+
+def timed_out(**_: Any) -> str:
+    raise TimeoutError("search backend timed out")
+
+
+async def pause_the_run(run: GuardedRun, tool: str) -> None:
+    """Have the run's calls of ``tool`` paused: its own transient streak (4 identical timeouts), as any
+    integration of the run reports it; the 5th call is refused with ``ToolPaused``."""
+    for _ in range(4):
+        with pytest.raises(TimeoutError):
+            await run.call(tool, timed_out, {"query": "refund policy"})
+    with pytest.raises(ToolPaused):
+        await run.call(tool, timed_out, {"query": "refund policy"})
+
+
+# --- OpenAI Agents SDK ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No network: a dummy key, no trace exporter, tracing off unless a test turns it on."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-not-used")
+    agents.set_trace_processors([])
+    agents.set_tracing_disabled(True)
+    yield
+    agents.set_tracing_disabled(True)
+
+
+class ScriptedModel(Model):
+    """Plays a script of model turns and records the input it was given each turn."""
+
+    def __init__(self, *script: TResponseOutputItem) -> None:
+        self.script = iter(script)
+        self.inputs: list[Any] = []
+
+    async def get_response(self, system_instructions: str | None, input: Any, *args: Any,
+                           **kwargs: Any) -> ModelResponse:
+        self.inputs.append(input)
+        return ModelResponse(output=[next(self.script)], usage=Usage(), response_id=None)
+
+    def stream_response(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("these tests run agents unstreamed")
+
+
+def calling(tool: str, args: dict[str, Any], call_id: str) -> TResponseOutputItem:
+    return ResponseFunctionToolCall(type="function_call", name=tool, arguments=orjson.dumps(args).decode(),
+                                    call_id=call_id)
+
+
+def answer(text: str) -> TResponseOutputItem:
+    return ResponseOutputMessage(id="msg-1", type="message", role="assistant", status="completed",
+                                 content=[ResponseOutputText(type="output_text", text=text, annotations=[])])
+
+
+def ping_pong() -> Agent[Any]:
+    """triage -> billing -> triage -> billing, then billing answers; billing's handoff back to triage is
+    named by its ``tool_name_override``."""
+    triage: Agent[Any] = Agent(name="triage", model=ScriptedModel(
+        calling("transfer_to_billing", {}, "call-1"), calling("transfer_to_billing", {}, "call-3")))
+    billing: Agent[Any] = Agent(name="billing", model=ScriptedModel(
+        calling("back_to_triage", {}, "call-2"), answer("Refunded.")),
+        handoffs=[handoff(triage, tool_name_override="back_to_triage")])
+    triage.handoffs = [billing]
+    return triage
+
+
+@pytest.mark.usefixtures("offline")
+async def test_openai_handoffs_are_handoff_class_calls_to_the_agent_handed_to() -> None:
+    """Each handoff, once done, is one handoff-class call of the tool the model called, from the agent
+    handing off to the agent handed to (so ``handoff_loop`` sees A->B->A); the run is the one the hooks
+    name."""
+    guard = Guard.in_process()
+    telemetry = telemetry_of(guard)
+
+    result = await Runner.run(ping_pong(), "Refund me", hooks=openai_agents.LoopwardenRunHooks(
+        guard, "conv-h", agent_id="support-desk"))
+
+    assert result.final_output == "Refunded."
+    assert fields(telemetry, "run_id", "tool", "tool_class", "agent_id", "child_agent_id", "outcome",
+                  "root_run_id") == [
+        ("conv-h", "transfer_to_billing", "handoff", "triage", "billing", "success", "conv-h"),
+        ("conv-h", "back_to_triage", "handoff", "billing", "triage", "success", "conv-h"),
+        ("conv-h", "transfer_to_billing", "handoff", "triage", "billing", "success", "conv-h"),
+    ]
+    assert all("task_hash" not in e and "child_run_id" not in e for e in telemetry)
+
+
+@pytest.mark.usefixtures("offline")
+async def test_openai_agents_handing_a_run_back_and_forth_are_halted_at_the_6th_handoff() -> None:
+    """triage and billing hand the customer to each other and never answer: the 6th handoff (3 round
+    trips) halts the run, and the SDK lets the halt out of Runner.run."""
+    triage: Agent[Any] = Agent(name="triage", model=ScriptedModel(
+        *[calling("transfer_to_billing", {}, f"call-t{n}") for n in range(10)]))
+    billing: Agent[Any] = Agent(name="billing", model=ScriptedModel(
+        *[calling("transfer_to_triage", {}, f"call-b{n}") for n in range(10)]), handoffs=[triage])
+    triage.handoffs = [billing]
+    guard = Guard.in_process()
+    telemetry = telemetry_of(guard)
+
+    with pytest.raises(openai_agents.AgentRunHalted) as halted:
+        await Runner.run(triage, "Refund me", hooks=openai_agents.LoopwardenRunHooks(guard, "conv-loop"),
+                         max_turns=40)
+
+    assert halted.value.verdict == "handoff_loop"
+    assert [e["tool_class"] for e in telemetry] == ["handoff"] * 6
+
+
+@pytest.mark.usefixtures("offline")
+async def test_openai_a_handoff_of_a_group_runs_under_the_group_id_while_tracing_is_on() -> None:
+    """The handoff hook sees no RunConfig: it takes the group id from the trace, as the tool calls
+    take it from theirs; the W3C trace id is the trace's."""
+    agents.set_tracing_disabled(False)
+    guard = Guard.in_process()
+    telemetry = telemetry_of(guard)
+
+    await Runner.run(ping_pong(), "Refund me", hooks=openai_agents.LoopwardenRunHooks(guard),
+                     run_config=RunConfig(group_id="conv-traced"))
+
+    assert {e["run_id"] for e in telemetry} == {"conv-traced"}
+    assert len(telemetry) == 3 and len({e["trace_id"] for e in telemetry}) == 1
+    assert len(telemetry[0]["trace_id"]) == 32
+
+
+@pytest.mark.usefixtures("offline")
+async def test_openai_a_handoff_of_a_run_it_cannot_tell_is_warned_about_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Group id only, tracing off: the handoff's run cannot be told; it goes unreported, said once with
+    the fix, and the agents run on."""
+    guard = Guard.in_process()
+    telemetry = telemetry_of(guard)
+    with caplog.at_level(logging.WARNING, logger="stream_app"):
+        result = await Runner.run(ping_pong(), "Refund me", hooks=openai_agents.LoopwardenRunHooks(guard),
+                                  run_config=RunConfig(group_id="conv-dark"))
+    assert result.final_output == "Refunded."
+    assert telemetry == []
+    warnings = [r.getMessage() for r in caplog.records if "went unreported" in r.getMessage()]
+    assert len(warnings) == 1 and "'triage' to 'billing'" in warnings[0] and "run_id=" in warnings[0]
+
+
+@pytest.mark.usefixtures("offline")
+@pytest.mark.parametrize("guarded_by", ["hooks", "guardrails"])
+async def test_openai_an_agent_used_as_a_tool_is_a_spawn_of_the_sub_agent(guarded_by: str) -> None:
+    """``agent.as_tool``: a spawn-class call whose child agent is the sub-agent and whose task is the
+    input the model gave it (hashed as the task of that tool); other tools are not spawns."""
+    guard = Guard.in_process()
+    telemetry = telemetry_of(guard)
+    researcher: Agent[Any] = Agent(name="researcher", model=ScriptedModel(answer("30 days")))
+    research = researcher.as_tool("research", "Research a question.", failure_error_function=openai_agents.tool_failed)
+
+    @function_tool(failure_error_function=openai_agents.tool_failed)
+    def lookup_order(order: str) -> str:
+        """Look an order up."""
+        return "shipped"
+
+    hooks = None
+    if guarded_by == "guardrails":
+        guardrails = openai_agents.LoopwardenToolGuardrails(guard, "conv-t", agent_id="lead")
+        for tool in (research, lookup_order):
+            tool.tool_input_guardrails, tool.tool_output_guardrails = [guardrails.input], [guardrails.output]
+    else:
+        hooks = openai_agents.LoopwardenRunHooks(guard, "conv-t", agent_id="lead")
+    lead: Agent[Any] = Agent(name="lead", tools=[research, lookup_order], model=ScriptedModel(
+        calling("research", {"input": "refund window?"}, "call-1"), calling("lookup_order", {"order": "7"}, "call-2"),
+        answer("Within 30 days.")))
+
+    result = await Runner.run(lead, "Refund window?", hooks=hooks)
+
+    assert result.final_output == "Within 30 days."
+    task_hash = guard.builder.args_hash("lead", "research", {"task": "refund window?"})
+    assert fields(telemetry, "tool", "tool_class", "agent_id", "child_agent_id", "task_hash", "outcome") == [
+        ("research", "spawn", "lead", "researcher", task_hash, "success"),
+        ("lookup_order", None, "lead", None, None, "success"),
+    ]
+    assert telemetry[0]["attrs"] == {"tool_call_id": "call-1"}
+
+
+def _search_tool(runs: list[int], **options: Any) -> Any:
+    def search_docs(query: str) -> str:
+        """Search the docs."""
+        runs.append(1)
+        raise TimeoutError("search backend timed out")
+
+    return function_tool(search_docs, failure_error_function=openai_agents.tool_failed, **options)
+
+
+@pytest.mark.usefixtures("offline")
+async def test_openai_guardrails_answer_a_paused_tool_and_the_run_goes_on() -> None:
+    """The 5th identical timeout is paused (the run's transient streak), not halted: the guardrail tells
+    the model the call was not made and when to retry, the tool does not run, and the agent answers."""
+    guard = frozen()
+    guardrails = openai_agents.LoopwardenToolGuardrails(guard, "conv-p")
+    runs: list[int] = []
+    tool = _search_tool(runs, tool_input_guardrails=[guardrails.input], tool_output_guardrails=[guardrails.output])
+    model = ScriptedModel(*(calling("search_docs", {"query": "refunds"}, f"call-{n}") for n in range(1, 6)),
+                          answer("The search is down; try later."))
+    agent: Agent[Any] = Agent(name="support", model=model, tools=[tool])
+
+    result = await Runner.run(agent, "Refund policy?")
+
+    assert result.final_output == "The search is down; try later."
+    assert len(runs) == 4
+    [paused] = [item["output"] for item in model.inputs[-1]
+                if isinstance(item, dict) and item.get("type") == "function_call_output" and item["call_id"] == "call-5"]
+    assert paused.startswith("run conv-p: tool search_docs is paused by loopwarden (recursion): retry in 60.0 s")
+    assert paused.endswith(". The call was not made.")
+    assert not guard.run("conv-p").halted
+
+
+@pytest.mark.usefixtures("offline")
+async def test_openai_run_hooks_end_the_run_on_a_paused_tool() -> None:
+    """Hooks cannot skip a call: a paused tool's ToolPaused ends the run, wrapped by the SDK in its
+    UserError, whose message carries the wait."""
+    guard = frozen()
+    runs: list[int] = []
+    model = ScriptedModel(*(calling("search_docs", {"query": "refunds"}, f"call-{n}") for n in range(1, 6)))
+    agent: Agent[Any] = Agent(name="support", model=model, tools=[_search_tool(runs)])
+
+    with pytest.raises(UserError, match=r"search_docs is paused by loopwarden \(recursion\): retry in 60.0 s") as error:
+        await Runner.run(agent, "Refund policy?", hooks=openai_agents.LoopwardenRunHooks(guard, "conv-hp"))
+
+    paused = error.value.__cause__
+    assert isinstance(paused, ToolPaused)
+    assert (paused.run_id, paused.tool, paused.retry_after_s) == ("conv-hp", "search_docs", 60.0)
+    assert len(runs) == 4
+
+
+# --- Claude Agent SDK -------------------------------------------------------------------------------------
+
+def pre(tool: str, tool_input: dict[str, Any], n: int = 1) -> dict[str, Any]:
+    return {"session_id": SESSION, "transcript_path": f"/home/dev/.claude/projects/app/{SESSION}.jsonl",
+            "cwd": "/home/dev/app", "hook_event_name": "PreToolUse", "tool_name": tool, "tool_input": tool_input,
+            "tool_use_id": f"toolu_{n:024d}"}
+
+
+async def claude_call(hooks: claude_agent_sdk.ClaudeAgentGuard, tool: str, tool_input: dict[str, Any],
+                      n: int = 1) -> tuple[Any, Any]:
+    """(PreToolUse output, PostToolUse output or None when denied) of one call answering "done"."""
+    call: Any = pre(tool, tool_input, n)
+    no_signal: Any = {"signal": None}
+    before: Any = await hooks.pre_tool_use(call, call["tool_use_id"], no_signal)
+    if before.get("hookSpecificOutput", {}).get("permissionDecision") == "deny":
+        return before, None
+    done: Any = {**call, "hook_event_name": "PostToolUse", "tool_response": "done"}
+    return before, await hooks.post_tool_use(done, call["tool_use_id"], no_signal)
+
+
+@pytest.mark.parametrize("tool", ["Agent", "Task"])
+async def test_claude_the_agent_tool_is_a_spawn_of_its_subagent_type_with_its_prompt_as_task(tool: str) -> None:
+    guard = Guard.in_process()
+    telemetry = telemetry_of(guard)
+    hooks = claude_agent_sdk.ClaudeAgentGuard(guard, agent_id="coding-agent")
+    prompt = "List the flaky tests under tests/ and why they flake."
+
+    await claude_call(hooks, tool, {"description": "Find flaky tests", "prompt": prompt, "subagent_type": "Explore"})
+    await claude_call(hooks, tool, {"description": "Plan the fix"}, 2)  # no prompt, no type: the description
+    await claude_call(hooks, "Read", {"file_path": "/home/dev/app/README.md"}, 3)
+
+    assert fields(telemetry, "run_id", "tool", "tool_class", "agent_id", "child_agent_id", "task_hash",
+                  "root_run_id") == [
+        (SESSION, tool, "spawn", "coding-agent", "Explore",
+         guard.builder.args_hash("coding-agent", tool, {"task": prompt}), SESSION),
+        (SESSION, tool, "spawn", "coding-agent", None,
+         guard.builder.args_hash("coding-agent", tool, {"task": "Plan the fix"}), SESSION),
+        (SESSION, "Read", None, "coding-agent", None, None, SESSION),
+    ]
+
+
+async def test_claude_the_same_task_delegated_again_and_again_halts_the_tree() -> None:
+    """The 3rd spawn of the same task to the same sub-agent type is a tree_recursion (defaults): the
+    session's tree is halted, and its next call is denied and stops the agent."""
+    guard = Guard.in_process()
+    decisions: list[dict[str, Any]] = []
+    guard.on_decision(decisions.append)
+    hooks = claude_agent_sdk.ClaudeAgentGuard(guard, agent_id="coding-agent")
+    task = {"description": "Fix the build", "prompt": "Make the build pass.", "subagent_type": "general-purpose"}
+
+    for n in range(3):
+        await claude_call(hooks, "Agent", task, n)
+    denied, _ = await claude_call(hooks, "Agent", task, 3)
+
+    [tree] = [d for d in decisions if d["verdict"] == "tree_recursion"]
+    assert (tree["scope"], tree["action"], tree["root_run_id"]) == ("tree", "halt", SESSION)
+    assert tree["evidence"]["child_agent_id"] == "general-purpose" and tree["evidence"]["spawns"] == 3
+    assert denied["continue_"] is False and denied["hookSpecificOutput"]["permissionDecision"] == "deny"
+    assert f"sub-agent tree {SESSION} was halted by loopwarden (tree_recursion)" in denied["stopReason"]
+
+
+async def test_claude_a_paused_tool_is_denied_with_the_wait_and_the_agent_goes_on() -> None:
+    guard = frozen()
+    hooks = claude_agent_sdk.ClaudeAgentGuard(guard, agent_id="coding-agent")
+    await pause_the_run(guard.run(SESSION, agent_id="coding-agent"), "WebFetch")
+
+    denied, after = await claude_call(hooks, "WebFetch", {"url": "https://example.com/status"})
+
+    assert after is None and "continue_" not in denied
+    reason = denied["hookSpecificOutput"]["permissionDecisionReason"]
+    assert reason.startswith(f"run {SESSION}: tool WebFetch is paused by loopwarden (recursion): retry in 60.0 s")
+    assert reason.endswith("The call was not made; retry it later or do something else.")
+    allowed, ran = await claude_call(hooks, "Read", {"file_path": "/home/dev/app/a.py"}, 2)
+    assert allowed == {} and ran is not None  # another tool goes on
+
+
+# --- LangChain and LangGraph ------------------------------------------------------------------------------
+
+class ScriptedChatModel(GenericFakeChatModel):
+    """Plays a script of replies; ``create_agent`` binds the tools to it, the script already names its calls."""
+
+    def bind_tools(self, tools: Any, **kwargs: Any) -> ScriptedChatModel:
+        return self
+
+
+def chat(*replies: AIMessage) -> ScriptedChatModel:
+    return ScriptedChatModel(messages=iter(replies))
+
+
+def asking(tool: str, args: dict[str, Any], call_id: str) -> AIMessage:
+    return AIMessage(content="", tool_calls=[{"name": tool, "args": args, "id": call_id}])
+
+
+def lookup_order(order: str) -> str:
+    return f"order {order}: shipped"
+
+
+def nested_agents(guard: Guard, *, middleware: bool, levels: int = 2) -> Any:
+    """``levels`` agents, each one's ``delegate`` tool invoking the next (sync or async alike); the
+    innermost looks an order up. Guarded by ``LoopwardenMiddleware`` each, or by the caller's handler."""
+    guarded = [langchain.LoopwardenMiddleware(guard)] if middleware else []
+    agent = create_agent(chat(asking("lookup_order", {"order": "7"}, "inner-1"), AIMessage(content="shipped")),
+                         [StructuredTool.from_function(lookup_order, description="Look an order up.")],
+                         middleware=guarded)
+    for level in range(1, levels):
+        inner = agent
+
+        def delegate(question: str, inner: Any = inner) -> str:
+            return str(inner.invoke({"messages": [("user", question)]})["messages"][-1].content)
+
+        async def adelegate(question: str, inner: Any = inner) -> str:
+            return str((await inner.ainvoke({"messages": [("user", question)]}))["messages"][-1].content)
+
+        tool = StructuredTool.from_function(delegate, coroutine=adelegate, name="delegate", description="Delegate.")
+        agent = create_agent(chat(asking("delegate", {"question": "where is 7?"}, f"call-{level}"),
+                                  AIMessage(content="done")), [tool], middleware=guarded)
+    return agent
+
+
+def invoke(agent: Any, config: dict[str, Any], mode: str) -> Any:
+    inputs = {"messages": [("user", "Where is order 7?")]}
+    if mode == "sync":
+        return agent.invoke(inputs, config)
+    return asyncio.run(agent.ainvoke(inputs, config))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("guarded_by", ["middleware", "handler"])
+def test_langchain_an_agent_run_by_a_tool_is_a_child_run_rooted_at_the_outermost(guarded_by: str, mode: str) -> None:
+    """Three agents deep: each sub-agent's calls go to a child run of its caller's, every run of the tree
+    rooted at the thread's run; the outermost agent's calls stay in the thread's run, as in flat use."""
+    guard = Guard.in_process()
+    telemetry = telemetry_of(guard)
+    agent = nested_agents(guard, middleware=guarded_by == "middleware", levels=3)
+    config: dict[str, Any] = {"configurable": {"thread_id": "thread-7"}}
+    if guarded_by == "handler":
+        config["callbacks"] = [langchain.LoopwardenCallbackHandler(guard)]
+
+    assert invoke(agent, config, mode)["messages"][-1].content == "done"
+
+    # Each call is reported when it ends: the innermost first.
+    lookup, inner_delegate, outer_delegate = telemetry
+    assert fields(telemetry, "tool", "root_run_id", "depth") == [
+        ("lookup_order", "thread-7", 2), ("delegate", "thread-7", 1), ("delegate", "thread-7", None)]
+    assert (outer_delegate["run_id"], outer_delegate.get("parent_run_id")) == ("thread-7", None)
+    assert inner_delegate["parent_run_id"] == "thread-7"
+    assert lookup["parent_run_id"] == inner_delegate["run_id"] not in ("thread-7", lookup["run_id"])
+    assert guard.run(lookup["run_id"]).root_run_id == "thread-7"
+    if guarded_by == "handler":  # one trace: the outermost LangChain run's
+        assert len({e["trace_id"] for e in telemetry}) == 1
+
+
+def test_langchain_flat_use_is_one_run_without_lineage() -> None:
+    guard = Guard.in_process()
+    telemetry = telemetry_of(guard)
+    agent = nested_agents(guard, middleware=True, levels=1)
+
+    invoke(agent, {"configurable": {"thread_id": "thread-flat"}}, "sync")
+
+    assert fields(telemetry, "run_id", "tool", "root_run_id", "parent_run_id", "depth") == [
+        ("thread-flat", "lookup_order", "thread-flat", None, None)]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_langchain_middleware_answers_a_paused_tool_and_the_agent_goes_on(mode: str) -> None:
+    """The thread's run is paused on the tool: the middleware answers the call with an error message
+    saying when to retry, the tool does not run, and the agent answers."""
+    guard = frozen()
+    asyncio.run(pause_the_run(guard.run("thread-p"), "lookup_order"))
+    runs: list[str] = []
+
+    def lookup(order: str) -> str:
+        runs.append(order)
+        return "shipped"
+
+    agent = create_agent(chat(asking("lookup_order", {"order": "7"}, "call-1"), AIMessage(content="later")),
+                         [StructuredTool.from_function(lookup, name="lookup_order", description="Look up.")],
+                         middleware=[langchain.LoopwardenMiddleware(guard)])
+
+    messages = invoke(agent, {"configurable": {"thread_id": "thread-p"}}, mode)["messages"]
+
+    assert runs == [] and messages[-1].content == "later"
+    [answered] = [m for m in messages if isinstance(m, ToolMessage)]
+    assert (answered.status, answered.tool_call_id) == ("error", "call-1")
+    assert str(answered.content).startswith(
+        "run thread-p: tool lookup_order is paused by loopwarden (recursion): retry in 60.0 s")
+    assert not guard.run("thread-p").halted
+
+
+# --- MCP --------------------------------------------------------------------------------------------------
+
+def indexer(guard: Guard, **options: Any) -> tuple[MCPServer, list[str]]:
+    runs: list[str] = []
+    server = MCPServer("indexer", middleware=[mcp.LoopGuardMiddleware(guard, **options)])
+
+    @server.tool()
+    def reindex(collection: str) -> str:
+        runs.append(collection)
+        return "reindexed"
+
+    return server, runs
+
+
+def meta(run_id: str) -> dict[str, Any]:
+    return {mcp.RUN_ID_META_KEY: run_id}
+
+
+@pytest.mark.parametrize(("mode", "upstreams"), [("legacy", ["indexer"] * 2), ("2026-07-28", [None, "indexer"])])
+async def test_mcp_calls_name_the_server_as_their_upstream(mode: str, upstreams: list[str | None]) -> None:
+    """The server's name from its answers: the handshake's serverInfo, or (2026) the stamp on each
+    result, which the first call precedes."""
+    guard = Guard.in_process()
+    telemetry = telemetry_of(guard)
+    server, _ = indexer(guard)
+    async with Client(server, mode=mode) as client:
+        for _ in range(2):
+            await client.call_tool("reindex", {"collection": "docs"}, meta=meta("run-u"))
+    assert [e.get("upstream") for e in telemetry] == upstreams
+
+
+async def test_mcp_a_named_upstream_wins_from_the_first_call() -> None:
+    guard = Guard.in_process()
+    telemetry = telemetry_of(guard)
+    server, _ = indexer(guard, upstream="https://mcp.example.com/indexer")
+    async with Client(server, mode="2026-07-28") as client:
+        await client.call_tool("reindex", {"collection": "docs"}, meta=meta("run-n"))
+    assert [e["upstream"] for e in telemetry] == ["https://mcp.example.com/indexer"]
+
+
+def test_mcp_the_server_name_is_read_from_either_answer() -> None:
+    assert mcp.server_name({"protocolVersion": "2025-11-25", "serverInfo": {"name": "indexer"}}) == "indexer"
+    assert mcp.server_name({"content": [], "_meta": {"io.modelcontextprotocol/serverInfo": {"name": "idx"}}}) == "idx"
+    assert mcp.server_name({"content": []}) is None
+    assert mcp.server_name({"serverInfo": {"name": ""}}) is None
+    assert mcp.server_name(None) is None
+
+
+async def test_mcp_a_storm_on_the_server_pauses_its_tool_and_the_call_is_answered_with_the_wait() -> None:
+    """Ten runs' calls time out (an inner middleware standing in for the tool's backend): the tool of
+    this upstream is paused (tool_storm); the 11th run's call is answered isError with the wait, and the
+    tool does not run."""
+    guard = Guard.in_process()
+    decisions: list[dict[str, Any]] = []
+    guard.on_decision(decisions.append)
+    server, runs = indexer(guard, upstream="indexer")
+    backend_down = True
+
+    async def backend(ctx: ServerRequestContext[Any, Any], call_next: Any) -> Any:
+        if ctx.method == "tools/call" and backend_down:
+            raise TimeoutError("index store timed out")
+        return await call_next(ctx)
+
+    server.middleware.append(backend)
+    async with Client(server) as client:
+        for n in range(10):
+            with pytest.raises(MCPError):
+                await client.call_tool("reindex", {"collection": "docs"}, meta=meta(f"run-{n}"))
+        backend_down = False
+        paused = await client.call_tool("reindex", {"collection": "docs"}, meta=meta("run-10"))
+
+    [storm] = [d for d in decisions if d["verdict"] == "tool_storm"]
+    assert (storm["scope"], storm["action"], storm["tool"], storm["upstream"]) == ("tool", "pause", "reindex", "indexer")
+    assert isinstance(paused, CallToolResult) and paused.is_error and runs == []
+    [text] = [block.text for block in paused.content if isinstance(block, TextContent)]
+    assert text.startswith("run run-10: tool reindex of indexer is paused by loopwarden (tool_storm): retry in ")
+
