@@ -462,6 +462,52 @@ type ToolFactTuple = (
     Vec<String>,
 );
 
+/// A batch's facts with its tool facts summed per (source partition, key, window) into one, at the
+/// index of the contribution with the highest source offset (its event the trigger: the same whatever
+/// order the runs were folded in; `worker.fleet._summed` sums the reference's alike): a batch sends
+/// one tool fact per key and window, not one per event.
+fn sum_tool_facts(facts: Vec<FactsOf>, inputs: &[Input<'_>]) -> Vec<FactsOf> {
+    let mut out: Vec<FactsOf> = Vec::with_capacity(facts.len());
+    let mut sums: Vec<(usize, ToolFactTuple)> = Vec::new();
+    let mut at: HashMap<(i64, String, String, String, i64), usize> = HashMap::new();
+    for (index, tree, thread, tool) in facts {
+        if tree.is_some() || thread.is_some() {
+            out.push((index, tree, thread, None));
+        }
+        let Some(fact) = tool else { continue };
+        let mark = (inputs[index].partition, fact.0.clone(), fact.1.clone(), fact.2.clone(), fact.3);
+        match at.get(&mark) {
+            None => {
+                at.insert(mark, sums.len());
+                sums.push((index, fact));
+            }
+            Some(&slot) => {
+                let (last, sum) = &mut sums[slot];
+                if inputs[index].offset > inputs[*last].offset {
+                    *last = index;
+                    sum.4 = fact.4.clone();
+                    sum.5 = fact.5.clone();
+                }
+                sum.6 = sum.6.max(fact.6);
+                sum.7 += fact.7;
+                sum.8 += fact.8;
+                sum.9 = sum.9.max(fact.9);
+                sum.10 = sum.10.max(fact.10);
+                for run in fact.11 {
+                    if sum.11.len() < MAX_LISTED_RUNS && !sum.11.contains(&run) {
+                        sum.11.push(run);
+                    }
+                }
+            }
+        }
+    }
+    out.extend(sums.into_iter().map(|(index, fact)| (index, None, None, Some(fact))));
+    out
+}
+
+/// Failing runs one summed tool fact lists at most (`core.fleet.tools.MAX_LISTED_RUNS`).
+const MAX_LISTED_RUNS: usize = 64;
+
 /// The storm's window (`core.fleet.tools.STORM_WINDOW_MS`).
 const STORM_WINDOW_MS: i64 = 60_000;
 
@@ -964,6 +1010,7 @@ impl BatchFolder {
                 }
             }
         }
+        let facts = sum_tool_facts(facts, &inputs);
         let deferred = (0..inputs.len()).filter(|i| deferred_set[*i]).collect();
         Ok((
             out_records,

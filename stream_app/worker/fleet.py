@@ -145,23 +145,23 @@ class FactsPublisher:
 
 
 def _summed(facts: Sequence[tuple[int, int, Fact]]) -> list[tuple[int, int, Fact]]:
-    """``facts`` with the tool facts of one source partition, key and window summed into one (at the
-    largest offset among them), after the others."""
+    """``facts`` with the tool facts of one source partition, key and window summed into one, at the
+    offset of the contribution with the highest source offset (its event the trigger, whatever order
+    the batch's runs were folded in: the native engine sums alike), after the others."""
     out: list[tuple[int, int, Fact]] = []
-    tool_facts: dict[tuple[int, tuple[str, str, str], int], tuple[int, list[ToolFact]]] = {}
+    tool_facts: dict[tuple[int, tuple[str, str, str], int], list[tuple[int, ToolFact]]] = {}
     for source_partition, offset, fact in facts:
         if type(fact) is ToolFact:
-            mark = (source_partition, fact.key, fact.window_ms)
-            known = tool_facts.get(mark)
-            if known is None:
-                tool_facts[mark] = (offset, [fact])
-            else:
-                known[1].append(fact)
-                tool_facts[mark] = (max(known[0], offset), known[1])
+            tool_facts.setdefault((source_partition, fact.key, fact.window_ms), []).append((offset, fact))
         else:
             out.append((source_partition, offset, fact))
-    for (source_partition, _, _), (offset, items) in tool_facts.items():
-        out.append((source_partition, offset, items[0] if len(items) == 1 else tools.merge(items)[0]))
+    for (source_partition, _, _), items in tool_facts.items():
+        if len(items) == 1:
+            out.append((source_partition, items[0][0], items[0][1]))
+            continue
+        last = max(range(len(items)), key=lambda i: items[i][0])
+        ordered = [fact for i, (_, fact) in enumerate(items) if i != last] + [items[last][1]]
+        out.append((source_partition, items[last][0], tools.merge(ordered)[0]))
     return out
 
 

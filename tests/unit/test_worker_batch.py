@@ -21,9 +21,11 @@ import pytest
 from stream_app.bus.signing import KeyRing, Signer, generate
 from stream_app.bus.wire import encode_operator, encode_telemetry
 from stream_app.core import Detector, OperatorCommand, RunTable, decode_event
+from stream_app.core.fleet import ToolFact
 from stream_app.core.stored import FORMAT_VERSION, StateVersionError, StoredRun, decode_run, encode_run
 from stream_app.devtools.fleet_sim import simulate_fleet, simulate_storm, simulate_threads, simulate_trees
 from stream_app.worker.batch import BatchFold, BatchResult, NativeBatchFold, RawRecord
+from stream_app.worker.fleet import _summed
 
 BATCH = Path(__file__).resolve().parents[2] / "stream_app" / "worker" / "batch.py"
 NOW_MS = 1_764_000_500_000
@@ -311,6 +313,11 @@ def _record(value: bytes) -> dict[str, Any]:
     return record
 
 
+def _facts_tuple(fact: Any) -> tuple[Any, ...]:
+    fields = fact.to_tuple()
+    return (*fields[:-1], sorted(fields[-1])) if type(fact) is ToolFact else fields
+
+
 def _comparable(result: BatchResult) -> dict[str, Any]:
     return {
         "records": {(p, key): _record(value) for p, changes in result.records.items() for key, value in changes},
@@ -321,8 +328,10 @@ def _comparable(result: BatchResult) -> dict[str, Any]:
         "duplicates": result.duplicates,
         "watermarks": result.watermarks,
         "mismatches": dict(result.policy_mismatches),
-        # the same facts (each run's in its order: the runs of a batch may come in another order)
-        "facts": sorted((p, o, type(f).__name__, repr(f.to_tuple())) for p, o, f in result.facts),
+        # the same facts (each run's in its order: the runs of a batch may come in another order), tool
+        # facts summed per source partition, key and window as they are published (the native engine
+        # sums them itself), their failing runs as a set
+        "facts": sorted((p, o, type(f).__name__, repr(_facts_tuple(f))) for p, o, f in _summed(result.facts)),
     }
 
 
