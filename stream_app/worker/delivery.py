@@ -553,6 +553,7 @@ async def drain(app: faust.App, sink: BatchSink, fatal: FatalStop, handle: Handl
         raise TypeError("delivery.install must run before the app starts")
     sequencer = consumer.sequencer
     inbound = app.monitor.stream_inbound_time
+    stale_batches = 0
     while True:
         generation, batch = await sink.next()
         admitted: Records = {}
@@ -565,8 +566,15 @@ async def drain(app: faust.App, sink: BatchSink, fatal: FatalStop, handle: Handl
                 # follows them in their partition no gap would ever show (the partition would sit idle,
                 # its tail unprocessed, until a restart). A new assignment's seek re-seeds anyway.
                 on_stale(sum(map(len, batch.values())))
+                stale_batches += 1
+                if stale_batches in (100, 1000, 10_000):  # a worker stuck refusing every batch says why
+                    log.warning("%d batches of %s dropped as stale in a row: batch generation %d, consumer "
+                                "generation %s, flow control active %s, rebalancing %s", stale_batches,
+                                sink.topic, generation, app.consumer_generation_id, app.flow_control.is_active(),
+                                app.rebalancing)
                 await sequencer.refetch(batch)
                 continue
+            stale_batches = 0
             admitted = await sequencer.admit(batch)
             if not admitted:
                 continue
