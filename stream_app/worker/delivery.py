@@ -567,11 +567,11 @@ async def drain(app: faust.App, sink: BatchSink, fatal: FatalStop, handle: Handl
                 # its tail unprocessed, until a restart). A new assignment's seek re-seeds anyway.
                 on_stale(sum(map(len, batch.values())))
                 stale_batches += 1
-                if stale_batches in (100, 1000, 10_000):  # a worker stuck refusing every batch says why
-                    log.warning("%d batches of %s dropped as stale in a row: batch generation %d, consumer "
-                                "generation %s, flow control active %s, rebalancing %s", stale_batches,
-                                sink.topic, generation, app.consumer_generation_id, app.flow_control.is_active(),
-                                app.rebalancing)
+                if stale_batches in (10, 100, 1000, 10_000):  # a worker stuck refusing every batch says why
+                    log.warning("%d batches of %s dropped as stale in a row (partitions %s): batch generation %d, "
+                                "consumer generation %s, flow control active %s, rebalancing %s", stale_batches,
+                                sink.topic, sorted(tp.partition for tp in batch), generation,
+                                app.consumer_generation_id, app.flow_control.is_active(), app.rebalancing)
                 await sequencer.refetch(batch)
                 continue
             stale_batches = 0
