@@ -65,12 +65,18 @@ def simulate_fleet(runs: int, seed: int = 7, start_ms: int = 1_764_000_000_000,
         for i in range(runs)
     ]
     events = sorted((e for run in fleet for e in run.events), key=lambda e: (e["ts_ms"], e["event_id"]))
+    return fleet, _redelivered(events, rng, redeliver_fraction)
+
+
+def _redelivered(events: list[Event], rng: random.Random, fraction: float) -> list[Event]:
+    """``events`` with a ``fraction`` of them delivered twice in a row (same event id), as an at-least-once
+    bus would."""
     stream: list[Event] = []
     for event in events:
         stream.append(event)
-        if rng.random() < redeliver_fraction:
+        if rng.random() < fraction:
             stream.append(event)
-    return fleet, stream
+    return stream
 
 
 #: Kinds of sub-agent tree and the tree decisions (action/verdict) each must get with the default policy.
@@ -122,12 +128,7 @@ def simulate_trees(trees: int, seed: int = 11, start_ms: int = 1_764_000_000_000
                             args={"q": f"{task} {n}"}, result=f"hits {n}", extra={"agent_id": agent, "cost_usd": 0.01})
                 for n in range(3))
     events.sort(key=lambda e: (e["ts_ms"], e["event_id"]))
-    stream: list[Event] = []
-    for event in events:
-        stream.append(event)
-        if rng.random() < redeliver_fraction:
-            stream.append(event)
-    return kinds_of, stream
+    return kinds_of, _redelivered(events, rng, redeliver_fraction)
 
 
 def _tree_event(run_id: str, event_id: str, ts_ms: int, root: str, parent: str | None, depth: int, *, tool: str,
@@ -197,12 +198,7 @@ def simulate_threads(threads: int, seed: int = 13, start_ms: int = 1_764_000_000
                     event.update(outcome="error", error_class=failure, result="401 unauthorized")
                 events.append(event)
     events.sort(key=lambda e: (e["ts_ms"], e["event_id"]))
-    stream: list[Event] = []
-    for event in events:
-        stream.append(event)
-        if rng.random() < redeliver_fraction:
-            stream.append(event)
-    return kinds_of, stream
+    return kinds_of, _redelivered(events, rng, redeliver_fraction)
 
 
 def simulate_storm(runs: int = 24, seed: int = 17, start_ms: int = 1_764_000_000_000, *, tenant: str = "acme",
@@ -236,9 +232,4 @@ def simulate_storm(runs: int = 24, seed: int = 17, start_ms: int = 1_764_000_000
                 n += 1
                 ts += 5_000 + rng.randrange(4_000)
     events.sort(key=lambda e: (e["ts_ms"], e["event_id"]))
-    stream: list[Event] = []
-    for event in events:
-        stream.append(event)
-        if rng.random() < redeliver_fraction:
-            stream.append(event)
-    return stream
+    return _redelivered(events, rng, redeliver_fraction)
