@@ -148,7 +148,7 @@ async def kafka_benches(bootstrap: str, plan: Plan, sections: set[str], results:
         save("settings", await settings_section(bootstrap, template, plan, capacity_one))
 
     if "trees" in sections:
-        save("trees", await trees_section(bootstrap, plan, capacity_one))
+        save("trees", await trees_section(bootstrap, plan, capacity_one, results))
 
     if "treehalt" in sections:
         save("treehalt", await tree_halt_section(bootstrap, plan))
@@ -262,18 +262,20 @@ async def overshoot_section(deployment: BenchDeployment, guard: Guard, template:
 
 async def _interleaved(bootstrap: str, template: Path, plan: Plan, backlog: int, section: str, prefix: str,
                        configs: tuple[tuple[str, dict[str, object], dict[str, str]], ...],
-                       rounds: int) -> list[dict[str, Any]]:
+                       rounds: int, profiles: dict[str, Path] | None = None) -> list[dict[str, Any]]:
     """One worker's saturation probe for each of ``configs`` (label, worker settings by field, other
     environment), each on a fresh deployment, in ``rounds`` interleaved rounds (so drift in the
-    machine's load hits all of them); per config its probes and their medians."""
+    machine's load hits all of them); per config its probes and their medians. ``profiles``: the
+    configs (by label) whose first-round probe is sampled by py-spy, and where to."""
     probes: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in configs}
     for round_ in range(rounds):
         for label, settings, env in configs:
             deployment = BenchDeployment(bootstrap, WORKDIR, settings=dict(settings), env=env)
             try:
                 await deployment.start_worker_async()
+                profile_to = (profiles or {}).get(label) if round_ == 0 else None
                 probe = await fleet.capacity(deployment, template, backlog, f"{prefix}{round_}{len(probes[label])}",
-                                             None, plan.warm_s, plan.measure_s - 2, drain=False)
+                                             profile_to, plan.warm_s, plan.measure_s - 2, drain=False)
                 probe["rss_peak_mb"] = deployment.workers[0].rss_mb(peak=True)
             finally:
                 deployment.stop()
@@ -298,7 +300,7 @@ async def settings_section(bootstrap: str, template: Path, plan: Plan, capacity_
                                         plan.settings_rounds)}
 
 
-async def trees_section(bootstrap: str, plan: Plan, capacity_one: float | None) -> dict[str, Any]:
+async def trees_section(bootstrap: str, plan: Plan, capacity_one: float | None, results: Path) -> dict[str, Any]:
     """One worker's saturation throughput and CPU per event on the fleet as the SDK sends it plus
     sub-agent trees of every kind, with the rules across runs on (every fold) and off
     (``LOOPWARDEN_FLEET_RULES=false``), in interleaved rounds."""
@@ -311,7 +313,9 @@ async def trees_section(bootstrap: str, plan: Plan, capacity_one: float | None) 
     configs: tuple[tuple[str, dict[str, object], dict[str, str]], ...] = (
         ("every fold", {"fleet_rules": True}, {}), ("per-run rules only", {"fleet_rules": False}, {}))
     # a ratio of two noisy medians: one round more than the settings'
-    tried = await _interleaved(bootstrap, template, plan, backlog, "trees", "t", configs, plan.settings_rounds + 1)
+    tried = await _interleaved(bootstrap, template, plan, backlog, "trees", "t", configs, plan.settings_rounds + 1,
+                               {"every fold": results / "profile-trees.txt", "per-run rules only":
+                                results / "profile-trees-off.txt"})
     return {"corpus": {"events": events, "tree_facts": facts, "trees": trees}, "tried": tried,
             "cpu_ratio": tried[0]["worker_cpu_us_per_event"] / tried[1]["worker_cpu_us_per_event"]}
 

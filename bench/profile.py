@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, str], ...] = (
     ("prometheus_client", "prometheus_client/"),
 )
 
-#: (label, function names whose presence anywhere in a stack puts the sample in the stage).
+#: (label, function names whose presence anywhere in a stack puts the sample in the stage; ``A+B``: both).
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Effects.process (whole batch: fold, state, decisions)", ("Effects.process",)),
     ("  fold by the native engine (NativeBatchFold.fold)", ("NativeBatchFold.fold",)),
@@ -39,6 +39,10 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("  state write (RocksDB batch + changelog sends)", ("RunStore.write",)),
     ("  publish decisions, wait for acks", ("Effects._publish",)),
     ("  expiry sweep + runs_tracked gauge", ("Effects._sweep",)),
+    ("  facts to the facts topic (FactsPublisher.send)", ("FactsPublisher.send",)),
+    ("the folds across runs' agent (FleetEffects.process)", ("FleetEffects.process",)),
+    ("  their state read and write (RunStore get, write)", ("FleetEffects._process+RunStore.get",
+                                                             "FleetEffects._process+RunStore.write")),
     ("batch delivery (BatchConsumer.getmany, sink, sequencer)", ("BatchConsumer.getmany", "BatchSink.offer",
                                                                  "BatchSink.next", "Sequencer.admit")),
     ("standby changelog writes (StandbyApplier)", ("StandbyApplier.apply",)),
@@ -95,7 +99,7 @@ def summarise(raw: Path, events: int, top: int = 12) -> dict[str, Any]:
         leaves[frames[-1]] += count
         names = {frame.partition(" (")[0] for frame in frames}
         for label, functions in STAGES:
-            if any(name in names for name in functions):
+            if any(all(part in names for part in name.split("+")) for name in functions):
                 stages[label] += count
     share = {k: v / samples for k, v in layers.most_common()} if samples else {}
     return {

@@ -601,6 +601,21 @@ class Page:
             self.add(f"| {t['label']} | {_n(t['applied_per_s'])} ({each}) | {_n(t['worker_cpu_us_per_event'])} us |")
         self.add("", f"Worker CPU per event with every fold: {ratio:.2f}x the per-run rules' alone (target <= 1.2x: "
                  f"{_met(ratio <= 1.2)}).", "")
+        profiled = [(t["label"], p) for t in tried for p in t.get("probes", [])[:1] if p.get("profile")]
+        if len(profiled) == len(tried):
+            self.add("Where the difference goes (py-spy of each configuration's first probe, as in \"Where a",
+                     "worker's time goes\"; a stage's share of the samples times that probe's worker CPU per event):",
+                     "", "| stage (inclusive) | " + " | ".join(label for label, _ in profiled) + " |",
+                     "|---|" + "---|" * len(profiled))
+            for stage in profiled[0][1]["profile"]["stages"]:
+                cells = [f"{p['profile']['stages'].get(stage, 0.0) * p['worker_cpu_us_per_event']:.1f} us"
+                         for _, p in profiled]
+                if any(cell != "0.0 us" for cell in cells):
+                    self.add(f"| {stage.replace('  ', '&nbsp;&nbsp;')} | " + " | ".join(cells) + " |")
+            self.add("| whole probe (worker CPU per event) | "
+                     + " | ".join(f"{p['worker_cpu_us_per_event']:.1f} us" for _, p in profiled) + " |", "",
+                     "The raw stacks: `bench/results/profile-trees.txt` (every fold), "
+                     "`bench/results/profile-trees-off.txt`.", "")
         peaks = [(t["label"], t["rss_peak_mb"]) for t in tried if "rss_peak_mb" in t]
         if peaks:
             self.add("Worker peak resident memory (VmHWM) over its probes: "

@@ -45,6 +45,10 @@ agents' topics: telemetry, OTLP) skip it:
   which clears the sinks: a backlog's tail fetched in between was never fetched again (chaos trials: a
   restarted worker that never processed some of its partitions).
 * the livelock monitor reads ``stream_inbound_time[tp]``: set for each partition of each batch.
+* a stall watch (``BatchConsumer._watch_stalls``) logs, once per stuck offset, an input partition whose
+  expected offset is below its high-water mark and has not moved for ``STALL_S``, with the consumer's
+  and the sink's view of it (position, paused, active, buffered, pending): a worker that stopped
+  processing some partitions says which and why.
 
 ``FatalStop`` is the error the worker must not work around (a stored record it cannot read): from then
 on nothing is processed or committed.
@@ -53,7 +57,8 @@ faust internals this relies on (faust-streaming 0.15.3, mode-streaming 0.7.1, ai
 at start-up by ``versions``): ``Consumer._wait_next_records``, ``_buffered_partitions``, ``_acked``,
 ``_acked_index``, ``_committed_offset``, ``_to_message``, ``scheduler``, ``seek_to_committed`` (and
 aiokafka's: it seeks only committed offsets above 0), ``_thread`` (``earliest_offsets``, ``seek``),
-``on_buffer_full``/``on_buffer_drop``, ``_get_active_partitions``, ``wait_empty``, ``_add_gap``; ``App.flow_control.manage_queue``
+``on_buffer_full``/``on_buffer_drop``, ``_get_active_partitions``, ``_paused_partitions``, ``wait_empty``,
+``_add_gap``; aiokafka's ``_subscription`` (the stall watch's diagnostic only); ``App.flow_control.manage_queue``
 and ``is_active``; ``App.consumer_generation_id`` and ``rebalancing``; ``Monitor.stream_inbound_time`` and
 ``track_tp_end_offset``; ``App.transport.Consumer`` (how the consumer class is installed); for standbys
 ``TableManager.changelog_queue``, ``changelog_topics``, ``standbys_ready``, ``on_standbys_ready`` and
@@ -79,6 +84,7 @@ from aiokafka.errors import IllegalStateError
 from aiokafka.structs import ConsumerRecord
 from faust.transport.drivers.aiokafka import Consumer
 from faust.types import TP, Message
+from mode import Service
 
 from ..core.stored import StoredRecordError
 
@@ -95,6 +101,8 @@ GAP_CONFIRM_SEEKS = 20
 GAP_CONFIRM_S = 5.0
 #: How long ``wait_empty`` (revoke, stop) waits for the batch in hand before giving up on it.
 IN_FLIGHT_WAIT_S = 60.0
+#: An input partition with records waiting and nothing admitted for this long is reported as stalled.
+STALL_S = 15.0
 
 
 class FatalStop:
@@ -148,11 +156,26 @@ class Sequencer:
         self.clock = clock
         self._next: dict[TP, int] = {}
         self._repairs: dict[TP, _Repair] = {}
+        #: When each partition's expected offset last moved (seeded or admitted past), for ``stalled``.
+        self.moved_at: dict[TP, float] = {}
 
     def seed(self, tp: TP, offset: int) -> None:
         """``tp``'s next record is ``offset`` (the consumer was just sought there)."""
         self._next[tp] = offset
         self._repairs.pop(tp, None)
+        self.moved_at[tp] = self.clock()
+
+    def stalled(self, highwater: Callable[[TP], int | None], after_s: float) -> list[tuple[TP, int, int, float]]:
+        """Partitions whose expected offset is below their high-water mark and has not moved for
+        ``after_s``: (tp, expected, high-water, seconds since it moved)."""
+        now = self.clock()
+        out = []
+        for tp, expected in self._next.items():
+            high = highwater(tp)
+            since = now - self.moved_at.get(tp, now)
+            if high is not None and high > expected and since >= after_s:
+                out.append((tp, expected, high, since))
+        return out
 
     def expected(self, tp: TP) -> int | None:
         return self._next.get(tp)
@@ -162,6 +185,7 @@ class Sequencer:
         for tp in list(self._next) if partitions is None else partitions:
             self._next.pop(tp, None)
             self._repairs.pop(tp, None)
+            self.moved_at.pop(tp, None)
 
     async def admit(self, batch: Records) -> Records:
         """The records of ``batch`` that are next in their partitions, each partition's in order.
@@ -193,6 +217,7 @@ class Sequencer:
             if run:
                 admitted[tp] = run
                 self._next[tp] = expected
+                self.moved_at[tp] = self.clock()
         return admitted
 
     async def refetch(self, partitions: Iterable[TP]) -> None:
@@ -280,6 +305,13 @@ class BatchSink:
 
     def pending(self) -> int:
         return self._pending_records
+
+    def held(self) -> set[TP]:
+        """Partitions this sink marked buffered (no fetches until it drains)."""
+        return set(self._buffered)
+
+    def idle(self) -> bool:
+        return self._idle.is_set()
 
     async def next(self) -> tuple[int, Records]:
         """The oldest pending batch merged with the later ones of its generation, up to ``batch_max``
@@ -411,6 +443,7 @@ class BatchConsumer(Consumer):
         self.sequencer = Sequencer(self, self.on_seek)
         self.standby = StandbyApplier(self.app)
         self._drained = asyncio.Event()
+        self._stalls_reported: dict[TP, int] = {}
         for sink in self.sinks.values():
             sink.consumer = self
             self.app.flow_control.manage_queue(sink)  # type: ignore[arg-type]  # it only calls clear()
@@ -476,6 +509,42 @@ class BatchConsumer(Consumer):
     def on_buffer_drop(self, tp: TP) -> None:
         super().on_buffer_drop(tp)
         self._drained.set()
+
+    @Service.timer(STALL_S / 3)
+    async def _watch_stalls(self) -> None:
+        """Say, once per stuck offset, why an input partition with records waiting has not moved for
+        ``STALL_S`` (a worker that stopped processing some of its partitions must be diagnosable
+        from its log)."""
+        if not self.flow_active or self.app.rebalancing:
+            return
+        for tp, expected, high, since in self.sequencer.stalled(self._highwater_or_none, STALL_S):
+            if self._stalls_reported.get(tp) == expected:
+                continue
+            self._stalls_reported[tp] = expected
+            sink = self.sinks.get(tp.topic)
+            log.warning("%s: offset %d expected for %.0f s, high-water %d; consumer %s; sink: %s", tp, expected,
+                        since, high, self._partition_state(tp),
+                        "none" if sink is None else f"{sink.pending()} records pending, holding it back "
+                        f"{tp in sink.held()}, dropped {tp in sink.dropped}, a batch in hand {not sink.idle()}")
+
+    def _highwater_or_none(self, tp: TP) -> int | None:
+        try:
+            return self.highwater(tp)
+        except Exception:  # noqa: BLE001 - a diagnostic: not assigned (any more), not fetched yet
+            return None
+
+    def _partition_state(self, tp: TP) -> str:
+        thread: Any = self._thread
+        state = "?"
+        try:
+            aio = thread._ensure_consumer()
+            value = aio._subscription.subscription.assignment.state_value(tp)
+            state = f"position {value.position if value.has_valid_position else None}, paused {value.paused}"
+        except Exception as exc:  # noqa: BLE001 - a diagnostic
+            state = f"position unknown ({type(exc).__name__})"
+        return (f"{state}, active {tp in self._get_active_partitions()}, buffered {tp in self._buffered_partitions}, "
+                f"paused by faust {tp in self._paused_partitions}, flow active {self.flow_active}, "
+                f"in recovery {self.app.in_recovery}")
 
     async def seek_to_committed(self) -> Mapping[TP, int]:
         """faust's seek to the committed offsets (every assignment ends with it), plus: an input

@@ -581,6 +581,20 @@ async def test_a_jump_that_persists_is_accepted_as_a_real_gap() -> None:
     assert consumer.gaps == [(PARTITION, 10, 11)]
 
 
+async def test_a_partition_behind_its_high_water_that_does_not_move_is_reported_stalled() -> None:
+    sequencer, _, clock, _ = _sequencer(5)
+    highwater = {PARTITION: 9}
+    assert sequencer.stalled(highwater.get, 15.0) == []  # just seeded
+    clock.now = 14.0
+    assert _offsets(await sequencer.admit(_records(5, 6))) == [(0, 5), (0, 6)]
+    clock.now = 28.0
+    assert sequencer.stalled(highwater.get, 15.0) == []  # it moved 14 s ago
+    clock.now = 29.0
+    assert sequencer.stalled(highwater.get, 15.0) == [(PARTITION, 7, 9, 15.0)]
+    highwater[PARTITION] = 7
+    assert sequencer.stalled(highwater.get, 15.0) == []  # nothing waiting: idle, not stalled
+
+
 async def test_an_unseeded_partition_is_sought_to_the_committed_offsets() -> None:
     """Every assignment seeds its partitions; should records come first, nothing is taken as the start."""
     sequencer, _, _, seeks = _sequencer(None)
