@@ -24,6 +24,7 @@ The whole tree, by the module that defines each::
     │   ├── AgentRunHalted       integrations.openai_agents  (also the SDK's AgentsException)
     │   └── GuardrailHalted      integrations.openai_agents  (also its ToolInputGuardrailTripwireTriggered)
     ├── ToolPaused               client.errors   a paused tool (a storm, or the run's transient streak): retry later
+    │   └── AgentToolPaused      integrations.openai_agents  (also the SDK's AgentsException)
     ├── DuplicateSuppressed      client.errors   a duplicate side effect refused where no earlier result
     │   └── DuplicateSuppressed  integrations.openai_agents  (also AgentsException)
     ├── InvalidCall              client.errors   an argument the contract would refuse (also ValueError)

@@ -38,8 +38,8 @@ Sub-agents, for the rules across agents:
 
 A paused tool (``ToolPaused``: a storm on its upstream, or this run's own transient streak) is not a halt:
 the guardrails answer the model that the call was not made and when to retry, and the run goes on. Run
-hooks cannot skip a tool: their ``ToolPaused`` ends the run, as the SDK's ``UserError`` ("Error running
-tool ...: ... retry in N s") whose ``__cause__`` it is.
+hooks cannot skip a tool: they end the run with ``AgentToolPaused``, a ``ToolPaused`` (its
+``retry_after_s``) that the SDK lets out of ``Runner.run`` unwrapped.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ from ..client import CallIds, Guard, GuardedRun, InvalidCall, PendingCall, RunHa
 
 __all__ = [
     "AgentRunHalted",
+    "AgentToolPaused",
     "DuplicateSuppressed",
     "GuardrailHalted",
     "LoopwardenRunHooks",
@@ -104,6 +105,15 @@ class AgentRunHalted(RunHalted, AgentsException):
 def _halted(halted: RunHalted) -> AgentRunHalted:
     """The run's ``AgentRunHalted``; a tree's or thread's decision names no run, so the refused one is added."""
     return AgentRunHalted({**halted.decision, "run_id": halted.run_id})
+
+
+class AgentToolPaused(ToolPaused, AgentsException):
+    """``ToolPaused`` as an ``AgentsException``, which the SDK lets out of a hook unwrapped (a run hook
+    cannot skip the call: the run ends; ``LoopwardenToolGuardrails`` lets it go on)."""
+
+
+def _paused(paused: ToolPaused) -> AgentToolPaused:
+    return AgentToolPaused(paused.decision, paused.run_id, paused.tool, paused.upstream, paused.retry_after_s)
 
 
 class GuardrailHalted(RunHalted, ToolInputGuardrailTripwireTriggered):
@@ -201,6 +211,8 @@ class LoopwardenRunHooks(_ToolCalls, RunHooks[Any]):
             run, pending = await self._begin(context, tool)
         except RunHalted as halted:
             raise _halted(halted) from None
+        except ToolPaused as paused:
+            raise _paused(paused) from None
         if pending.earlier is not None:
             raise DuplicateSuppressed(run.run_id, context.tool_name, "a run hook", "LoopwardenToolGuardrails")
 

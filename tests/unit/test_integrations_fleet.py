@@ -15,7 +15,7 @@ from typing import Any
 import agents
 import orjson
 import pytest
-from agents import Agent, RunConfig, Runner, UserError, function_tool, handoff
+from agents import Agent, RunConfig, Runner, function_tool, handoff
 from agents.items import ModelResponse, TResponseOutputItem
 from agents.models.interface import Model
 from agents.usage import Usage
@@ -266,17 +266,18 @@ async def test_openai_guardrails_answer_a_paused_tool_and_the_run_goes_on() -> N
 
 @pytest.mark.usefixtures("offline")
 async def test_openai_run_hooks_end_the_run_on_a_paused_tool() -> None:
-    """Hooks cannot skip a call: a paused tool's ToolPaused ends the run, wrapped by the SDK in its
-    UserError, whose message carries the wait."""
+    """Hooks cannot skip a call: a paused tool ends the run with AgentToolPaused, a ToolPaused the SDK
+    lets out unwrapped, with the wait."""
     guard = frozen()
     runs: list[int] = []
     model = ScriptedModel(*(calling("search_docs", {"query": "refunds"}, f"call-{n}") for n in range(1, 6)))
     agent: Agent[Any] = Agent(name="support", model=model, tools=[_search_tool(runs)])
 
-    with pytest.raises(UserError, match=r"search_docs is paused by loopwarden \(recursion\): retry in 60.0 s") as error:
+    with pytest.raises(openai_agents.AgentToolPaused,
+                       match=r"search_docs is paused by loopwarden \(recursion\): retry in 60.0 s") as error:
         await Runner.run(agent, "Refund policy?", hooks=openai_agents.LoopwardenRunHooks(guard, "conv-hp"))
 
-    paused = error.value.__cause__
+    paused = error.value
     assert isinstance(paused, ToolPaused)
     assert (paused.run_id, paused.tool, paused.retry_after_s) == ("conv-hp", "search_docs", 60.0)
     assert len(runs) == 4
