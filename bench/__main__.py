@@ -262,11 +262,13 @@ async def overshoot_section(deployment: BenchDeployment, guard: Guard, template:
 
 async def _interleaved(bootstrap: str, template: Path, plan: Plan, backlog: int, section: str, prefix: str,
                        configs: tuple[tuple[str, dict[str, object], dict[str, str]], ...],
-                       rounds: int, profiles: dict[str, Path] | None = None) -> list[dict[str, Any]]:
+                       rounds: int, profiles: dict[str, Path] | None = None,
+                       measure_s: float | None = None) -> list[dict[str, Any]]:
     """One worker's saturation probe for each of ``configs`` (label, worker settings by field, other
     environment), each on a fresh deployment, in ``rounds`` interleaved rounds (so drift in the
     machine's load hits all of them); per config its probes and their medians. ``profiles``: the
-    configs (by label) whose first-round probe is sampled by py-spy, and where to."""
+    configs (by label) whose first-round probe is sampled by py-spy, and where to; ``measure_s``: each
+    probe's measured window (default: the plan's, less 2 s)."""
     probes: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in configs}
     for round_ in range(rounds):
         for label, settings, env in configs:
@@ -275,7 +277,8 @@ async def _interleaved(bootstrap: str, template: Path, plan: Plan, backlog: int,
                 await deployment.start_worker_async()
                 profile_to = (profiles or {}).get(label) if round_ == 0 else None
                 probe = await fleet.capacity(deployment, template, backlog, f"{prefix}{round_}{len(probes[label])}",
-                                             profile_to, plan.warm_s, plan.measure_s - 2, drain=False)
+                                             profile_to, plan.warm_s,
+                                             plan.measure_s - 2 if measure_s is None else measure_s, drain=False)
                 probe["rss_peak_mb"] = deployment.workers[0].rss_mb(peak=True)
             finally:
                 deployment.stop()
@@ -309,13 +312,16 @@ async def trees_section(bootstrap: str, plan: Plan, capacity_one: float | None, 
     events, facts = corpus.write_tree_template(template, plan.template_runs, trees)
     corpus.check_renamed(corpus.read_template(template)[:1])
     progress(f"trees: {events:,} events ({facts:,} tree facts, {trees} trees) -> {template}")
-    backlog = plan.backlog_for(capacity_one, plan.measure_s - 2, margin=3.0)
+    # A ratio of two noisy medians, on a corpus whose parts differ (threads first, trees in bursts): windows
+    # of two passes over it, and three rounds more than the settings' (6-s windows, 3 rounds: the same
+    # configuration's probes spread 31-46 us).
+    measure_s = 2 * plan.measure_s - 2
+    backlog = plan.backlog_for(capacity_one or 40_000, measure_s, margin=1.5)
     configs: tuple[tuple[str, dict[str, object], dict[str, str]], ...] = (
         ("every fold", {"fleet_rules": True}, {}), ("per-run rules only", {"fleet_rules": False}, {}))
-    # a ratio of two noisy medians: one round more than the settings'
-    tried = await _interleaved(bootstrap, template, plan, backlog, "trees", "t", configs, plan.settings_rounds + 1,
+    tried = await _interleaved(bootstrap, template, plan, backlog, "trees", "t", configs, plan.settings_rounds + 3,
                                {"every fold": results / "profile-trees.txt", "per-run rules only":
-                                results / "profile-trees-off.txt"})
+                                results / "profile-trees-off.txt"}, measure_s)
     return {"corpus": {"events": events, "tree_facts": facts, "trees": trees}, "tried": tried,
             "cpu_ratio": tried[0]["worker_cpu_us_per_event"] / tried[1]["worker_cpu_us_per_event"]}
 

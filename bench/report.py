@@ -590,7 +590,9 @@ class Page:
             f"{corpus['trees']} sub-agent trees",
             f"and as many threads of every kind and a storm: {_n(corpus['events'])} events, "
             f"{_n(corpus['tree_facts'])} facts for the folds across runs. Each",
-            f"configuration on a fresh deployment, in {rounds} interleaved rounds. Every fold: the per-run fold,",
+            f"configuration on a fresh deployment, in {rounds} interleaved rounds, each probe measured over "
+            f"{statistics.median(p['window_s'] for t in tried for p in t.get('probes', [])):.0f} s. Every fold: "
+            "the per-run fold,",
             "the facts published re-keyed by scope key, and the keyed folds' agent, all in the one worker.",
             "",
             "| configuration | events/s saturated (median; each probe) | worker CPU per event (median) |",

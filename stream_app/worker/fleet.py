@@ -30,12 +30,16 @@ the scopes topic gets the halt (with its expiry) or, on a resume, a tombstone of
 goes to the dead-letter topic with the reason.
 
 A key with no fact for its kind's ttl of event time is forgotten by the sweep, a few per partition per
-sweep, as the runs' sweep does.
+sweep, as the runs' sweep does; once a pass over a partition is complete, the next starts only when the
+event time has passed its oldest key's time + the ttl (keys written meanwhile lower that bound), so an
+idle sweep decodes nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -78,12 +82,17 @@ FACTS_FORMAT = 1
 #: what this worker wrote last: after a rebalance, a recovery, a sweep).
 DECODED_KEYS = 4096
 
+#: Scope keys whose facts partition the publisher remembers (then it starts afresh).
+CACHED_PARTITIONS = 65_536
+
 Fact = TreeFact | ThreadFact | ToolFact
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Kind:
-    """One kind of key the fleet folds: its scope, facts, state and fold."""
+    """One kind of key the fleet folds: its scope, facts, state and fold. One instance per kind (``KINDS``):
+    compared and hashed by identity (a batch's facts are grouped by kind; hashing every field per fact
+    was a tenth of the fold's time)."""
 
     scope: str
     #: The facts message's field for this kind, and the table's name.
@@ -97,6 +106,13 @@ class Kind:
     state: type[Any]
     fold: Callable[[FleetThresholds, Any, Any], tuple[ScopeDecision, ...]]
     ttl_ms: Callable[[FleetThresholds], int]
+
+    @functools.cached_property
+    def typed_at(self) -> tuple[tuple[int, type], ...]:
+        """(index in a fact's fields, the type it must have) of ``strings`` and ``integers``."""
+        names = [field.name for field in dataclasses.fields(self.fact)]
+        return tuple((names.index(name), str) for name in self.strings) + \
+            tuple((names.index(name), int) for name in self.integers)
 
 
 TREES = Kind("tree", "trees", "sub-agent tree", TreeFact, 12, ("root", "run_id", "event_id"), ("ts_ms", "cost_micro"),
@@ -127,15 +143,24 @@ class FactsPublisher:
         self.topic = topic
         self.partitions = partitions
         self.producer = producer
+        #: Scope key -> facts partition (aiokafka's murmur2 is pure Python: ~5 us a key; keys recur).
+        self._partition_of: dict[str, int] = {}
 
     async def send(self, facts: Sequence[tuple[int, int, Fact]]) -> list[asyncio.Future[Any]]:
         """Queue the facts (tool facts summed per source partition, key and window, at the offset of the
         last: one fact per key and window per batch); the futures resolve when the broker has them."""
         by_partition: dict[int, dict[str, list[list[Any]]]] = {}
         partitions = self.partitions
+        known = self._partition_of
+        if len(known) > CACHED_PARTITIONS:
+            known.clear()
         for source_partition, offset, fact in _summed(facts):
             kind = _KIND_OF[type(fact)]
-            message = by_partition.setdefault(partition_of(f"{kind.scope}/{fact.key_text}", partitions), {})
+            key = f"{kind.scope}/{fact.key_text}"
+            partition = known.get(key)
+            if partition is None:
+                partition = known[key] = partition_of(key, partitions)
+            message = by_partition.setdefault(partition, {})
             message.setdefault(kind.name, []).append([source_partition, offset, *fact.to_tuple()])
         pending = []
         for partition, items in by_partition.items():
@@ -179,19 +204,19 @@ def decode_facts(value: bytes | None) -> list[tuple[Kind, int, int, Any]]:
         items = obj.get(kind.name, [])
         if type(items) is not list:
             raise InvalidEvent(kind.name, "must be a list of facts")
+        typed_at, make = kind.typed_at, kind.fact.of if kind is TOOLS else kind.fact
         for item in items:
             if type(item) is not list or len(item) != kind.arity + 2:
                 raise InvalidEvent(kind.name, f"a fact must be a list of {kind.arity + 2} fields")
             source_partition, offset, *fields = item
-            try:
-                fact = kind.fact.of(*fields) if kind is TOOLS else kind.fact(*fields)
-            except TypeError as exc:
-                raise InvalidEvent(kind.name, str(exc)) from exc
             if type(source_partition) is not int or type(offset) is not int \
-                    or any(type(getattr(fact, name)) is not str for name in kind.strings) \
-                    or any(type(getattr(fact, name)) is not int for name in kind.integers):
+                    or any(type(fields[at]) is not of for at, of in typed_at):
                 raise InvalidEvent(kind.name, f"a fact's source, {', '.join(kind.strings + kind.integers)} must be "
                                               "of their types")
+            try:
+                fact = make(*fields)
+            except TypeError as exc:
+                raise InvalidEvent(kind.name, str(exc)) from exc
             out.append((kind, source_partition, offset, fact))
     return out
 
@@ -220,6 +245,12 @@ class FleetEffects:
         self._lock = asyncio.Lock()
         self._watermark_ms: dict[tuple[str, int], int] = {}
         self._sweep_from: dict[tuple[str, int], bytes] = {}
+        #: (kind, partition) -> the event time before which none of its keys can expire: the oldest
+        #: ``last_ts_ms`` of the last complete scan (and of every key written since) plus the ttl. The
+        #: sweep scans nothing until the watermark reaches it.
+        self._expires_at: dict[tuple[str, int], int] = {}
+        #: The oldest ``last_ts_ms`` kept so far by the scan under way (its pass not complete).
+        self._pass_oldest: dict[tuple[str, int], int] = {}
         self._tracked: dict[str, int] = dict.fromkeys(stores, 0)
         #: (kind, partition, key) -> (the record this worker wrote, its decoded state): most active last.
         self._decoded: OrderedDict[tuple[str, int, bytes], tuple[bytes, Any]] = OrderedDict()
@@ -287,6 +318,7 @@ class FleetEffects:
             mark = (kind.name, partition)
             if state.last_ts_ms > self._watermark_ms.get(mark, 0):
                 self._watermark_ms[mark] = state.last_ts_ms
+            self._keep_until(mark, state.last_ts_ms, kind.ttl_ms(fleet))
         if decisions:
             await self._publish(decisions)
         for name, by_partition in changes.items():
@@ -355,15 +387,28 @@ class FleetEffects:
                 if store is None:
                     continue
                 expired: dict[int, list[Change]] = {}
+                ttl_ms = kind.ttl_ms(self.fleet)
                 for partition in partitions:
                     mark = (kind.name, partition)
-                    if mark not in self._watermark_ms:
-                        continue
-                    horizon = self._watermark_ms[mark] - kind.ttl_ms(self.fleet)
+                    watermark = self._watermark_ms.get(mark)
+                    if watermark is None or watermark <= self._expires_at.get(mark, watermark - 1):
+                        continue  # no key can be silent for the ttl yet
+                    horizon = watermark - ttl_ms
                     found, self._sweep_from[mark] = store.scan(partition, self._sweep_from.get(mark, b""),
                                                                self.evict_scan_per_sweep)
-                    stale: list[Change] = [(key, None) for key, value in found
-                                           if _decode(kind, value, key.decode(errors="replace")).last_ts_ms < horizon]
+                    stale: list[Change] = []
+                    oldest = self._pass_oldest.get(mark, watermark)
+                    for key, value in found:
+                        last_ts_ms = _decode(kind, value, key.decode(errors="replace")).last_ts_ms
+                        if last_ts_ms < horizon:
+                            stale.append((key, None))
+                        elif last_ts_ms < oldest:
+                            oldest = last_ts_ms
+                    if self._sweep_from[mark]:
+                        self._pass_oldest[mark] = oldest
+                    else:  # a pass complete: nothing expires before its oldest key's time + the ttl
+                        self._pass_oldest.pop(mark, None)
+                        self._expires_at[mark] = oldest + ttl_ms
                     if stale:
                         expired[partition] = stale
                 if expired:
@@ -371,9 +416,19 @@ class FleetEffects:
                     self._tracked[kind.name] = max(0, self._tracked[kind.name] - sum(map(len, expired.values())))
                     self.metrics.fleet_keys_tracked.labels(fold=kind.name).set(self._tracked[kind.name])
 
+    def _keep_until(self, mark: tuple[str, int], last_ts_ms: int, ttl_ms: int) -> None:
+        """A key of ``mark`` was written with ``last_ts_ms``: the sweep's bounds must not pass it."""
+        if mark in self._expires_at and last_ts_ms + ttl_ms < self._expires_at[mark]:
+            self._expires_at[mark] = last_ts_ms + ttl_ms
+        if mark in self._pass_oldest and last_ts_ms < self._pass_oldest[mark]:
+            self._pass_oldest[mark] = last_ts_ms
+
     def recount(self, name: str, partitions: set[int]) -> None:
         """Count ``name``'s stored keys in ``partitions`` (on its table's recovery)."""
         self._tracked[name] = sum(self.stores[name].count(p) for p in partitions)
+        for mark in [mark for mark in self._expires_at.keys() | self._pass_oldest.keys() if mark[0] == name]:
+            self._expires_at.pop(mark, None)  # keys another worker wrote may be older: scan again
+            self._pass_oldest.pop(mark, None)
         self.metrics.fleet_keys_tracked.labels(fold=name).set(self._tracked[name])
 
 

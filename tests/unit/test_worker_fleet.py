@@ -32,6 +32,12 @@ class _Record:
 class _Store:
     def __init__(self) -> None:
         self.data: dict[tuple[int, bytes], bytes] = {}
+        self.scanned = 0
+
+    def scan(self, partition: int, start: bytes, limit: int) -> tuple[list[tuple[bytes, bytes]], bytes]:
+        keys = sorted(k for p, k in self.data if p == partition and k >= start)
+        self.scanned += len(keys[:limit])
+        return [(k, self.data[(partition, k)]) for k in keys[:limit]], keys[limit] if len(keys) > limit else b""
 
     def get(self, partition: int, key: bytes) -> bytes | None:
         return self.data.get((partition, key))
@@ -196,3 +202,27 @@ async def test_a_batchs_tool_facts_go_out_summed_per_source_partition_key_and_wi
     assert [(p["action"], p["verdict"], p["tool"]) for p in pauses] == [("pause", "tool_storm", "search")]
     assert [k for t, k, _ in producer2.sent if t == "scopes"] == [b"tool/acme/search/api"]
     assert metrics.fleet_facts.labels(fold="tools", state="folded")._value.get() == 3
+
+
+async def test_the_sweep_forgets_silent_keys_and_scans_nothing_before_one_can_be_silent() -> None:
+    effects, store, _, _, _ = _effects(tree_ttl_ms=100)  # 10 keys scanned per sweep
+    for n in range(12):  # 12 trees at 1000..1011
+        await effects.process([_Record(0, n, _spawns(f"t{n:02d}", n, 1))])
+    await effects.sweep({0})
+    await effects.sweep({0})  # the pass over the 12 keys is complete
+    assert store.scanned == 12 and len(store.data) == 12
+    await effects.process([_Record(0, 12, _spawns("t12", 50, 1))])  # event time 1050
+    await effects.sweep({0})
+    assert store.scanned == 12  # 1050: nothing can be silent for 100 ms before 1100
+    await effects.process([_Record(0, 13, _spawns("late", 13, 1))])  # a new key of event time 1013...
+    await effects.process([_Record(0, 14, _spawns("t14", 105, 1))])  # ...and 1105: t00..t04 are silent
+    await effects.sweep({0})
+    await effects.sweep({0})
+    assert sorted(k for _, k in store.data) == [b"late", *(f"t{n:02d}".encode() for n in (5, 6, 7, 8, 9, 10, 11, 12, 14))]
+    scanned = store.scanned
+    await effects.sweep({0})  # the oldest left is 1005: it can go after 1105, the watermark: nothing scanned
+    assert store.scanned == scanned
+    await effects.process([_Record(0, 15, _spawns("t15", 114, 1))])  # 1114: "late" (1013) is silent
+    await effects.sweep({0})
+    await effects.sweep({0})
+    assert b"late" not in {k for _, k in store.data}
