@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from aiokafka.admin import AIOKafkaAdminClient
 
 from stream_app.devtools.harness import Deployment, WorkerProcess, metric_total
 
@@ -62,3 +65,19 @@ class BenchDeployment(Deployment):
         self.workers.clear()
         for state in self.root.glob("state-*"):
             shutil.rmtree(state, ignore_errors=True)
+        # Its topics too: probes in a row otherwise meet a broker with ever more logs to keep and compact
+        # (the last probes of a configuration with more topics got slower, round after round).
+        thread = threading.Thread(target=asyncio.run, args=(_delete_topics(self.bootstrap, self.name),))
+        thread.start()
+        thread.join()
+
+
+async def _delete_topics(bootstrap: str, prefix: str) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        topics = [topic for topic in await admin.list_topics() if topic.startswith(prefix)]
+        if topics:
+            await admin.delete_topics(topics)
+    finally:
+        await admin.close()

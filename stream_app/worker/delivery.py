@@ -552,9 +552,11 @@ class BatchConsumer(Consumer):
         sequencer is seeded with each input partition's offset sought to.
 
         aiokafka seeks only partitions with a committed offset above 0 and leaves the others where the
-        fetcher got to, past records fetched before the assignment's recovery and dropped. The seed is
-        the offset sought to, not the consumer's position afterwards: the fetch loop runs meanwhile and
-        moves the position past records it hands over (dropped too, while the rebalance lasts)."""
+        fetcher got to, past records fetched before the assignment's recovery and dropped; and it seeks
+        each one while the next one's committed offset is being read, so the fetch loop, running
+        meanwhile, moves positions past records it hands over (dropped too, while the rebalance lasts).
+        So every input partition is sought here once more, and seeded with the offset sought to, with no
+        await between the two."""
         committed = await super().seek_to_committed()
         inputs = [tp for tp in committed if tp.topic in self.sinks]
         fresh = [tp for tp in inputs if not ((offset := committed[tp]) and offset > 0)]
@@ -562,10 +564,15 @@ class BatchConsumer(Consumer):
         starts: dict[Any, int] = {}
         if fresh:
             starts = dict(await thread.earliest_offsets(*fresh))
-            for tp in fresh:
-                thread.seek(tp, starts[tp])
+        # Sought again, each with its seed and no await in between: aiokafka sought each partition as soon
+        # as its committed offset came back, and records fetched after that seek, before the seed, were
+        # dropped as stale (the rebalance lasts) with no expected offset to seek back to: the position was
+        # past them, and at a partition's tail nothing else ever came (chaos: a restarted worker that
+        # stopped after two batches).
         for tp in inputs:
-            self.sequencer.seed(TP(tp.topic, tp.partition), starts[tp] if tp in starts else committed[tp])
+            start = starts[tp] if tp in starts else committed[tp]
+            thread.seek(tp, start)
+            self.sequencer.seed(TP(tp.topic, tp.partition), start)
         return committed
 
     def ack_batch(self, generation: int, batch: Records) -> bool:

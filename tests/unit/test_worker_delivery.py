@@ -86,6 +86,8 @@ class Harness:
 
     async def seeded(self) -> Harness:
         await self.consumer.perform_seek()  # what every assignment's recovery ends with
+        assert self.seeks == [(PARTITION, 100)]  # to the committed offset, with the sequencer's seed
+        self.seeks.clear()
         return self
 
     def start(self) -> asyncio.Task[None]:
@@ -169,6 +171,34 @@ async def test_a_partition_with_nothing_committed_starts_at_its_first_offset(tmp
     h.committed[PARTITION] = None
     await h.consumer.perform_seek()
     assert h.seeks == [(PARTITION, 40)] and h.consumer.sequencer.expected(PARTITION) == 40
+
+
+async def test_records_fetched_while_the_committed_offsets_are_read_are_fetched_again(tmp_path) -> None:
+    """aiokafka seeks each partition as its committed offset comes back, while the fetch loop runs: a
+    fetch after that seek and before the sequencer's seed is dropped as stale (the rebalance lasts) with
+    no expected offset to seek back to. The partition must be sought to the committed offset after that
+    (the chaos trial's restarted worker, its partitions' tails fetched in that window, stopped there)."""
+    h = Harness(tmp_path, "seek-window")
+    h.app.rebalancing = True
+    task = h.start()
+    thread = h.consumer._thread
+
+    async def seek_to_committed() -> dict[TopicPartition, int | None]:
+        thread.seek(PARTITION, 100)  # aiokafka's own seek, at once
+        h.sink.offer(1, _records(100, 101, 102))  # the fetch loop meanwhile: the whole tail
+        await h.settle()
+        return {TopicPartition(TOPIC, 0): 100}
+
+    thread.seek_to_committed = seek_to_committed
+    try:
+        await h.consumer.perform_seek()
+        assert h.stale == [3] and h.seeks == [(PARTITION, 100)] * 2  # sought again after the drop
+        h.app.rebalancing = False
+        h.sink.offer(1, _records(100, 101, 102))
+        await h.settle()
+        assert h.handled == [[100, 101, 102]]
+    finally:
+        await _stopped(task)
 
 
 async def test_records_before_the_expected_offset_were_handled_already(tmp_path) -> None:
