@@ -394,8 +394,9 @@ class FleetEffects:
                     if watermark is None or watermark <= self._expires_at.get(mark, watermark - 1):
                         continue  # no key can be silent for the ttl yet
                     horizon = watermark - ttl_ms
-                    found, self._sweep_from[mark] = store.scan(partition, self._sweep_from.get(mark, b""),
-                                                               self.evict_scan_per_sweep)
+                    # a pass starts at the first key (its oldest bounds all of them), goes on where it was
+                    start = self._sweep_from.get(mark, b"") if mark in self._pass_oldest else b""
+                    found, self._sweep_from[mark] = store.scan(partition, start, self.evict_scan_per_sweep)
                     stale: list[Change] = []
                     oldest = self._pass_oldest.get(mark, watermark)
                     for key, value in found:

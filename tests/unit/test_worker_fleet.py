@@ -33,8 +33,13 @@ class _Store:
     def __init__(self) -> None:
         self.data: dict[tuple[int, bytes], bytes] = {}
         self.scanned = 0
+        self.starts: list[bytes] = []
+
+    def count(self, partition: int) -> int:
+        return sum(p == partition for p, _ in self.data)
 
     def scan(self, partition: int, start: bytes, limit: int) -> tuple[list[tuple[bytes, bytes]], bytes]:
+        self.starts.append(start)
         keys = sorted(k for p, k in self.data if p == partition and k >= start)
         self.scanned += len(keys[:limit])
         return [(k, self.data[(partition, k)]) for k in keys[:limit]], keys[limit] if len(keys) > limit else b""
@@ -226,3 +231,15 @@ async def test_the_sweep_forgets_silent_keys_and_scans_nothing_before_one_can_be
     await effects.sweep({0})
     await effects.sweep({0})
     assert b"late" not in {k for _, k in store.data}
+
+
+async def test_a_sweep_pass_cut_short_by_a_recovery_starts_again_at_the_first_key() -> None:
+    """A recovery may bring keys another worker wrote, older than any seen: the bound is dropped, and
+    the next pass covers every key (one begun at the old cursor would bound only the keys after it)."""
+    effects, store, _, _, _ = _effects(tree_ttl_ms=100)
+    for n in range(12):
+        await effects.process([_Record(0, n, _spawns(f"t{n:02d}", n, 1))])
+    await effects.sweep({0})  # t00..t09, the pass not complete
+    effects.recount("trees", {0})
+    await effects.sweep({0})
+    assert store.starts == [b"", b""]
