@@ -122,7 +122,8 @@ class BatchResult:
     #: Folded events whose runtime's policy is not the worker's: (agent id or "", their digest) -> count.
     policy_mismatches: Counter[tuple[str, str]] = field(default_factory=Counter)
     #: Tree, thread and tool facts of the new events: (source partition, source offset, fact), in batch
-    #: order per run (a tool fact per event: the publisher sums them per key and window).
+    #: order per run (a tool fact per event: the publisher sums them per key and window, and sends them
+    #: in source offset order).
     facts: list[tuple[int, int, TreeFact | ThreadFact | ToolFact]] = field(default_factory=list)
 
 

@@ -148,13 +148,17 @@ class FactsPublisher:
 
     async def send(self, facts: Sequence[tuple[int, int, Fact]]) -> list[asyncio.Future[Any]]:
         """Queue the facts (tool facts summed per source partition, key and window, at the offset of the
-        last: one fact per key and window per batch); the futures resolve when the broker has them."""
+        last: one fact per key and window per batch), in source offset order; the futures resolve when
+        the broker has them."""
         by_partition: dict[int, dict[str, list[list[Any]]]] = {}
         partitions = self.partitions
         known = self._partition_of
         if len(known) > CACHED_PARTITIONS:
             known.clear()
-        for source_partition, offset, fact in _summed(facts):
+        # In source offset order: a batch's facts come run by run, and the keyed folds skip a fact at or
+        # below a key's high-water offset of its source partition as folded before (runs A, B of one tree
+        # at offsets 5, 7 (A), 6 (B): B's fact would be skipped).
+        for source_partition, offset, fact in sorted(_summed(facts), key=_source_offset):
             kind = _KIND_OF[type(fact)]
             key = f"{kind.scope}/{fact.key_text}"
             partition = known.get(key)
@@ -167,6 +171,10 @@ class FactsPublisher:
             value = orjson.dumps({"v": FACTS_FORMAT, **items})
             pending.append(await self.producer.send_to(self.topic, partition, value))
         return pending
+
+
+def _source_offset(item: tuple[int, int, Fact]) -> tuple[int, int]:
+    return item[0], item[1]
 
 
 def _summed(facts: Sequence[tuple[int, int, Fact]]) -> list[tuple[int, int, Fact]]:

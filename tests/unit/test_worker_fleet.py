@@ -13,8 +13,11 @@ import pytest
 
 pytest.importorskip("faust")
 
+from stream_app.bus.wire import encode_telemetry
+from stream_app.core import Detector, Policy
 from stream_app.core.fleet import ThreadFact, ThreadState, TreeFact, TreeState
 from stream_app.core.policy import FleetThresholds
+from stream_app.worker.batch import BatchFold, RawRecord
 from stream_app.worker.fleet import FACTS_FORMAT, FactsPublisher, FleetEffects, decode_facts, partition_of
 from stream_app.worker.metrics import WorkerMetrics
 
@@ -243,3 +246,23 @@ async def test_a_sweep_pass_cut_short_by_a_recovery_starts_again_at_the_first_ke
     effects.recount("trees", {0})
     await effects.sweep({0})
     assert store.starts == [b"", b""]
+
+
+async def test_facts_of_runs_interleaved_in_a_source_partition_all_count() -> None:
+    """A batch folds run by run: runs A and B of one tree at offsets 5, 7 (A) and 6 (B) give facts in the
+    order 5, 7, 6. Published so, B's fact would be at or below the tree's high-water offset of partition
+    0 and skipped as folded before: B would never be counted in its tree."""
+    def event(run: str, n: int) -> dict[str, Any]:
+        return {"run_id": run, "event_id": f"{run}-{n}", "tool": "search", "ts_ms": 1_000 + n, "outcome": "success",
+                "args": {"q": n}, "result": "x", "root_run_id": "root", "parent_run_id": "root", "depth": 1}
+
+    records = [RawRecord(0, 5 + n, *encode_telemetry(e)) for n, e in enumerate([event("A", 0), event("B", 1),
+                                                                               event("A", 2)])]
+    result = BatchFold(Detector(Policy())).fold(records, {(0, r.key): None for r in records if r.key}, 0)
+    assert [(offset, fact.run_id) for _, offset, fact in result.facts] == [(5, "A"), (7, "A"), (6, "B")]
+    effects, store, producer, _, metrics = _effects()
+    await asyncio.gather(*await FactsPublisher("facts", 1, producer).send(result.facts))  # type: ignore[arg-type]
+    await effects.process([_Record(0, n, value) for n, (_, _, value) in enumerate(producer.sent)])
+    state = TreeState.decode(store.data[(0, b"root")])
+    assert sorted(state.depth) == ["A", "B", "root"] and state.sources == {"0": 7}
+    assert metrics.fleet_facts.labels(fold="trees", state="redelivered")._value.get() == 0
