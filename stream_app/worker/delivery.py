@@ -306,9 +306,9 @@ class BatchSink:
     def pending(self) -> int:
         return self._pending_records
 
-    def held(self) -> set[TP]:
-        """Partitions this sink marked buffered (no fetches until it drains)."""
-        return set(self._buffered)
+    def holds(self, tp: TP) -> bool:
+        """Whether this sink marked ``tp`` buffered (no fetches until it drains)."""
+        return tp in self._buffered
 
     def idle(self) -> bool:
         return self._idle.is_set()
@@ -525,7 +525,7 @@ class BatchConsumer(Consumer):
             log.warning("%s: offset %d expected for %.0f s, high-water %d; consumer %s; sink: %s", tp, expected,
                         since, high, self._partition_state(tp),
                         "none" if sink is None else f"{sink.pending()} records pending, holding it back "
-                        f"{tp in sink.held()}, dropped {tp in sink.dropped}, a batch in hand {not sink.idle()}")
+                        f"{sink.holds(tp)}, dropped {tp in sink.dropped}, a batch in hand {not sink.idle()}")
 
     def _highwater_or_none(self, tp: TP) -> int | None:
         try:
