@@ -116,19 +116,34 @@ fn write_number(out: &mut Vec<u8>, n: &Number) {
     }
 }
 
-/// A float as orjson writes it (ryu's layout): the shortest digits that round-trip, positional when
-/// the decimal exponent is in -5..=15 (`0.00001`, `9500000000000000.0`), else `1.5e+16` / `1e-6`.
+/// A float as orjson writes it: ryu's shortest digits that round-trip (where two as short are as
+/// near, ryu's pick, as orjson's: 562949953421312.2, where Rust's `{:e}` gives ...312.3), positional
+/// when the decimal exponent is in -5..=15 (`0.00001`, `9500000000000000.0`), else `1.5e+16` / `1e-6`.
 fn write_float(out: &mut Vec<u8>, f: f64) {
-    let sci = format!("{f:e}"); // shortest round-trip digits, e.g. "-1.2345e18", "1e-7"
-    let (mantissa, exponent) = sci.split_once('e').expect("{:e} always has an exponent");
-    let exponent: i32 = exponent.parse().expect("{:e} exponent is an integer");
+    let mut buffer = ryu::Buffer::new();
+    let text = buffer.format_finite(f); // "-1.5e300", "1e-7", "0.1", "123456.789", "9007199254740994.0"
+    let (sign, text) = match text.strip_prefix('-') {
+        Some(rest) => ("-", rest),
+        None => ("", text),
+    };
+    let (mantissa, shift) = match text.split_once('e') {
+        Some((mantissa, exponent)) => (
+            mantissa,
+            exponent
+                .parse::<i32>()
+                .expect("ryu's exponent is an integer"),
+        ),
+        None => (text, 0),
+    };
+    let (whole_part, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let all = [whole_part, fraction].concat();
+    let leading = all.bytes().take_while(|b| *b == b'0').count();
+    let digits = all[leading..].trim_end_matches('0');
+    let digits = if digits.is_empty() { "0" } else { digits };
+    // the decimal exponent of the first significant digit
+    let exponent = whole_part.len() as i32 + shift - 1 - leading as i32;
+    out.extend_from_slice(sign.as_bytes());
     if (-5..16).contains(&exponent) {
-        let (sign, mantissa) = match mantissa.strip_prefix('-') {
-            Some(rest) => ("-", rest),
-            None => ("", mantissa),
-        };
-        let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
-        out.extend_from_slice(sign.as_bytes());
         if exponent < 0 {
             out.extend_from_slice(b"0.");
             out.extend(std::iter::repeat_n(b'0', (-exponent - 1) as usize));
@@ -146,7 +161,11 @@ fn write_float(out: &mut Vec<u8>, f: f64) {
             }
         }
     } else {
-        out.extend_from_slice(mantissa.as_bytes());
+        out.extend_from_slice(&digits.as_bytes()[..1]);
+        if digits.len() > 1 {
+            out.push(b'.');
+            out.extend_from_slice(&digits.as_bytes()[1..]);
+        }
         out.push(b'e');
         if exponent >= 0 {
             out.push(b'+');
@@ -244,6 +263,7 @@ mod tests {
             "[0.00001,0.0000125,1e-6,9500000000000000.0,1.5e+16]"
         );
         assert_eq!(canonical("[1.0, -0.0, 2.5e0, 1e2]"), "[1,0,2.5,100]");
+        assert_eq!(canonical("[562949953421312.2]"), "[562949953421312.2]");
     }
 
     #[test]
