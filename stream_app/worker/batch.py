@@ -287,9 +287,9 @@ class NativeBatchFold(BatchFold):
         for index, tree, thread, tool in facts:  # each event's tree, thread, tool fact, as the reference
             record = records[index]
             if tree is not None:
-                out.append((record.partition, record.offset, TreeFact(*tree)))
+                out.append((record.partition, record.offset, TreeFact._make(tree)))
             if thread is not None:
-                out.append((record.partition, record.offset, ThreadFact(*thread)))
+                out.append((record.partition, record.offset, ThreadFact._make(thread)))
             if tool is not None:
                 out.append((record.partition, record.offset, ToolFact.of(*tool)))
         if deferred:

@@ -38,9 +38,9 @@ idle sweep decodes nothing.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
+import operator
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -108,11 +108,12 @@ class Kind:
     ttl_ms: Callable[[FleetThresholds], int]
 
     @functools.cached_property
-    def typed_at(self) -> tuple[tuple[int, type], ...]:
-        """(index in a fact's fields, the type it must have) of ``strings`` and ``integers``."""
-        names = [field.name for field in dataclasses.fields(self.fact)]
-        return tuple((names.index(name), str) for name in self.strings) + \
-            tuple((names.index(name), int) for name in self.integers)
+    def typed(self) -> tuple[Callable[[list[Any]], tuple[Any, ...]], tuple[type, ...]]:
+        """What a fact read back must have: the source partition, offset, ``strings`` and ``integers`` of
+        its message item (``[source partition, offset, *fields]``) as a tuple, and their types."""
+        names = list(self.fact._fields)
+        at = [0, 1, *(2 + names.index(name) for name in self.strings + self.integers)]
+        return operator.itemgetter(*at), (int, int, *(str for _ in self.strings), *(int for _ in self.integers))
 
 
 TREES = Kind("tree", "trees", "sub-agent tree", TreeFact, 12, ("root", "run_id", "event_id"), ("ts_ms", "cost_micro"),
@@ -165,7 +166,7 @@ class FactsPublisher:
             if partition is None:
                 partition = known[key] = partition_of(key, partitions)
             message = by_partition.setdefault(partition, {})
-            message.setdefault(kind.name, []).append([source_partition, offset, *fact.to_tuple()])
+            message.setdefault(kind.name, []).append([source_partition, offset, *fact])
         pending = []
         for partition, items in by_partition.items():
             value = orjson.dumps({"v": FACTS_FORMAT, **items})
@@ -212,20 +213,18 @@ def decode_facts(value: bytes | None) -> list[tuple[Kind, int, int, Any]]:
         items = obj.get(kind.name, [])
         if type(items) is not list:
             raise InvalidEvent(kind.name, "must be a list of facts")
-        typed_at, make = kind.typed_at, kind.fact.of if kind is TOOLS else kind.fact
+        (typed, types), make, size = kind.typed, kind.fact.of if kind is TOOLS else kind.fact, kind.arity + 2
         for item in items:
-            if type(item) is not list or len(item) != kind.arity + 2:
-                raise InvalidEvent(kind.name, f"a fact must be a list of {kind.arity + 2} fields")
-            source_partition, offset, *fields = item
-            if type(source_partition) is not int or type(offset) is not int \
-                    or any(type(fields[at]) is not of for at, of in typed_at):
+            if type(item) is not list or len(item) != size:
+                raise InvalidEvent(kind.name, f"a fact must be a list of {size} fields")
+            if tuple(map(type, typed(item))) != types:
                 raise InvalidEvent(kind.name, f"a fact's source, {', '.join(kind.strings + kind.integers)} must be "
                                               "of their types")
             try:
-                fact = make(*fields)
+                fact = make(*item[2:])
             except TypeError as exc:
                 raise InvalidEvent(kind.name, str(exc)) from exc
-            out.append((kind, source_partition, offset, fact))
+            out.append((kind, item[0], item[1], fact))
     return out
 
 

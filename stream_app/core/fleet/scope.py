@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -70,9 +71,11 @@ class ScopeDecision:
         return key_text(self.key)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def key_text(key: tuple[str, ...]) -> str:
     """A scope key as one unambiguous string: its parts joined by ``/``, each but the last with ``%`` and
-    ``/`` escaped (``acme/pr-7``; a tenant ``a/b`` gives ``a%2Fb/...``)."""
+    ``/`` escaped (``acme/pr-7``; a tenant ``a/b`` gives ``a%2Fb/...``). Cached: a key's facts ask for it
+    on both sides of the facts topic, batch after batch."""
     *head, last = key
     return "/".join([*(part.replace("%", "%25").replace("/", "%2F") for part in head), last])
 

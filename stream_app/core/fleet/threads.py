@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -50,8 +49,7 @@ CHAIN_LISTED = 10
 _START, _TRIGGER, _CAUSE, _FAILURE, _GEN = range(5)
 
 
-@dataclass(frozen=True, slots=True)
-class ThreadFact:
+class ThreadFact(NamedTuple):
     """What one new event of a run on a thread tells the thread fold."""
 
     tenant: str
@@ -65,8 +63,7 @@ class ThreadFact:
     failure: str | None
 
     def to_tuple(self) -> tuple[Any, ...]:
-        return (self.tenant, self.thread_key, self.run_id, self.event_id, self.ts_ms, self.trigger,
-                self.caused_by, self.failure)
+        return tuple(self)
 
     @property
     def key(self) -> tuple[str, str]:

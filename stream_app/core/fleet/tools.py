@@ -27,8 +27,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import orjson
 
@@ -47,8 +46,7 @@ MAX_LISTED_RUNS: Final = 64
 DEFAULT_MAX_TOOLS: Final = 1_000_000
 
 
-@dataclass(frozen=True, slots=True)
-class ToolFact:
+class ToolFact(NamedTuple):
     """What some calls (one event, or a batch's events of one source partition) tell the tool fold
     about one key and window."""
 
@@ -75,8 +73,7 @@ class ToolFact:
     @classmethod
     def of(cls, *fields: Any) -> ToolFact:
         """The fact of ``to_tuple``'s fields (the failing runs a list)."""
-        *head, runs = fields
-        return cls(*head, tuple(runs))  # type: ignore[call-arg]
+        return cls._make((*fields[:-1], tuple(fields[-1])))
 
     @property
     def key(self) -> tuple[str, str, str]:

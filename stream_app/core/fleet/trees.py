@@ -25,8 +25,7 @@ new children at ``Guard.run``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -40,9 +39,10 @@ DEFAULT_MAX_TREES = 1_000_000
 CHAIN_LISTED = 10
 
 
-@dataclass(frozen=True, slots=True)
-class TreeFact:
-    """What one new event tells the tree fold."""
+class TreeFact(NamedTuple):
+    """What one new event tells the tree fold. A named tuple, as the other facts: a batch builds each
+    fact twice (from the fold's output, from the facts topic), and a frozen dataclass's ``__init__``
+    took 2-3 us of it."""
 
     root: str
     run_id: str
@@ -62,8 +62,7 @@ class TreeFact:
         return self.root
 
     def to_tuple(self) -> tuple[Any, ...]:
-        return (self.root, self.run_id, self.event_id, self.ts_ms, self.parent, self.depth, self.cost_micro,
-                self.spawn, self.child_run_id, self.child_agent_id, self.task_hash, self.tenant)
+        return tuple(self)
 
 
 def tree_fact(event: TelemetryEvent, tool_class: str) -> TreeFact | None:
