@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stream_app.core import Policy, decode_event
-from stream_app.core.fleet import ScopeDecision, TreeFact, TreeFold, tree_fact
+from stream_app.core.fleet import ScopeDecision, TreeFact, TreeFold, TreeState, tree_fact, trees
 from stream_app.core.policy import FleetThresholds
 
 
@@ -177,3 +177,27 @@ def test_the_set_of_decisions_does_not_depend_on_the_order_of_the_facts(facts: l
         return {(d.scope, d.key, d.action, d.verdict, d.decision_id) for d in decisions}
 
     assert keys(_fold(facts, **fleet)) == keys(_fold(shuffled, **fleet))
+
+
+@given(_trees(), st.randoms(use_true_random=False))
+@settings(max_examples=150, deadline=None)
+def test_a_call_of_a_known_run_skips_placing_it_with_the_same_state_and_decisions(facts: list[TreeFact],
+                                                                                  rnd: Any) -> None:
+    # each run's later calls again (the facts the fold's shortcut takes), in a random order
+    facts = facts + [f._replace(event_id=f"{f.event_id}-again", spawn=False, child_run_id=None, ts_ms=f.ts_ms + 5)
+                     for f in facts if f.run_id != "root"]
+    facts = [f._replace(parent=None) if f.parent == "?" else f for f in facts]
+    rnd.shuffle(facts)
+    fleet = FleetThresholds(max_tree_depth=3, max_tree_runs=12, max_tree_cost_usd=2.0)
+    cap = fleet.max_tree_depth + 1
+
+    def placing_every_fact(state: TreeState, fact: TreeFact) -> tuple[ScopeDecision, ...]:
+        state.last_ts_ms = max(state.last_ts_ms, fact.ts_ms)
+        deeper = trees._place(state, fact, cap)
+        state.cost_micro += fact.cost_micro
+        return trees._crossed(fleet, state, fact, deeper, cap)
+
+    shortcut, reference = TreeState(), TreeState()
+    for fact in facts:
+        assert trees.fold(fleet, shortcut, fact) == placing_every_fact(reference, fact)
+        assert shortcut.encode() == reference.encode()

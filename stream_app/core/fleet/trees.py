@@ -159,7 +159,24 @@ def fold(fleet: FleetThresholds, state: TreeState, fact: TreeFact) -> tuple[Scop
         state.last_ts_ms = fact.ts_ms
     cap = fleet.max_tree_depth + 1
     root, run_id = fact.root, fact.run_id
-    # (run, depth) of the first run (or unnamed child, one below its spawner) this fact puts at the cap
+    depths, parent = state.depth, fact.parent
+    if not fact.spawn and run_id != root and root in depths \
+            and depths.get(run_id, -1) >= min(max(1, fact.depth or 0), cap) \
+            and (parent is None or parent == run_id or run_id in state.parent):
+        # most facts: another call of a run the tree knows as deep, its parent linked: nothing to place
+        deeper = None
+    else:
+        # (run, depth) of the first run (or unnamed child, one below its spawner) this fact puts at the cap
+        deeper = _place(state, fact, cap)
+    if fact.cost_micro:
+        state.cost_micro = min(state.cost_micro + fact.cost_micro, SPEND_CAP)
+    return _crossed(fleet, state, fact, deeper, cap)
+
+
+def _place(state: TreeState, fact: TreeFact, cap: int) -> tuple[str, int] | None:
+    """Put the fact's runs (its own, its parent, the child it spawns) in the tree; the first (run, depth)
+    put at the cap, if any."""
+    root, run_id = fact.root, fact.run_id
     deeper = _know(state, root, max(0, fact.depth or 0) if run_id == root else 0, cap)
     if run_id != root:
         deeper = _know(state, run_id, max(1, fact.depth or 0), cap) or deeper
@@ -174,9 +191,13 @@ def fold(fleet: FleetThresholds, state: TreeState, fact: TreeFact) -> tuple[Scop
             state.anonymous.add(run_id)
             if state.depth[run_id] + 1 >= cap:
                 deeper = deeper or (run_id, cap)
-    if fact.cost_micro:
-        state.cost_micro = min(state.cost_micro + fact.cost_micro, SPEND_CAP)
+    return deeper
 
+
+def _crossed(fleet: FleetThresholds, state: TreeState, fact: TreeFact, deeper: tuple[str, int] | None,
+             cap: int) -> tuple[ScopeDecision, ...]:
+    """The decisions of the rules the fact's tree crossed with it (each fires once per tree)."""
+    root, run_id = fact.root, fact.run_id
     out: list[ScopeDecision] = []
     fired = state.fired
     if "tree_depth" not in fired and deeper is not None:
