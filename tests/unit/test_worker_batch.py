@@ -314,7 +314,7 @@ def _record(value: bytes) -> dict[str, Any]:
 
 
 def _facts_tuple(fact: Any) -> tuple[Any, ...]:
-    fields = fact.to_tuple()
+    fields = tuple(fact)
     return (*fields[:-1], sorted(fields[-1])) if type(fact) is ToolFact else fields
 
 

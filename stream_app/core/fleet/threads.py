@@ -62,9 +62,6 @@ class ThreadFact(NamedTuple):
     #: The error class of a failing call (outcome ``error``; ``error`` when it names no class), else None.
     failure: str | None
 
-    def to_tuple(self) -> tuple[Any, ...]:
-        return tuple(self)
-
     @property
     def key(self) -> tuple[str, str]:
         return (self.tenant, self.thread_key)

@@ -66,13 +66,9 @@ class ToolFact(NamedTuple):
     #: The runs whose calls failed transiently (distinct, at most ``MAX_LISTED_RUNS``).
     failing_runs: tuple[str, ...]
 
-    def to_tuple(self) -> tuple[Any, ...]:
-        return (self.tenant, self.tool, self.upstream, self.window_ms, self.event_id, self.run_id, self.ts_ms,
-                self.calls, self.transient, self.success_ts_ms, self.retry_after_ms, list(self.failing_runs))
-
     @classmethod
     def of(cls, *fields: Any) -> ToolFact:
-        """The fact of ``to_tuple``'s fields (the failing runs a list)."""
+        """The fact of its fields as a facts message lists them (the failing runs a list)."""
         return cls._make((*fields[:-1], tuple(fields[-1])))
 
     @property

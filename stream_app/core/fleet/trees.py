@@ -61,9 +61,6 @@ class TreeFact(NamedTuple):
     def key_text(self) -> str:
         return self.root
 
-    def to_tuple(self) -> tuple[Any, ...]:
-        return tuple(self)
-
 
 def tree_fact(event: TelemetryEvent, tool_class: str) -> TreeFact | None:
     """The fact of ``event`` (its resolved ``tool_class``), or None when it tells the tree nothing: a
