@@ -125,6 +125,42 @@ def test_the_tree_state_round_trips_through_its_stored_form() -> None:
                                                                        state.fired)
 
 
+def test_a_task_is_kept_by_64_bits_of_its_hash_and_its_third_spawn_still_halts_the_tree() -> None:
+    """The SDK's task hashes are 64 hex digits: most of a stored tree when kept whole. Two tasks whose
+    hashes share their first 16 digits are still two tasks (the key hashes the whole hash)."""
+    whole, twin = "ab" * 32, "ab" * 8 + "cd" * 24
+    fold = TreeFold()
+    decisions = [d for i in range(1, 4) for d in fold.observe(
+        _fact("root", i, spawn=True, child=f"c{i}", agent="explorer", task=whole))]
+    decisions += [d for i in range(4, 6) for d in fold.observe(
+        _fact("root", i, spawn=True, child=f"c{i}", agent="explorer", task=twin))]
+    assert [(d.verdict, d.trigger_event_id) for d in decisions] == [("tree_recursion", "root-3")]
+    # the decision's id is the whole task's, as before tasks were keyed short
+    assert decisions[0].decision_id == trees.scope_decision_id("tree", ("root",), "halt", "tree_recursion",
+                                                               f"explorer\x1f{whole}")
+    stored = fold.trees["root"].encode()
+    assert whole.encode() not in stored and twin[:16].encode() not in stored
+    assert sorted(TreeState.decode(stored).tasks) == sorted([trees.task_key("explorer", whole),
+                                                             trees.task_key("explorer", twin)])
+    assert trees.task_key("explorer", "t" * 16) == "explorer\x1f" + "t" * 16  # a short hash is kept as it is
+
+
+def test_a_tree_stored_with_whole_task_hashes_is_read_as_task_keys() -> None:
+    """A record of a release that keyed tasks by the whole hash: its counts and fired rules carry on."""
+    import orjson
+
+    counted, fired = "12" * 32, "34" * 32
+    old = orjson.dumps({"v": 1, "d": {"root": 0, "c1": 1, "c2": 1}, "p": {"c1": "root", "c2": "root"}, "c": 0,
+                        "t": {f"explorer\x1f{counted}": ["root", "root"], f"explorer\x1f{fired}": ["root"] * 3},
+                        "f": [f"tree_recursion\x1fexplorer\x1f{fired}"], "ts": 1_000, "s": {}, "a": []})
+    state = TreeState.decode(old)
+    fleet = FleetThresholds()
+    assert trees.fold(fleet, state, _fact("root", 9, spawn=True, child="c9", agent="explorer", task=fired)) == ()
+    decisions = trees.fold(fleet, state, _fact("root", 10, spawn=True, child="c10", agent="explorer", task=counted))
+    assert [d.verdict for d in decisions] == ["tree_recursion"]
+    assert TreeState.decode(state.encode()).tasks == state.tasks  # read back as written
+
+
 def test_events_say_which_tree_they_are_in() -> None:
     policy = Policy.from_mapping({"tools": {"Task": {"tool_class": "spawn"}}})
 

@@ -24,6 +24,7 @@ new children at ``Guard.run``.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
@@ -89,7 +90,7 @@ class TreeState:
         #: Runs that spawned a child without naming it: a child one level below them, wherever they end up.
         self.anonymous: set[str] = set()
         self.cost_micro = 0
-        #: "child_agent_id\x1ftask_hash" -> the runs that spawned it (up to ``tree_task_repeats``).
+        #: ``task_key`` -> the runs that spawned it (up to ``tree_task_repeats``).
         self.tasks: dict[str, list[str]] = {}
         self.fired: set[str] = set()
         self.last_ts_ms = 0
@@ -110,12 +111,36 @@ class TreeState:
             raise ValueError(f"not a tree record of format 1: {raw[:60]!r}")
         state = cls()
         state.depth, state.parent, state.cost_micro = obj["d"], obj["p"], obj["c"]
-        state.tasks, state.fired, state.last_ts_ms = obj["t"], set(obj["f"]), obj["ts"]
+        state.last_ts_ms = obj["ts"]
+        # Releases before task_key keyed a task by its whole hash: keyed as task_key keys it (a record this
+        # release writes holds task keys only; one an earlier release reads counts them apart from its own
+        # while workers of both releases share the tree: at worst a tree_recursion fires later, once).
+        state.tasks = {_keyed(task): runs for task, runs in obj["t"].items()}
+        state.fired = {_RECURSION + _keyed(mark[len(_RECURSION):]) if mark.startswith(_RECURSION) else mark
+                       for mark in obj["f"]}
         state.sources = obj.get("s", {})
         state.anonymous = set(obj.get("a", ()))
         for child, parent in state.parent.items():
             state.children.setdefault(parent, []).append(child)
         return state
+
+
+def task_key(child_agent_id: str | None, task_hash: str) -> str:
+    """How a tree's state keys a task: the child agent and the task hash, a hash longer than 16
+    characters as 16 hex digits of its BLAKE2b (64 bits: two tasks of one tree of up to
+    ``MAX_TREE_RUNS_TRACKED`` runs collide with a chance below 1e-11; the SDK's 64-hex hashes were most
+    of a tree's stored bytes)."""
+    if len(task_hash) > 16:
+        task_hash = hashlib.blake2b(task_hash.encode(), digest_size=8).hexdigest()
+    return f"{child_agent_id or ''}\x1f{task_hash}"
+
+
+_RECURSION = "tree_recursion\x1f"
+
+
+def _keyed(task: str) -> str:
+    agent, _, task_hash = task.rpartition("\x1f")
+    return task_key(agent, task_hash)
 
 
 class TreeFold:
@@ -214,18 +239,18 @@ def _crossed(fleet: FleetThresholds, state: TreeState, fact: TreeFact, deeper: t
         out.append(_decision(fleet, fact, "halt", "tree_depth", "", evidence,
                              f"sub-agent tree {root} is more than {levels} deep: {how}"))
     if fact.spawn and fact.task_hash is not None and fleet.tree_task_repeats:
-        task = f"{fact.child_agent_id or ''}\x1f{fact.task_hash}"
+        task = task_key(fact.child_agent_id, fact.task_hash)
         spawners = state.tasks.get(task)
         if spawners is None:
             if len(state.tasks) < MAX_TREE_RUNS_TRACKED:
                 state.tasks[task] = [run_id]
         elif len(spawners) < fleet.tree_task_repeats:
             spawners.append(run_id)
-            if len(spawners) == fleet.tree_task_repeats and ("tree_recursion\x1f" + task) not in fired:
-                fired.add("tree_recursion\x1f" + task)
+            if len(spawners) == fleet.tree_task_repeats and (_RECURSION + task) not in fired:
+                fired.add(_RECURSION + task)
                 agent = fact.child_agent_id or "(unnamed)"
-                out.append(_decision(
-                    fleet, fact, "halt", "tree_recursion", task,
+                out.append(_decision(  # the id's part: the whole task, as in format 1
+                    fleet, fact, "halt", "tree_recursion", f"{fact.child_agent_id or ''}\x1f{fact.task_hash}",
                     {"rule": "task", "child_agent_id": fact.child_agent_id, "task_hash": fact.task_hash,
                      "spawns": len(spawners), "spawned_by": list(spawners)},
                     f"sub-agent tree {root} spawned the same task {len(spawners)} times (agent {agent}, task "
