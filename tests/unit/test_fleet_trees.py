@@ -187,7 +187,7 @@ def _trees(draw: st.DrawFn) -> list[TreeFact]:
     for n in range(draw(st.integers(1, 40))):
         parent = draw(st.sampled_from(runs))
         child = f"r{n}"
-        task = draw(st.sampled_from(["a", "b", "c", "d", "e"])) * 16
+        task = draw(st.sampled_from(["a" * 16, "b" * 16, "c" * 64, "d" * 64, "e" * 40]))  # short hashes kept, long keyed
         facts.append(_fact(parent, n, spawn=True, child=child if draw(st.booleans()) else None, agent="w",
                            task=task, cost=draw(st.integers(0, 300_000)),
                            parent=None if parent == "root" else "?"))
@@ -237,3 +237,19 @@ def test_a_call_of_a_known_run_skips_placing_it_with_the_same_state_and_decision
     for fact in facts:
         assert trees.fold(fleet, shortcut, fact) == placing_every_fact(reference, fact)
         assert shortcut.encode() == reference.encode()
+
+
+@given(_trees())
+@settings(max_examples=150, deadline=None)
+def test_a_tree_read_back_from_its_stored_form_before_every_fact_decides_as_one_kept_in_memory(
+        facts: list[TreeFact]) -> None:
+    """The worker decodes a tree's record when what is stored is not what it wrote last; replay and the
+    SDK keep the tree in memory: the same decisions, the same record."""
+    facts = [f._replace(parent=None) if f.parent == "?" else f for f in facts]
+    fleet = FleetThresholds(max_tree_depth=3, max_tree_runs=12, max_tree_cost_usd=2.0, tree_task_repeats=2)
+    memory, stored = TreeState(), TreeState().encode()
+    for fact in facts:
+        state = TreeState.decode(stored)
+        assert trees.fold(fleet, state, fact) == trees.fold(fleet, memory, fact)
+        stored = state.encode()
+        assert stored == memory.encode()
