@@ -249,7 +249,7 @@ def _crossed(fleet: FleetThresholds, state: TreeState, fact: TreeFact, deeper: t
             if len(spawners) == fleet.tree_task_repeats and (_RECURSION + task) not in fired:
                 fired.add(_RECURSION + task)
                 agent = fact.child_agent_id or "(unnamed)"
-                out.append(_decision(  # the id's part: the whole task, as in format 1
+                out.append(_decision(  # the id's part: the whole task, as before tasks were keyed short
                     fleet, fact, "halt", "tree_recursion", f"{fact.child_agent_id or ''}\x1f{fact.task_hash}",
                     {"rule": "task", "child_agent_id": fact.child_agent_id, "task_hash": fact.task_hash,
                      "spawns": len(spawners), "spawned_by": list(spawners)},
