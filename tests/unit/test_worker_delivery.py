@@ -9,6 +9,7 @@ give it a stand-in for the consumer's ``seek``, which is all it calls there.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 
 faust = pytest.importorskip("faust")
 
+from aiokafka import AIOKafkaConsumer  # noqa: E402
 from aiokafka.errors import IllegalStateError  # noqa: E402
 from aiokafka.structs import ConsumerRecord, TopicPartition  # noqa: E402
 from faust.types import TP  # noqa: E402
@@ -23,6 +25,7 @@ from faust.types import TP  # noqa: E402
 from stream_app.core.stored import StateVersionError  # noqa: E402
 from stream_app.worker import delivery  # noqa: E402
 from stream_app.worker.app import configured_app  # noqa: E402
+from stream_app.worker.loop_consumer import LoopConsumerThread  # noqa: E402
 from stream_app.worker.settings import WorkerSettings  # noqa: E402
 
 TOPIC = "agent.telemetry"
@@ -470,6 +473,46 @@ async def test_an_active_changelog_partition_keeps_faust_recovery_path(tmp_path)
     st.recovery.add_active(st.table, st.tp)  # promoted: recovering it is faust's
     assert await st.fetch(st.record(5, b"run-a", b"A1")) == [(st.tp.topic, 5)]
     assert st.stored(b"run-a") is None
+
+
+async def test_changelog_partitions_faust_pauses_are_paused_in_aiokafka_too(tmp_path) -> None:
+    """faust pauses partitions on its side only; aiokafka went on fetching the changelog partitions of
+    active tables (the worker's own writes came back in every fetch, and a record held for a paused
+    partition held back every fetch for 100 ms). Changelog partitions follow faust's pauses in the real
+    aiokafka consumer; stream partitions are left to faust's handling."""
+    h = Harness(tmp_path, "pause-changelogs")
+    table = h.app.Table("runs", default=None, partitions=2, key_type=bytes, value_type=bytes,
+                        options={"driver": "rocksdict"})
+    changelog = table.changelog_topic.get_topic_name()
+    aio = AIOKafkaConsumer(bootstrap_servers="127.0.0.1:1")  # never started: only its subscription is used
+    try:
+        aio.assign([TopicPartition(changelog, 0), TopicPartition(changelog, 1), TopicPartition(TOPIC, 0)])
+        h.consumer._thread._consumer = aio  # type: ignore[attr-defined]
+        h.consumer.pause_partitions({TP(changelog, 0), TP(changelog, 1), PARTITION})  # as on every assignment
+        assert aio.paused() == {TopicPartition(changelog, 0), TopicPartition(changelog, 1)}
+        h.consumer.resume_partitions({TP(changelog, 1)})  # a standby (or an active one's recovery)
+        assert aio.paused() == {TopicPartition(changelog, 0)}
+        h.consumer.resume_partitions({PARTITION})  # streams resumed: the paused changelog stays paused
+        assert aio.paused() == {TopicPartition(changelog, 0)}
+        h.consumer.pause_partitions({TP(changelog, 1)})  # its recovery done
+        assert aio.paused() == {TopicPartition(changelog, 0), TopicPartition(changelog, 1)}
+    finally:
+        await aio.stop()
+
+
+async def test_the_consumer_runs_on_the_apps_loop_without_a_thread(tmp_path) -> None:
+    """faust's consumer thread is replaced by the same class on the app's loop: a call into it runs here,
+    on this thread, with sync and async functions alike."""
+    app = configured_app(WorkerSettings.from_env({
+        "LOOPWARDEN_APP_ID": "in-loop", "LOOPWARDEN_STATE_DIR": str(tmp_path), "LOOPWARDEN_ALLOW_UNSIGNED": "true"}))
+    delivery.install(app, [delivery.BatchSink(TOPIC, BATCH_MAX, lambda _: None)], lambda: None)
+    thread = app.consumer._thread  # type: ignore[attr-defined]
+    assert isinstance(thread, LoopConsumerThread) and thread.thread_loop is asyncio.get_running_loop()
+
+    async def where() -> int:
+        return threading.get_ident()
+
+    assert await thread.call_thread(where) == threading.get_ident() == await thread.call_thread(threading.get_ident)
 
 
 async def test_a_full_sink_holds_its_partitions_back_until_it_drained(tmp_path) -> None:
