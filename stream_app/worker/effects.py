@@ -211,27 +211,28 @@ class Effects:
             self._report_lag(record)
 
     async def sweep(self) -> None:
-        """Expire silent runs in every assigned partition (on a timer, off the per-batch path)."""
-        async with self._state_lock:
-            await self._sweep()
+        """Expire silent runs in every assigned partition (on a timer, off the per-batch path), a partition
+        at a time: each partition's scan, decision and write are one turn of the state lock, so a batch
+        waits for at most one partition's scan (256 stored runs decoded), not for all of them."""
+        for partition in sorted(self._assigned() & self._watermark_ms.keys()):
+            async with self._state_lock:
+                if partition in self._assigned():  # not revoked while the previous one was swept
+                    await self._sweep(partition)
 
-    async def _sweep(self) -> None:
+    def _assigned(self) -> set[int]:
         topic = self.topics.telemetry.get_topic_name()
-        assigned = {tp.partition for tp in self.app.consumer.assignment() if tp.topic == topic}  # type: ignore[attr-defined]
-        expired: dict[int, list[Change]] = {}
-        for partition in assigned & self._watermark_ms.keys():
-            horizon = self._watermark_ms[partition] - self._run_ttl_ms
-            found, self._sweep_from[partition] = self.store.scan(
-                partition, self._sweep_from.get(partition, b""), self.evict_scan_per_sweep)
-            stale: list[Change] = [(key, None) for key, value in found if last_ts_ms(value) < horizon]
-            if stale:
-                expired[partition] = stale
-        if expired:
-            await self.store.write(expired)
-            self.metrics.evictions.inc(sum(map(len, expired.values())))
-            for partition, stale in expired.items():
-                if partition in self._tracked:
-                    self._tracked[partition] -= len(stale)
+        return {tp.partition for tp in self.app.consumer.assignment() if tp.topic == topic}  # type: ignore[attr-defined]
+
+    async def _sweep(self, partition: int) -> None:
+        horizon = self._watermark_ms[partition] - self._run_ttl_ms
+        found, self._sweep_from[partition] = self.store.scan(
+            partition, self._sweep_from.get(partition, b""), self.evict_scan_per_sweep)
+        stale: list[Change] = [(key, None) for key, value in found if last_ts_ms(value) < horizon]
+        if stale:
+            await self.store.write({partition: stale})
+            self.metrics.evictions.inc(len(stale))
+            if partition in self._tracked:
+                self._tracked[partition] -= len(stale)
             self.metrics.runs_tracked.set(sum(self._tracked.values()))
 
     def forget(self, partitions: set[int]) -> None:
@@ -244,9 +245,7 @@ class Effects:
         """Count the runs of every active partition afresh (faust calls it when recovery is complete:
         the partitions' state is then whole) and drop partitions no longer assigned."""
         async with self._state_lock:
-            topic = self.topics.telemetry.get_topic_name()
-            active = {tp.partition for tp in self.app.consumer.assignment() if tp.topic == topic}  # type: ignore[attr-defined]
-            self._tracked = {partition: self.store.count(partition) for partition in sorted(active)}
+            self._tracked = {partition: self.store.count(partition) for partition in sorted(self._assigned())}
             self.metrics.runs_tracked.set(sum(self._tracked.values()))
 
     async def _publish(self, decisions: list[Decision]) -> None:
