@@ -10,6 +10,9 @@ from typing import Any
 
 import orjson
 import pytest
+import rocksdict
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from stream_app.bus.wire import header
 from stream_app.client import Guard, KafkaClientConfig, RunHalted
@@ -165,6 +168,55 @@ def test_state_survives_a_killed_worker(kafka_bootstrap: str, tmp_path: Path, lo
         fleet.stop()
     assert [(d["action"], d["verdict"], d["trigger_event_id"]) for d in decisions] == [
         ("advise", "recursion", "run-k-3"), ("halt", "recursion", "run-k-4")]
+
+
+async def _read_all(bootstrap: str, topic: str) -> list[ConsumerRecord[bytes, bytes]]:
+    """Every record of ``topic``'s partition 0, up to its end offset now."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tp = TopicPartition(topic, 0)
+        consumer.assign([tp])
+        await consumer.seek_to_beginning(tp)
+        end = (await consumer.end_offsets([tp]))[tp]
+        records: list[ConsumerRecord[bytes, bytes]] = []
+        while await consumer.position(tp) < end:
+            records.extend((await consumer.getmany(tp, timeout_ms=1000)).get(tp, []))
+        return records
+    finally:
+        await consumer.stop()
+
+
+def test_the_changelog_holds_the_stored_runs_and_recovery_resumes_after_its_last_record(
+        kafka_bootstrap: str, tmp_path: Path) -> None:
+    """The runs' changelog, sent a batch of records per partition, holds every stored run's last value in
+    order, and the offset persisted in RocksDB (where recovery resumes) is its last record's, not the
+    batch's first or one past it."""
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=1, settings={"batch_max": 50})
+    worker = fleet.start_worker()
+    try:
+        _, stream = simulate_fleet(300, seed=5)
+        for third in (stream[::3], stream[1::3], stream[2::3]):  # several batches, several changelog batches each
+            run(produce(kafka_bootstrap, fleet.telemetry_topic, third))
+        _wait_for(lambda: sum(v for k, v in worker.metrics().items()
+                              if k.startswith(("loopwarden_events_total{", "loopwarden_duplicate_events_total"))
+                              ) >= len(stream))
+        time.sleep(1.0)  # past a commit: the changelog acknowledged
+    finally:
+        fleet.stop()
+    changelog = run(_read_all(kafka_bootstrap, fleet.changelog_topic))
+    latest = {record.key: record.value for record in changelog}
+    db_path = next((tmp_path / fleet.name).rglob("runs-0.db"))
+    db = rocksdict.Rdict(str(db_path), options=rocksdict.Options(raw_mode=True),
+                         access_type=rocksdict.AccessType.read_only())
+    try:
+        stored = {key: value for key, value in db.items() if not key.startswith(b"__faust")}
+        persisted = db[b"__faust\x00offset__"]
+    finally:
+        db.close()
+    assert len(changelog) > len(stored) > 100  # a run's record written again in later batches
+    assert stored == {key: value for key, value in latest.items() if value is not None}
+    assert int(persisted) == changelog[-1].offset
 
 
 def test_two_workers_split_the_partitions_and_halt_each_loop_once(kafka_bootstrap: str, tmp_path: Path) -> None:
