@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 RUNS_TABLE = "runs"
 #: How often stored runs are checked for expiry (a timer, off the per-batch path).
 SWEEP_INTERVAL_S = 0.5
+#: How often the input partitions' end offsets are read for loopwarden_consumer_lag.
+LAG_INTERVAL_S = 0.5
 
 
 def configured_app(settings: WorkerSettings) -> faust.App:
@@ -167,6 +169,11 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
                 await fatal.run(fleet_effects.sweep(facts_partitions()))
 
         app.timer(SWEEP_INTERVAL_S)(expire_silent_runs)
+
+    async def report_lag() -> None:
+        await effects.report_lag()
+
+    app.timer(LAG_INTERVAL_S)(report_lag)
 
     def agent(name: str, topic: faust.TopicT, sink: delivery.BatchSink, handle: delivery.Handler) -> None:
         # The agent subscribes its topic (faust's conductor does that for agents' streams); its records

@@ -22,6 +22,7 @@ runs per partition per sweep, resuming where the last one stopped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from faust.exceptions import NotReady
 from faust.types import TP, TopicT
 
 from ..bus.clock import wall_clock_ms
@@ -206,9 +209,6 @@ class Effects:
             if partition in tracked:
                 tracked[partition] += sum(stored[(partition, key)] is None for key, _ in changes)
         metrics.runs_tracked.set(sum(tracked.values()))
-        last_of_partition: dict[int, Record] = {record.partition: record for record in records}
-        for record in last_of_partition.values():
-            self._report_lag(record)
 
     async def sweep(self) -> None:
         """Expire silent runs in every assigned partition (on a timer, off the per-batch path), a partition
@@ -236,10 +236,34 @@ class Effects:
             self.metrics.runs_tracked.set(sum(self._tracked.values()))
 
     def forget(self, partitions: set[int]) -> None:
-        """Partitions were revoked: their runs are another worker's to count."""
+        """Partitions were revoked: their runs and their lag are another worker's to count."""
         for partition in partitions:
             self._tracked.pop(partition, None)
+            with contextlib.suppress(KeyError):  # never reported here
+                self.metrics.consumer_lag.remove(str(partition))
         self.metrics.runs_tracked.set(sum(self._tracked.values()))
+
+    async def report_lag(self) -> None:
+        """``loopwarden_consumer_lag``: each assigned input partition's end offset, read from the broker,
+        minus the next offset to process (on a timer). The consumer's own high-water mark is no backlog
+        gauge: it stops moving while faust pauses a partition and was read only when a batch was
+        processed (it showed 0 with thousands of events unapplied)."""
+        consumer: Any = self.app.consumer  # type: ignore[attr-defined]
+        topic = self.topics.telemetry.get_topic_name()
+        sequencer = consumer.sequencer
+        # Partitions whose position is known (seeded when their assignment's recovery ended).
+        seeded = [tp for tp in (TP(topic, p) for p in self._assigned()) if sequencer.expected(tp) is not None]
+        if not seeded:
+            return
+        try:
+            ends = await consumer.highwaters(*seeded)
+        except (KafkaError, NotReady) as exc:  # a rebalance, a broker away: the next tick reads them again
+            log.debug("end offsets not read for the lag gauge: %r", exc)
+            return
+        for tp in seeded:
+            end, next_offset = ends.get(tp), sequencer.expected(tp)  # it may have moved meanwhile
+            if end is not None and next_offset is not None:
+                self.metrics.consumer_lag.labels(partition=str(tp.partition)).set(max(0, end - next_offset))
 
     async def recount(self) -> None:
         """Count the runs of every active partition afresh (faust calls it when recovery is complete:
@@ -266,8 +290,3 @@ class Effects:
             self.metrics.decisions.labels(action=decision.action, verdict=decision.verdict).inc()
             self.metrics.decision_latency.observe(max(0.0, now - decision.ts_ms / 1000))
 
-    def _report_lag(self, record: Record) -> None:
-        highwater = self.app.consumer.highwater(TP(record.topic, record.partition))  # type: ignore[attr-defined]
-        if highwater is not None:
-            self.metrics.consumer_lag.labels(partition=str(record.partition)).set(
-                max(0, highwater - record.offset - 1))

@@ -40,7 +40,7 @@ class WorkerMetrics:
         )
         self.runs_tracked = Gauge("loopwarden_runs_tracked", "Runs with stored state in this worker's active "
                                   "partitions (standbys excluded): counted on recovery, then kept exact.", registry=r)
-        self.consumer_lag = Gauge("loopwarden_consumer_lag", "Telemetry messages not yet processed, by partition.",
+        self.consumer_lag = Gauge("loopwarden_consumer_lag", "Telemetry messages not yet processed, by partition: the end offset (read every 0.5 s) minus the next offset to process.",
                                   ["partition"], registry=r)
         self.ready = Gauge("loopwarden_worker_ready", "1 once the worker has recovered its state and consumes.",
                            registry=r)

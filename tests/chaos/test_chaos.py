@@ -175,9 +175,10 @@ def test_slow_worker(kafka_bootstrap: str, tmp_path: Path, trial: int) -> None:
     worker = fleet.start_worker(0)
     try:
         # 2,400 runs in 6 s (~4,800 events/s): each 0.97 s stop leaves ~4,600 events, several batches of
-        # catching up, so the lag gauge (updated per batch) is still above 0 when it is scraped after the
-        # 0.03 s the worker runs. With 600 runs (~1,200 events a stop, about one batch) 2 of 4 trials scraped
-        # 0 at 4214dc6, every decision right: the worker had probably caught up before the scrape.
+        # catching up, so the lag gauge (end offsets read every 0.5 s; the timer is due at once when the
+        # worker runs again) is still above 0 when it is scraped after the 0.03 s the worker runs. With 600
+        # runs (~1,200 events a stop, about one batch) 2 of 4 trials scraped 0 at 4214dc6, every decision
+        # right: the worker had probably caught up before the scrape.
         result = asyncio.run(harness.run_trial("slow_worker", trial, fleet, harness.slow_worker(worker),
                                                seed=4000 + trial, runs=2400))
     finally:
