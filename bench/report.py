@@ -787,21 +787,22 @@ class Page:
         lines = ["- **Halt latency is two trips through the broker plus the worker's queue.**"
                  + (f" At 10% load the inbound half (trigger to halt sent) takes {_ms(split['inbound_p50'])} ms and the"
                     f" outbound half {_ms(split['outbound_p50'])} ms (medians)" if split else "")
-                 + (f"; one raw round trip is {_ms(rtt)} ms, so the way back (worker's ack wait, halt listener) is"
-                    f" {split['outbound_p50'] / rtt:.1f} trips and the way in {split['inbound_p50'] / rtt:.1f}: the"
-                    " the SDK's 5 ms linger, the worker's fetch, the batch in hand, the fold."
-                    if split and rtt else ".")
-                 + " Under load it is the inbound half that grows: a busy worker answers late, whatever the network"
-                 " does. It matters for what only the fleet decides: per-run halts are made in the runtime."
-                 " *Recommendation*: a producer for decisions of their own (below)."]
+                 + (f"; one raw round trip is {_ms(rtt)} ms, so the way back (the decisions producer's send, the"
+                    f" broker, the halt listener's fetch) is {split['outbound_p50'] / rtt:.1f} trips and the way in"
+                    f" {split['inbound_p50'] / rtt:.1f} (the SDK's send, the worker's fetch cycle, the batch in hand,"
+                    " the fold)." if split and rtt else ".")
+                 + " Each half is about a raw trip plus waits in a busy event loop: even at 10% load the worker's"
+                 " loop is mostly occupied by per-fetch and per-batch costs (aiokafka's fetch bookkeeping and"
+                 " protocol code, a batch's RocksDB and changelog writes), which do not shrink with the load."
+                 " Under load the inbound half grows: a busy worker answers late, whatever the network does. It"
+                 " matters for what only the fleet decides: per-run halts are made in the runtime."]
         if overruns.get("count", 0) >= 3 or overruns.get("max_s", 0.0) >= 2.0:
             lines.append(
-                f"- **Offset commits stall the worker**: during the halt and overshoot runs faust logged {overruns['count']}"
+                f"- **Offset commits overran**: during the halt and overshoot runs faust logged {overruns['count']}"
                 f" commits overrunning their 1 s interval, the longest {overruns['max_s']:.1f} s. Before committing,"
-                " faust waits until the producer has delivered everything queued (the batch's changelog messages),"
-                " and a halt published meanwhile queues behind that traffic in the same producer: the likeliest"
-                " source of the halt latency's long tail (not isolated here). *Recommendation*: publish decisions"
-                " through a producer of their own, so a halt never waits behind changelog writes.")
+                " faust waits until its producer has delivered everything queued (the batches' changelog records);"
+                " decisions go out on a producer of their own, so they do not queue behind that traffic, but a"
+                " broker slow to acknowledge the changelog delays commits (redelivery after a crash grows).")
         if fast or never:
             lines.append(
                 "- **Overshoot, local rules on**: at 1000 calls/s "
@@ -815,8 +816,8 @@ class Page:
         budget_us = 1e6 / TARGET_EVENTS_PER_S
         text = (f"- **The 20,000 events/s target leaves {budget_us:.0f} us per event on one core.** A saturated worker"
                 f" spends {cpu_us:.1f} us of CPU per event on all its threads ({cpu_us / budget_us:.2f}x the budget;"
-                " the consumer's fetch thread and the producer's sender run beside the main thread, so one worker"
-                " process can use a little more than one core).")
+                " faust's consumer runs on the worker's own event loop, so one worker uses at most about one core"
+                " of Python, plus RocksDB's background threads).")
         if self.limit:
             text += (f" Raw aiokafka consume costs {1e6 / self.limit['consume_msgs_per_s_median']:.1f} us per message"
                      " here; the broker and the load generator share the same cores.")
