@@ -34,7 +34,8 @@ agents' topics: telemetry, OTLP) skip it:
   before it commits), in the generation it was fetched in; faust's commit timer does the rest.
 * back-pressure: a sink holding more than ``4 x batch_max`` records marks the partitions it holds as
   buffered (faust's ``on_buffer_full``: no more fetches for them) until it drained below half of that
-  (then the fetch starts at once; faust would sleep a second when no partition is left to fetch).
+  (then the fetch starts at once; faust would sleep a second when no partition is left to fetch, and
+  while others are left, it waited up to a second for their records: here ``BUFFERED_POLL_S``).
 * revoke and stop: faust suspends and clears its flow control (which clears the sinks: pending batches
   are dropped unacknowledged), then waits in ``wait_empty``, which here first waits for the batch in
   hand to finish, so that no state, changelog or decision of a revoked partition is written after it.
@@ -102,6 +103,10 @@ GAP_CONFIRM_SEEKS = 20
 GAP_CONFIRM_S = 5.0
 #: How long ``wait_empty`` (revoke, stop) waits for the batch in hand before giving up on it.
 IN_FLIGHT_WAIT_S = 60.0
+#: While a full sink holds partitions back, the longest the consumer waits for records of the others before
+#: it looks again at which partitions are active: faust waits up to a second, and a partition the sink
+#: released meanwhile waited with it (one worker on a backlog idled up to 0.8 s every few batches).
+BUFFERED_POLL_S = 0.01
 #: An input partition with records waiting and nothing admitted for this long is reported as stalled.
 STALL_S = 15.0
 
@@ -525,8 +530,9 @@ class BatchConsumer(Consumer):
 
     async def _wait_next_records(self, timeout: float) -> tuple[Any, set[TP] | None]:
         """faust's, except that partitions whose records a sink dropped are first sought back to their
-        expected offsets, and when every partition is held back by a full sink: faust would sleep a whole
-        second before fetching again; this waits until a sink has drained (at most that second)."""
+        expected offsets; when every partition is held back by a full sink (faust would sleep a whole
+        second before fetching again) this waits until a sink has drained (at most that second); and while
+        some are held back, the wait for records of the others lasts at most ``BUFFERED_POLL_S``."""
         if not self.flow_active:
             await self.wait(self.can_resume_flow)  # type: ignore[arg-type]  # as faust's: an asyncio.Event
         for sink in self.sinks.values():
@@ -538,6 +544,10 @@ class BatchConsumer(Consumer):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._drained.wait(), 1.0)
             return {}, self._get_active_partitions()
+        if self._buffered_partitions:
+            # faust's wait is for records of the partitions active now (up to a second): partitions a sink
+            # releases meanwhile must not wait for it.
+            timeout = min(timeout, BUFFERED_POLL_S)
         return await super()._wait_next_records(timeout)
 
     def on_buffer_drop(self, tp: TP) -> None:

@@ -25,7 +25,7 @@ from faust.types import TP  # noqa: E402
 from stream_app.core.stored import StateVersionError  # noqa: E402
 from stream_app.worker import delivery  # noqa: E402
 from stream_app.worker.app import configured_app  # noqa: E402
-from stream_app.worker.loop_consumer import LoopConsumerThread  # noqa: E402
+from stream_app.worker.loop_consumer import FETCH_MAX_WAIT_MS, LoopConsumerThread  # noqa: E402
 from stream_app.worker.settings import WorkerSettings  # noqa: E402
 
 TOPIC = "agent.telemetry"
@@ -533,6 +533,48 @@ async def test_a_full_sink_holds_its_partitions_back_until_it_drained(tmp_path) 
     assert PARTITION in consumer._get_active_partitions() and not consumer._buffered_partitions
     records, active = await asyncio.wait_for(fetch, 0.2)
     assert records == {} and PARTITION in active
+
+
+async def test_while_a_sink_holds_partitions_back_the_wait_for_the_others_is_short(tmp_path) -> None:
+    """faust waits up to a second for records of the partitions active when the wait began; a partition
+    the sink released meanwhile waited with it (a saturated worker idled up to 0.8 s every few batches).
+    While a sink holds partitions back, the consumer asks for the others' records with a short wait;
+    otherwise faust's wait is kept."""
+    h = await Harness(tmp_path, "short-wait").seeded()
+    consumer = h.consumer
+    other = TP(TOPIC, 1)
+    h.committed[other] = 0
+    consumer._set_active_tps(set(h.committed))
+    waits: list[tuple[set[TP] | None, float]] = []
+
+    async def getmany(active_partitions: set[TP] | None, timeout: float) -> dict[Any, list[Any]]:
+        waits.append((set(active_partitions or ()), timeout))  # a copy: faust mutates its set
+        return {}
+
+    h.consumer._thread.getmany = getmany  # type: ignore[attr-defined]
+    await consumer._wait_next_records(1.0)
+    for start in range(0, 5 * BATCH_MAX, BATCH_MAX):
+        h.sink.offer(1, _records(*range(100 + start, 100 + start + BATCH_MAX)))
+    assert consumer._buffered_partitions == {PARTITION}
+    await consumer._wait_next_records(1.0)
+    assert waits == [({PARTITION, other}, 1.0), ({other}, delivery.BUFFERED_POLL_S)]
+    assert delivery.BUFFERED_POLL_S <= 0.05
+
+
+async def test_a_fetch_waits_at_the_broker_at_most_the_workers_setting(tmp_path) -> None:
+    """faust builds its aiokafka consumer with fetch_max_wait_ms=1500: a fetch for partitions with nothing
+    new parked that long while partitions drained meanwhile could not be fetched. The worker's consumer
+    is faust's with the shorter wait."""
+    app = configured_app(WorkerSettings.from_env({
+        "LOOPWARDEN_APP_ID": "fetch-wait", "LOOPWARDEN_STATE_DIR": str(tmp_path), "LOOPWARDEN_ALLOW_UNSIGNED": "true"}))
+    delivery.install(app, [delivery.BatchSink(TOPIC, BATCH_MAX, lambda _: None)], lambda: None)
+    thread = app.consumer._thread  # type: ignore[attr-defined]
+    aio = thread._create_worker_consumer(app.transport)
+    try:
+        assert isinstance(aio, AIOKafkaConsumer)
+        assert aio._fetch_max_wait_ms == FETCH_MAX_WAIT_MS <= 100
+    finally:
+        await aio.stop()
 
 
 async def test_pending_fetches_are_merged_up_to_batch_max(tmp_path) -> None:
