@@ -722,6 +722,14 @@ class Page:
         if batch:
             line += (f" The path itself (no-op handler) runs at {_n(batch)} events/s, {1e6 / batch:.1f} us per event:"
                      " what remains is the worker's own work.")
+        line += (" Until 2026-12-03 a saturated worker idled most of the time: faust builds its consumer with"
+                 " `fetch_max_wait_ms=1500`, and the fetch sent while a backlog's records sat in aiokafka's buffer"
+                 " asked only for partitions with nothing new and parked at the broker, so the partitions drained"
+                 " meanwhile could not be fetched until it returned (and faust waited up to a second for records"
+                 " of the partitions still active while a full sink held the others back). One worker ran at"
+                 " 13,000-14,000 events/s on 0.3 of a core; with a 100 ms fetch wait and a 10 ms poll while a sink is"
+                 " full (`loop_consumer.FETCH_MAX_WAIT_MS`, `delivery.BUFFERED_POLL_S`) the same probe gave"
+                 " 33,000-36,000 at the same CPU per event (`/tmp` probes, one worker, 2026-12-03).")
         return [line]
 
     def _fold_bullet(self) -> list[str]:
@@ -791,9 +799,9 @@ class Page:
                     f" broker, the halt listener's fetch) is {split['outbound_p50'] / rtt:.1f} trips and the way in"
                     f" {split['inbound_p50'] / rtt:.1f} (the SDK's send, the worker's fetch cycle, the batch in hand,"
                     " the fold)." if split and rtt else ".")
-                 + " Each half is about a raw trip plus waits in a busy event loop: even at 10% load the worker's"
-                 " loop is mostly occupied by per-fetch and per-batch costs (aiokafka's fetch bookkeeping and"
-                 " protocol code, a batch's RocksDB and changelog writes), which do not shrink with the load."
+                 + " Each half is about a raw trip plus waits in the worker's event loop: at 10% load a batch is"
+                 " one or two events, so every event pays the per-fetch and per-batch costs (aiokafka's fetch"
+                 " bookkeeping and protocol code, a batch's RocksDB and changelog writes, the awaited decision)."
                  " Under load the inbound half grows: a busy worker answers late, whatever the network does. It"
                  " matters for what only the fleet decides: per-run halts are made in the runtime."]
         if overruns.get("count", 0) >= 3 or overruns.get("max_s", 0.0) >= 2.0:
