@@ -61,7 +61,7 @@ bench: install
 ## workers, a bad-input flood, a 30-minute soak) on a real broker; regenerates RELIABILITY.md (also when
 ## a trial fails).
 ## The soak's million distinct runs in 30 min (98% one call, 2% four-call runaways) are ~590 events/s:
-## a little over half a worker's sustained rate here (BENCHMARKS.md).
+## a few percent of one worker's sustained rate here (BENCHMARKS.md): the soak is about state growth and eviction.
 ## Not part of make test.
 CHAOS_RESULTS := var/chaos-results.jsonl
 chaos: install

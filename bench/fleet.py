@@ -16,6 +16,8 @@ Progress (events applied) and lag come from the workers' Prometheus endpoints, s
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +39,9 @@ MIN_PRODUCER_SHARE = 0.97
 MAX_BACKLOG = 1_500_000
 #: A saturation probe whose backlog lasts a shorter window than this is repeated with a bigger one.
 MIN_WINDOW_S = 4.0
+#: The workers are stopped (SIGSTOP) while a probe's backlog is produced, for this long at most: well inside
+#: the group's session timeout (10 s), so no rebalance follows.
+HOLD_MAX_S = 6.0
 
 
 @dataclass
@@ -128,14 +133,27 @@ async def saturate(deployment: BenchDeployment, template: Path, backlog: int, wa
                    prefix: str, profile_to: Path | None = None) -> dict[str, Any]:
     """Produce ``backlog`` events as fast as possible, then measure the apply rate over ``measure_s``
     after ``warm_s`` (or until the backlog runs out), with the producer idle; with ``profile_to``, a
-    py-spy summary of worker 0 over the same window."""
+    py-spy summary of worker 0 over the same window.
+
+    The workers are held (SIGSTOP) while the backlog is produced, for ``HOLD_MAX_S`` at most: workers that
+    apply faster than one load generator produces would otherwise eat the backlog as it is made (two
+    workers did, 1,500,000 events, 2026-12-03) and no window would ever have the producer idle."""
     gen = LoadGen(deployment.bootstrap, deployment.telemetry_topic, template, backlog * 10.0, 0.1, prefix)
     await gen.prepare()
     base, _ = await deployment.progress()
-    started = time.monotonic()
-    await gen.go()
-    final = await gen.wait()
-    await asyncio.sleep(max(0.0, warm_s - (time.monotonic() - started)))
+    pids = [w.process.pid for w in deployment.workers]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        await gen.go()
+        done = asyncio.ensure_future(gen.wait())
+        await asyncio.wait([done], timeout=HOLD_MAX_S)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    resumed = time.monotonic()
+    final = await done
+    await asyncio.sleep(max(0.0, warm_s - (time.monotonic() - resumed)))
     before, _ = await deployment.progress()
     batches0 = _batches(await deployment.scrape_async())
     cpu0 = sum(w.cpu_s() for w in deployment.workers)
