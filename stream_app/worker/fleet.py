@@ -125,6 +125,9 @@ TOOLS = Kind("tool", "tools", "tool", ToolFact, 12, ("tenant", "tool", "upstream
              lambda fleet: fleet.tool_ttl_ms)
 KINDS: tuple[Kind, ...] = (TREES, THREADS, TOOLS)
 _KIND_OF: dict[type[Any], Kind] = {kind.fact: kind for kind in KINDS}
+#: A fact of each kind from its fields as a facts message lists them, their number checked before.
+_FROM_FIELDS: dict[Kind, Callable[[list[Any]], Any]] = {
+    TREES: TreeFact._make, THREADS: ThreadFact._make, TOOLS: lambda fields: ToolFact.of(*fields)}
 _KIND_OF_SCOPE: dict[str, Kind] = {kind.scope: kind for kind in KINDS}
 
 
@@ -213,7 +216,8 @@ def decode_facts(value: bytes | None) -> list[tuple[Kind, int, int, Any]]:
         items = obj.get(kind.name, [])
         if type(items) is not list:
             raise InvalidEvent(kind.name, "must be a list of facts")
-        (typed, types), make, size = kind.typed, kind.fact.of if kind is TOOLS else kind.fact, kind.arity + 2
+        (typed, types), size = kind.typed, kind.arity + 2
+        make = _FROM_FIELDS[kind]
         for item in items:
             if type(item) is not list or len(item) != size:
                 raise InvalidEvent(kind.name, f"a fact must be a list of {size} fields")
@@ -221,7 +225,7 @@ def decode_facts(value: bytes | None) -> list[tuple[Kind, int, int, Any]]:
                 raise InvalidEvent(kind.name, f"a fact's source, {', '.join(kind.strings + kind.integers)} must be "
                                               "of their types")
             try:
-                fact = make(*item[2:])
+                fact = make(item[2:])
             except TypeError as exc:
                 raise InvalidEvent(kind.name, str(exc)) from exc
             out.append((kind, item[0], item[1], fact))
@@ -268,7 +272,7 @@ class FleetEffects:
 
     async def _process(self, records: Sequence[Record]) -> None:
         # The batch's facts by (kind, partition, key), in offset order.
-        by_key: dict[tuple[Kind, int, str], list[tuple[int, int, Any]]] = {}
+        by_key: dict[tuple[Kind, int, str], list[tuple[Kind, int, int, Any]]] = {}
         for record in records:
             if record.headers and header(record.headers, KIND_HEADER) == OPERATOR_KIND:
                 try:
@@ -277,15 +281,16 @@ class FleetEffects:
                     await self.dead_letters.send(record, exc)
                     continue
                 # in order with the key's facts; no source offset: a command applied twice is one decision
-                by_key.setdefault((kind, record.partition, command.key_text), []).append((-1, -1, command))
+                by_key.setdefault((kind, record.partition, command.key_text), []).append((kind, -1, -1, command))
                 continue
             try:
                 facts = decode_facts(record.value)
             except InvalidEvent as exc:
                 await self.dead_letters.send(record, exc)
                 continue
-            for kind, source_partition, offset, fact in facts:
-                by_key.setdefault((kind, record.partition, fact.key_text), []).append((source_partition, offset, fact))
+            partition = record.partition
+            for item in facts:
+                by_key.setdefault((item[0], partition, item[3].key_text), []).append(item)
         decisions: list[tuple[Kind, ScopeDecision]] = []
         changes: dict[str, dict[int, list[Change]]] = {}
         folded: dict[str, int] = {}
@@ -306,19 +311,26 @@ class FleetEffects:
                 state = _decode(kind, raw, key_text)
             sources = state.sources
             fold = kind.fold
-            for source_partition, offset, fact in items:
+            skipped = commands = 0
+            for _, source_partition, offset, fact in items:
                 if type(fact) is ScopeCommand:
+                    commands += 1
                     decisions.append((kind, fact.decision()))
                     if kind is TOOLS and fact.action == "resume":
                         state.pause = None  # an operator lifted it: no resume or pause again of the fold's
                     continue
                 source = str(source_partition)
                 if offset <= sources.get(source, -1):
-                    redelivered[kind.name] = redelivered.get(kind.name, 0) + 1
+                    skipped += 1
                     continue
                 sources[source] = offset
-                folded[kind.name] = folded.get(kind.name, 0) + 1
-                decisions.extend((kind, decision) for decision in fold(fleet, state, fact))
+                crossed = fold(fleet, state, fact)
+                if crossed:
+                    decisions.extend([(kind, decision) for decision in crossed])
+            if skipped:
+                redelivered[kind.name] = redelivered.get(kind.name, 0) + skipped
+            if len(items) > skipped + commands:
+                folded[kind.name] = folded.get(kind.name, 0) + len(items) - skipped - commands
             record = state.encode()
             changes.setdefault(kind.name, {}).setdefault(partition, []).append((key[2], record))
             written.append((key, record, state))

@@ -215,16 +215,18 @@ def test_the_set_of_decisions_does_not_depend_on_the_order_of_the_facts(facts: l
     assert keys(_fold(facts, **fleet)) == keys(_fold(shuffled, **fleet))
 
 
-@given(_trees(), st.randoms(use_true_random=False))
-@settings(max_examples=150, deadline=None)
+@given(_trees(), st.randoms(use_true_random=False), st.sampled_from([0.0, 2.0]))
+@settings(max_examples=200, deadline=None)
 def test_a_call_of_a_known_run_skips_placing_it_with_the_same_state_and_decisions(facts: list[TreeFact],
-                                                                                  rnd: Any) -> None:
+                                                                                  rnd: Any, budget: float) -> None:
+    """The fold's shortcuts (no placing for a known run's call; no rule checks when none can fire: with no
+    cost budget, most facts) decide as placing every fact and checking every rule."""
     # each run's later calls again (the facts the fold's shortcut takes), in a random order
     facts = facts + [f._replace(event_id=f"{f.event_id}-again", spawn=False, child_run_id=None, ts_ms=f.ts_ms + 5)
                      for f in facts if f.run_id != "root"]
     facts = [f._replace(parent=None) if f.parent == "?" else f for f in facts]
     rnd.shuffle(facts)
-    fleet = FleetThresholds(max_tree_depth=3, max_tree_runs=12, max_tree_cost_usd=2.0)
+    fleet = FleetThresholds(max_tree_depth=3, max_tree_runs=12, max_tree_cost_usd=budget)
     cap = fleet.max_tree_depth + 1
 
     def placing_every_fact(state: TreeState, fact: TreeFact) -> tuple[ScopeDecision, ...]:

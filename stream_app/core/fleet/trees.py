@@ -192,7 +192,18 @@ def fold(fleet: FleetThresholds, state: TreeState, fact: TreeFact) -> tuple[Scop
         deeper = _place(state, fact, cap)
     if fact.cost_micro:
         state.cost_micro = min(state.cost_micro + fact.cost_micro, SPEND_CAP)
+    if deeper is None and not fact.spawn and _runs_settled(fleet, state) \
+            and (not fleet.max_tree_cost_usd or "tree_budget" in state.fired):
+        return ()  # most facts: none of _crossed's rules can fire (checked here, without building a thing)
     return _crossed(fleet, state, fact, deeper, cap)
+
+
+def _runs_settled(fleet: FleetThresholds, state: TreeState) -> bool:
+    """Neither ``tree_fanout`` rule can fire on the tree's run count as it is (the half alert fires at the
+    latest with the halt, so a fired halt means both did)."""
+    runs = len(state.depth)
+    return runs <= fleet.max_tree_runs // 2 or "tree_fanout" in state.fired \
+        or (runs <= fleet.max_tree_runs and "tree_fanout_half" in state.fired)
 
 
 def _place(state: TreeState, fact: TreeFact, cap: int) -> tuple[str, int] | None:
