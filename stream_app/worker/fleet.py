@@ -115,6 +115,15 @@ class Kind:
         at = [0, 1, *(2 + names.index(name) for name in self.strings + self.integers)]
         return operator.itemgetter(*at), (int, int, *(str for _ in self.strings), *(int for _ in self.integers))
 
+    @functools.cached_property
+    def from_fields(self) -> Callable[[list[Any]], Any]:
+        """A fact from its fields as a message item lists them (their number checked before): a tool
+        fact's failing runs become a tuple."""
+        if self.fact is ToolFact:
+            return lambda fields: ToolFact.of(*fields)
+        make: Callable[[list[Any]], Any] = self.fact._make
+        return make
+
 
 TREES = Kind("tree", "trees", "sub-agent tree", TreeFact, 12, ("root", "run_id", "event_id"), ("ts_ms", "cost_micro"),
              TreeState, trees.fold, lambda fleet: fleet.tree_ttl_ms)
@@ -125,9 +134,6 @@ TOOLS = Kind("tool", "tools", "tool", ToolFact, 12, ("tenant", "tool", "upstream
              lambda fleet: fleet.tool_ttl_ms)
 KINDS: tuple[Kind, ...] = (TREES, THREADS, TOOLS)
 _KIND_OF: dict[type[Any], Kind] = {kind.fact: kind for kind in KINDS}
-#: A fact of each kind from its fields as a facts message lists them, their number checked before.
-_FROM_FIELDS: dict[Kind, Callable[[list[Any]], Any]] = {
-    TREES: TreeFact._make, THREADS: ThreadFact._make, TOOLS: lambda fields: ToolFact.of(*fields)}
 _KIND_OF_SCOPE: dict[str, Kind] = {kind.scope: kind for kind in KINDS}
 
 
@@ -216,8 +222,7 @@ def decode_facts(value: bytes | None) -> list[tuple[Kind, int, int, Any]]:
         items = obj.get(kind.name, [])
         if type(items) is not list:
             raise InvalidEvent(kind.name, "must be a list of facts")
-        (typed, types), size = kind.typed, kind.arity + 2
-        make = _FROM_FIELDS[kind]
+        (typed, types), make, size = kind.typed, kind.from_fields, kind.arity + 2
         for item in items:
             if type(item) is not list or len(item) != size:
                 raise InvalidEvent(kind.name, f"a fact must be a list of {size} fields")
@@ -311,10 +316,9 @@ class FleetEffects:
                 state = _decode(kind, raw, key_text)
             sources = state.sources
             fold = kind.fold
-            skipped = commands = 0
+            new = skipped = 0
             for _, source_partition, offset, fact in items:
                 if type(fact) is ScopeCommand:
-                    commands += 1
                     decisions.append((kind, fact.decision()))
                     if kind is TOOLS and fact.action == "resume":
                         state.pause = None  # an operator lifted it: no resume or pause again of the fold's
@@ -324,13 +328,14 @@ class FleetEffects:
                     skipped += 1
                     continue
                 sources[source] = offset
+                new += 1
                 crossed = fold(fleet, state, fact)
                 if crossed:
                     decisions.extend([(kind, decision) for decision in crossed])
             if skipped:
                 redelivered[kind.name] = redelivered.get(kind.name, 0) + skipped
-            if len(items) > skipped + commands:
-                folded[kind.name] = folded.get(kind.name, 0) + len(items) - skipped - commands
+            if new:
+                folded[kind.name] = folded.get(kind.name, 0) + new
             record = state.encode()
             changes.setdefault(kind.name, {}).setdefault(partition, []).append((key[2], record))
             written.append((key, record, state))
