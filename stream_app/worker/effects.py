@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -75,12 +76,26 @@ class DecisionProducer:
 
     Started with the app (or on the first send), stopped once faust's consumer has stopped (the batch in
     hand at a stop publishes through it first).
+
+    ``flush_now`` puts what is queued on the wire from the event loop's next turn. aiokafka's sender
+    task takes three turns to do it (its waiter's callback, its own wake-up, the produce request's task),
+    and on a worker at 10% load each turn waits behind the fetches and batches already queued: a halt's
+    produce request reached the socket 0.73 ms (p50) after the send, 0.35 ms with the flush, and the halt
+    reached the runtime 2.74 ms after it was sent instead of 3.03 (medians of 9 interleaved runs of the
+    halt bench's 10% load each). It does what one pass of the sender's loop does, with aiokafka's own
+    request task, and wakes the sender when the request is answered (retries and batches queued meanwhile
+    are the sender's again). aiokafka 0.14.0's private attributes used (``versions.PINNED``):
+    ``AIOKafkaProducer._sender`` and ``._message_accumulator``; ``Sender._in_flight``,
+    ``._muted_partitions`` and ``._send_produce_req``; ``MessageAccumulator.drain_by_nodes``,
+    ``._waiter_future`` and ``.fail_all``.
     """
 
     def __init__(self, kafka: KafkaClientConfig) -> None:
         self._kwargs = {**kafka.aiokafka_kwargs(), "acks": "all", "linger_ms": 0, "client_id": "loopwarden-decisions"}
         self._producer: AIOKafkaProducer | None = None
         self._starting = asyncio.Lock()
+        #: Produce requests ``flush_now`` started (held so they are not garbage-collected mid-flight).
+        self._requests: set[asyncio.Future[None]] = set()
 
     async def start(self) -> AIOKafkaProducer:
         async with self._starting:
@@ -101,6 +116,29 @@ class DecisionProducer:
         producer = self._producer or await self.start()
         sent: asyncio.Future[Any] = await producer.send(topic, value, partition=partition)
         return sent
+
+    def flush_now(self) -> None:
+        """Send what is queued now instead of after the sender's turns (see the class docstring)."""
+        producer = self._producer
+        if producer is None:
+            return
+        sender, accumulator = producer._sender, producer._message_accumulator
+        ready, _ = accumulator.drain_by_nodes(ignore_nodes=sender._in_flight, muted_partitions=sender._muted_partitions)
+        for node_id, batches in ready.items():
+            sender._in_flight.add(node_id)
+            sender._muted_partitions.update(batches)
+            request = asyncio.ensure_future(sender._send_produce_req(node_id, batches))
+            self._requests.add(request)
+            request.add_done_callback(functools.partial(self._answered, accumulator))
+
+    def _answered(self, accumulator: Any, request: asyncio.Future[None]) -> None:
+        self._requests.discard(request)
+        if not request.cancelled() and request.exception() is not None:
+            # what aiokafka's sender does when its own loop fails: every pending send fails with it
+            accumulator.fail_all(request.exception())
+        waiter = accumulator._waiter_future  # the sender's turn: batches queued meanwhile, retries
+        if not waiter.done():
+            waiter.set_result(None)
 
     async def stop(self) -> None:
         producer, self._producer = self._producer, None
@@ -200,8 +238,9 @@ class Effects:
 
         facts_sent = await self.facts.send(result.facts) if result.facts and self.facts is not None else []
         if result.decisions:
-            await self._publish(result.decisions)
+            await self._publish(result.decisions)  # its flush takes the facts along in the same request
         if facts_sent:
+            self.decisions.flush_now()
             await asyncio.gather(*facts_sent)
         await store.write(result.records)
         tracked = self._tracked
@@ -284,6 +323,7 @@ class Effects:
             pending.append(await send(control, key, value, headers))
             if decision.action == "halt" or decision.verdict in ("operator_halt", "operator_resume"):
                 pending.append(await send(alerts, key, value, headers))
+        self.decisions.flush_now()
         await asyncio.gather(*pending)
         now = time.time()
         for decision in decisions:

@@ -86,6 +86,9 @@ class _Producer:
         done.set_result(None)
         return done
 
+    def flush_now(self) -> None:
+        """Sends here are done at once (the real one's flush: tests/integration/test_decision_producer.py)."""
+
 
 class _DeadLetters:
     def __init__(self) -> None:

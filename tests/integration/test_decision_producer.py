@@ -1,0 +1,128 @@
+"""The worker's decisions producer against the real broker: ``flush_now`` puts queued messages on the
+wire from the event loop's next turn (aiokafka's sender takes three), and loses, reorders or stalls
+nothing around aiokafka's own sender."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import TopicPartition
+
+pytest.importorskip("faust")
+
+from stream_app.bus.kafka import KafkaClientConfig
+from stream_app.worker.effects import DecisionProducer
+
+pytestmark = pytest.mark.integration
+
+
+def _in_flight(producer: DecisionProducer) -> int:
+    """Requests written to the broker connections and not answered yet."""
+    aio: Any = producer._producer
+    return sum(len(conn._requests) for conn in aio.client._conns.values())
+
+
+async def _read(bootstrap: str, topic: str, count: int) -> list[bytes]:
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tp = TopicPartition(topic, 0)
+        consumer.assign([tp])
+        await consumer.seek_to_beginning(tp)
+        values: list[bytes] = []
+        async with asyncio.timeout(20):
+            while len(values) < count:
+                for records in (await consumer.getmany(timeout_ms=500)).values():
+                    values.extend(record.value for record in records)
+        return values
+    finally:
+        await consumer.stop()
+
+
+@pytest.mark.parametrize("flush", [True, False])
+async def test_a_flushed_send_is_on_the_wire_after_one_turn_of_the_loop(
+        kafka_bootstrap: str, topic_factory: Callable[..., str], flush: bool) -> None:
+    topic = topic_factory()
+    producer = DecisionProducer(KafkaClientConfig(kafka_bootstrap))
+    await producer.start()
+    try:
+        await (await producer.send(topic, b"warm", b"up", []))  # metadata and connection in place
+        await asyncio.sleep(0.05)
+        assert _in_flight(producer) == 0
+        sent = await producer.send(topic, b"run-1", b"halt", [])
+        if flush:
+            producer.flush_now()
+        await asyncio.sleep(0)  # one turn: the request's task has written it; no answer can be read yet
+        assert _in_flight(producer) == (1 if flush else 0)  # without the flush the sender needs 3 turns
+        metadata = await asyncio.wait_for(sent, 10)
+        assert metadata.offset == 1
+    finally:
+        await producer.stop()
+
+
+async def test_flushed_and_unflushed_sends_all_arrive_in_order(
+        kafka_bootstrap: str, topic_factory: Callable[..., str]) -> None:
+    """Two tasks send to one partition, one flushing after every few sends, while aiokafka's sender
+    sends the rest: one request in flight per broker at a time, whoever sends it, so nothing is
+    reordered, and every send is acknowledged (a request the flush started wakes the sender for what
+    was queued meanwhile)."""
+    topic = topic_factory()
+    producer = DecisionProducer(KafkaClientConfig(kafka_bootstrap))
+    await producer.start()
+    order: list[bytes] = []
+
+    async def sender(name: str, flush_every: int) -> list[asyncio.Future[Any]]:
+        pending = []
+        for i in range(300):
+            value = f"{name}-{i}".encode()
+            order.append(value)
+            pending.append(await producer.send(topic, name.encode(), value, []))
+            if flush_every and i % flush_every == 0:
+                producer.flush_now()
+            if i % 50 == 0:
+                await asyncio.sleep(0)
+        return pending
+
+    try:
+        flushed, plain = await asyncio.gather(sender("a", 3), sender("b", 0))
+        results = await asyncio.wait_for(asyncio.gather(*flushed, *plain), 30)
+        assert len(results) == 600
+    finally:
+        await producer.stop()
+    assert await _read(kafka_bootstrap, topic, 600) == order
+
+
+async def test_a_send_queued_behind_a_flushed_request_goes_out_when_it_is_answered(
+        kafka_bootstrap: str, topic_factory: Callable[..., str]) -> None:
+    """aiokafka's sender keeps one request in flight per broker; the one the flush started is not its
+    own task, so its answer must wake the sender for what was queued meanwhile (else that waits for the
+    next send, or forever)."""
+    topic = topic_factory()
+    producer = DecisionProducer(KafkaClientConfig(kafka_bootstrap))
+    await producer.start()
+    try:
+        await (await producer.send(topic, b"warm", b"up", []))
+        first = await producer.send(topic, b"run-1", b"halt", [])
+        producer.flush_now()
+        await asyncio.sleep(0)  # on the wire
+        second = await producer.send(topic, b"run-2", b"halt", [])  # the broker is busy: queued
+        assert (await asyncio.wait_for(first, 10)).offset == 1
+        assert (await asyncio.wait_for(second, 10)).offset == 2
+    finally:
+        await producer.stop()
+
+
+async def test_a_flushed_request_in_flight_at_stop_is_delivered(
+        kafka_bootstrap: str, topic_factory: Callable[..., str]) -> None:
+    topic = topic_factory()
+    producer = DecisionProducer(KafkaClientConfig(kafka_bootstrap))
+    await producer.start()
+    sent = [await producer.send(topic, b"run-1", f"decision-{i}".encode(), []) for i in range(5)]
+    producer.flush_now()
+    await producer.stop()  # the batch in hand at a worker's stop publishes like this
+    assert all(future.done() and future.exception() is None for future in sent)
+    assert await _read(kafka_bootstrap, topic, 5) == [f"decision-{i}".encode() for i in range(5)]
