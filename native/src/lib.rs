@@ -887,12 +887,21 @@ struct BatchFolder {
     write_version: i64,
     max_event_bytes: usize,
     record: Vec<u8>,
+    /// Whether `fold` lists the facts of the rules across runs (`BatchFold.facts`).
+    facts: bool,
 }
 
 #[pymethods]
 impl BatchFolder {
     #[new]
-    fn new(policy: Py<PyAny>, policy_digest: String, write_version: i64, max_event_bytes: usize) -> PyResult<Self> {
+    #[pyo3(signature = (policy, policy_digest, write_version, max_event_bytes, facts=true))]
+    fn new(
+        policy: Py<PyAny>,
+        policy_digest: String,
+        write_version: i64,
+        max_event_bytes: usize,
+        facts: bool,
+    ) -> PyResult<Self> {
         if !(0..=detector::FORMAT_VERSION).contains(&write_version) {
             return Err(pyo3::exceptions::PyValueError::new_err(format!(
                 "write_version {write_version}: this engine writes versions 0 to {}",
@@ -905,6 +914,7 @@ impl BatchFolder {
             write_version,
             max_event_bytes,
             record: Vec::with_capacity(1024),
+            facts,
         })
     }
 
@@ -1102,7 +1112,7 @@ impl BatchFolder {
                     }
                 }
             }
-            if !matches!(admission, Admission::Duplicate) {
+            if self.facts && !matches!(admission, Admission::Duplicate) {
                 let class = call.tool_class.unwrap_or(policy.thresholds.tool_class);
                 if let Some(facts) = facts_of(index, &call, class) {
                     run.facts.push(facts);

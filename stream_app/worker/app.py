@@ -220,7 +220,8 @@ def batch_fold(settings: WorkerSettings, detector: Detector, operator_keys: KeyR
     reference; both read and write the same stored records, so workers of a group may differ."""
     options: dict[str, Any] = {
         "operator_keys": operator_keys, "operator_max_age_ms": int(settings.operator_max_age_s * 1000),
-        "max_event_bytes": settings.max_event_bytes, "write_version": settings.state_write_version}
+        "max_event_bytes": settings.max_event_bytes, "write_version": settings.state_write_version,
+        "facts": settings.fleet_rules}
     if settings.state_write_version < 2:
         log.warning("LOOPWARDEN_STATE_WRITE_VERSION=%d: records of format %d cannot hold fingerprint streaks, "
                     "read and write history, spending or per-tool counts, so budgets, max_calls and "

@@ -140,8 +140,11 @@ class BatchFold:
 
     def __init__(self, detector: Detector, *, operator_keys: Verifier | None = None,
                  operator_max_age_ms: int = 900_000, max_event_bytes: int = 1 << 20,
-                 write_version: int = FORMAT_VERSION) -> None:
+                 write_version: int = FORMAT_VERSION, facts: bool = True) -> None:
         self.detector = detector
+        #: Whether ``fold`` lists the facts of the rules across runs (off: ``LOOPWARDEN_FLEET_RULES=false``,
+        #: nothing would fold them).
+        self.facts = facts
         self.operator_keys = operator_keys
         self.operator_max_age_ms = operator_max_age_ms
         self.max_event_bytes = max_event_bytes
@@ -191,6 +194,7 @@ class BatchFold:
                     evaluation = detector.evaluate(run.state, item)
                     if not evaluation.duplicate:
                         result.applied[item.outcome] += 1
+                    if not evaluation.duplicate and self.facts:
                         fact = tree_fact(item, item.tool_class or policy.resolve(item.agent_id, item.tool)
                                          .thresholds.tool_class)
                         if fact is not None:
@@ -259,7 +263,8 @@ class NativeBatchFold(BatchFold):
         super().__init__(detector, **kwargs)
         from loopwarden_native import BatchFolder  # raises ImportError when the engine is not installed
 
-        self._native = BatchFolder(detector.policy, self.policy_digest, self.write_version, self.max_event_bytes)
+        self._native = BatchFolder(detector.policy, self.policy_digest, self.write_version, self.max_event_bytes,
+                                   self.facts)
 
     def fold(self, records: Sequence[InputRecord], stored: Mapping[tuple[int, bytes], bytes | None],
              now_ms: int) -> BatchResult:

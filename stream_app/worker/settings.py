@@ -28,7 +28,7 @@ SETTINGS = SettingsTable((
     ("otlp_topic", "LOOPWARDEN_OTLP_TOPIC", "", "input: OTLP traces from the OpenTelemetry Collector's `kafka` exporter, whose tool spans become telemetry; empty: off"),
     ("otlp_encoding", "LOOPWARDEN_OTLP_ENCODING", "otlp_proto", "encoding of that topic, the exporter's `traces::encoding`: `otlp_proto` or `otlp_json`"),
     ("otlp_run_id", "LOOPWARDEN_OTLP_RUN_ID", "conversation", "run id of a tool span: `conversation` (its `gen_ai.conversation.id`, else its trace id) or `trace` (its trace id)"),
-    ("fleet_rules", "LOOPWARDEN_FLEET_RULES", "true", "fold the rules across runs (sub-agent trees, self-triggering threads, tool storms: core/fleet) on re-keyed facts; false: per-run rules only"),
+    ("fleet_rules", "LOOPWARDEN_FLEET_RULES", "true", "fold the rules across runs (sub-agent trees, self-triggering threads, tool storms: core/fleet) on re-keyed facts; false: per-run rules only, no facts built"),
     ("scopes_topic", "LOOPWARDEN_SCOPES_TOPIC", "loopwarden.scopes", "output: the halts and pauses of scopes wider than a run (sub-agent trees, threads, tools) in force, compacted, keyed by scope key, signed, with their expiry; runtimes read it from the start"),
     ("facts_topic", "LOOPWARDEN_FACTS_TOPIC", "loopwarden.facts", "internal: the facts the folds across runs learn from telemetry, keyed by scope key (`tree/ROOT`, `thread/TENANT/THREAD`, `tool/TENANT/TOOL/UPSTREAM`; LOOPWARDEN_PARTITIONS partitions)"),
     ("partitions", "LOOPWARDEN_PARTITIONS", "8", "partitions of the telemetry topic and the state table (must match)"),

@@ -15,7 +15,7 @@ pytest.importorskip("faust")
 
 from stream_app.bus.wire import encode_telemetry
 from stream_app.core import Detector, Policy
-from stream_app.core.fleet import ThreadFact, ThreadState, TreeFact, TreeState
+from stream_app.core.fleet import ThreadFact, ThreadState, ToolFact, TreeFact, TreeState
 from stream_app.core.policy import FleetThresholds
 from stream_app.worker.batch import BatchFold, RawRecord
 from stream_app.worker.fleet import FACTS_FORMAT, FactsPublisher, FleetEffects, decode_facts, partition_of
@@ -269,3 +269,32 @@ async def test_facts_of_runs_interleaved_in_a_source_partition_all_count() -> No
     state = TreeState.decode(store.data[(0, b"root")])
     assert sorted(state.depth) == ["A", "B", "root"] and state.sources == {"0": 7}
     assert metrics.fleet_facts.labels(fold="trees", state="redelivered")._value.get() == 0
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_with_the_rules_across_runs_off_a_batch_lists_no_facts_and_folds_alike(engine: str) -> None:
+    """``LOOPWARDEN_FLEET_RULES=false``: nothing would fold the facts, so neither engine builds them (they
+    cost the per-run fold Python objects for every event of a tree, a thread or an upstream); the runs'
+    records and decisions are the same as with them."""
+    if engine == "native":
+        fold_class: Any = pytest.importorskip("stream_app.worker.batch").NativeBatchFold
+        pytest.importorskip("loopwarden_native")
+    else:
+        fold_class = BatchFold
+
+    def event(run: str, n: int, outcome: str) -> dict[str, Any]:
+        return {"run_id": run, "event_id": f"{run}-{n}", "tool": "search", "ts_ms": 1_000 + n, "outcome": outcome,
+                "error_class": "http_503" if outcome == "error" else None, "upstream": "api.example.com",
+                "args": {"q": 1}, "result": "x", "root_run_id": "root", "parent_run_id": "root", "depth": 1,
+                "thread_key": "issue-7", "trigger": "webhook", "tenant": "acme"}
+
+    events = [event(run, n, "error") for n in range(5) for run in ("A", "B")]
+    records = [RawRecord(0, n, *encode_telemetry({k: v for k, v in e.items() if v is not None}))
+               for n, e in enumerate(events)]
+    stored = {(0, r.key): None for r in records if r.key}
+    with_facts = fold_class(Detector(Policy())).fold(records, stored, 0)
+    without = fold_class(Detector(Policy()), facts=False).fold(records, stored, 0)
+    assert {type(fact) for _, _, fact in with_facts.facts} == {TreeFact, ThreadFact, ToolFact}
+    assert without.facts == []
+    assert without.records == with_facts.records
+    assert [d.decision_id for d in without.decisions] == [d.decision_id for d in with_facts.decisions] != []
