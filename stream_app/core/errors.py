@@ -32,6 +32,7 @@ The whole tree, by the module that defines each::
     ├── UsageError               client.errors   the SDK used where it cannot work (also RuntimeError)
     ├── TopicMismatch            worker.main     a topic with the wrong partition count (also RuntimeError)
     ├── UntestedFramework        worker.versions faust, mode or aiokafka at an untested version (also RuntimeError)
+    ├── ProducerFailed           worker.delivery a producer the worker publishes through failed for good (also RuntimeError)
     ├── EngineUnavailable        commands.replay the native engine asked for, not installed (also RuntimeError)
     ├── BadAlert                 commands.notify a message on the alerts topic that is no decision (also ValueError)
     ├── WebhookError             commands.notify a webhook post that did not succeed

@@ -87,6 +87,7 @@ from faust.transport.drivers.aiokafka import Consumer
 from faust.types import TP, Message
 from mode import Service
 
+from ..core import LoopwardenError
 from ..core.stored import StoredRecordError
 from .loop_consumer import LoopConsumerThread
 
@@ -111,9 +112,17 @@ BUFFERED_POLL_S = 0.01
 STALL_S = 15.0
 
 
+class ProducerFailed(LoopwardenError, RuntimeError):
+    """A producer the worker publishes through failed for good: aiokafka failed every send it held and
+    refuses new ones (its sender task died). Nothing more can be published by it, so the worker stops
+    (exit status 3) and its orchestrator starts it again with a fresh producer; the batches not published
+    are not committed, so they are folded again."""
+
+
 class FatalStop:
-    """Stops the worker for an error it must not work around, and remembers why (``run_worker`` exits
-    with it).
+    """Stops the worker for an error it must not work around (a stored record this release cannot read,
+    ``StoredRecordError``; a producer that failed for good, ``ProducerFailed``), and remembers why
+    (``run_worker`` exits with it).
 
     From the first such error on, nothing more is processed or committed: the batch that met it is not
     acknowledged, every later one is dropped unacknowledged, and the agent does not crash (its
@@ -134,7 +143,7 @@ class FatalStop:
             return False
         try:
             await step
-        except StoredRecordError as exc:
+        except (StoredRecordError, ProducerFailed) as exc:
             self.reason = exc
             log.critical("stopping the worker: %s", exc, exc_info=exc)
             self.stop()

@@ -42,7 +42,7 @@ from ..bus.wire import Headers, encode_control
 from ..core import Decision, InvalidEvent
 from ..core.stored import last_ts_ms
 from .batch import BatchFold, is_operator
-from .delivery import Record
+from .delivery import ProducerFailed, Record
 from .metrics import WorkerMetrics
 from .store import Change, RunStore
 
@@ -87,7 +87,11 @@ class DecisionProducer:
     are the sender's again). aiokafka 0.14.0's private attributes used (``versions.PINNED``):
     ``AIOKafkaProducer._sender`` and ``._message_accumulator``; ``Sender._in_flight``,
     ``._muted_partitions`` and ``._send_produce_req``; ``MessageAccumulator.drain_by_nodes``,
-    ``._waiter_future`` and ``.fail_all``.
+    ``._waiter_future``, ``.fail_all`` and ``._exception``.
+
+    A producer whose sender failed refuses every send for good (aiokafka fails what it held and keeps the
+    error); its next send raises ``delivery.ProducerFailed`` and the worker stops (exit status 3) instead
+    of crashing and restarting its agent on every batch while nothing is published.
     """
 
     def __init__(self, kafka: KafkaClientConfig) -> None:
@@ -108,13 +112,21 @@ class DecisionProducer:
     async def send(self, topic: str, key: bytes, value: bytes | None, headers: Headers) -> asyncio.Future[Any]:
         """Queue one message; the future resolves when the broker has it."""
         producer = self._producer or await self.start()
-        sent: asyncio.Future[Any] = await producer.send(topic, value, key=key, headers=list(headers))
+        try:
+            sent: asyncio.Future[Any] = await producer.send(topic, value, key=key, headers=list(headers))
+        except Exception as exc:
+            _check_alive(producer, exc)
+            raise
         return sent
 
     async def send_to(self, topic: str, partition: int, value: bytes) -> asyncio.Future[Any]:
         """Queue one unkeyed message to ``partition``; the future resolves when the broker has it."""
         producer = self._producer or await self.start()
-        sent: asyncio.Future[Any] = await producer.send(topic, value, partition=partition)
+        try:
+            sent: asyncio.Future[Any] = await producer.send(topic, value, partition=partition)
+        except Exception as exc:
+            _check_alive(producer, exc)
+            raise
         return sent
 
     def flush_now(self) -> None:
@@ -133,9 +145,11 @@ class DecisionProducer:
 
     def _answered(self, accumulator: Any, request: asyncio.Future[None]) -> None:
         self._requests.discard(request)
-        if not request.cancelled() and request.exception() is not None:
+        if not request.cancelled() and (error := request.exception()) is not None:
             # what aiokafka's sender does when its own loop fails: every pending send fails with it
-            accumulator.fail_all(request.exception())
+            failed = KafkaError("Unexpected error during batch delivery")
+            failed.__cause__ = error
+            accumulator.fail_all(failed)
         waiter = accumulator._waiter_future  # the sender's turn: batches queued meanwhile, retries
         if not waiter.done():
             waiter.set_result(None)
@@ -144,6 +158,16 @@ class DecisionProducer:
         producer, self._producer = self._producer, None
         if producer is not None:
             await producer.stop()
+
+
+def _check_alive(producer: AIOKafkaProducer, exc: Exception) -> None:
+    """Raise ``ProducerFailed`` if ``exc`` is aiokafka refusing every send from now on (its accumulator
+    keeps the error that failed its sender: private ``MessageAccumulator._exception``, aiokafka 0.14.0),
+    not a send that may work when tried again (a timeout, a broker away)."""
+    failed = producer._message_accumulator._exception
+    if failed is not None:
+        raise ProducerFailed(f"the decisions producer failed for good ({failed!r}): publishing needs a new "
+                             "one; the worker stops so that its restart makes it") from exc
 
 
 class DeadLetters:

@@ -10,11 +10,13 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
 pytest.importorskip("faust")
 
 from stream_app.bus.kafka import KafkaClientConfig
+from stream_app.worker.delivery import ProducerFailed
 from stream_app.worker.effects import DecisionProducer
 
 pytestmark = pytest.mark.integration
@@ -126,3 +128,32 @@ async def test_a_flushed_request_in_flight_at_stop_is_delivered(
     await producer.stop()  # the batch in hand at a worker's stop publishes like this
     assert all(future.done() and future.exception() is None for future in sent)
     assert await _read(kafka_bootstrap, topic, 5) == [f"decision-{i}".encode() for i in range(5)]
+
+
+async def test_a_request_failing_unexpectedly_fails_the_producer_for_good(
+        kafka_bootstrap: str, topic_factory: Callable[..., str]) -> None:
+    """A flushed request that raises what aiokafka does not handle (a bug: its sender's own loop would
+    die of it) fails every pending send, as aiokafka does; from then on a send raises ``ProducerFailed``,
+    which stops the worker, while a send that may work again (a timeout) stays a plain ``KafkaError``."""
+    topic = topic_factory()
+    producer = DecisionProducer(KafkaClientConfig(kafka_bootstrap))
+    aio: Any = await producer.start()
+    try:
+        await (await producer.send(topic, b"warm", b"up", []))
+        sender = aio._sender
+
+        async def broken(node_id: int, batches: Any) -> None:
+            raise RuntimeError("unexpected")
+
+        sender._send_produce_req = broken
+        sent = await producer.send(topic, b"run-1", b"halt", [])
+        producer.flush_now()
+        with pytest.raises(KafkaError, match="Unexpected error during batch delivery"):
+            await asyncio.wait_for(sent, 10)
+        with pytest.raises(ProducerFailed, match="failed for good"):
+            await producer.send(topic, b"run-2", b"halt", [])
+        with pytest.raises(ProducerFailed):
+            await producer.send_to(topic, 0, b"facts")
+    finally:
+        aio._message_accumulator._pending_batches.clear()  # failed above: nothing left to deliver at stop
+        await producer.stop()

@@ -767,6 +767,20 @@ async def test_after_a_fatal_stop_batches_are_dropped_unacknowledged(tmp_path) -
         await _stopped(task)
 
 
+async def test_a_producer_failed_for_good_stops_the_worker_once() -> None:
+    """Its agent crashing and restarting on every batch would keep the worker up while nothing is
+    published (its metrics endpoint still answers the liveness probe)."""
+    stops: list[int] = []
+    fatal = delivery.FatalStop(stop=lambda: stops.append(1))
+
+    async def step() -> None:
+        raise delivery.ProducerFailed("the decisions producer failed for good")
+
+    assert await fatal.run(step()) is False
+    assert await fatal.run(step()) is False
+    assert stops == [1] and isinstance(fatal.reason, delivery.ProducerFailed)
+
+
 async def test_an_error_that_is_not_about_stored_state_still_crashes_the_step() -> None:
     fatal = delivery.FatalStop(stop=lambda: pytest.fail("stopped"))
 
