@@ -111,19 +111,16 @@ class DecisionProducer:
 
     async def send(self, topic: str, key: bytes, value: bytes | None, headers: Headers) -> asyncio.Future[Any]:
         """Queue one message; the future resolves when the broker has it."""
-        producer = self._producer or await self.start()
-        try:
-            sent: asyncio.Future[Any] = await producer.send(topic, value, key=key, headers=list(headers))
-        except Exception as exc:
-            _check_alive(producer, exc)
-            raise
-        return sent
+        return await self._queue(topic, value, key=key, headers=list(headers))
 
     async def send_to(self, topic: str, partition: int, value: bytes) -> asyncio.Future[Any]:
         """Queue one unkeyed message to ``partition``; the future resolves when the broker has it."""
+        return await self._queue(topic, value, partition=partition)
+
+    async def _queue(self, topic: str, value: bytes | None, **how: Any) -> asyncio.Future[Any]:
         producer = self._producer or await self.start()
         try:
-            sent: asyncio.Future[Any] = await producer.send(topic, value, partition=partition)
+            sent: asyncio.Future[Any] = await producer.send(topic, value, **how)
         except Exception as exc:
             _check_alive(producer, exc)
             raise
@@ -263,8 +260,9 @@ class Effects:
         facts_sent = await self.facts.send(result.facts) if result.facts and self.facts is not None else []
         if result.decisions:
             await self._publish(result.decisions)  # its flush takes the facts along in the same request
-        if facts_sent:
+        elif facts_sent:
             self.decisions.flush_now()
+        if facts_sent:
             await asyncio.gather(*facts_sent)
         await store.write(result.records)
         tracked = self._tracked
