@@ -853,7 +853,8 @@ impl Replayer {
 /// What `BatchFolder.fold` returns: new records ``(partition, key, record)``, findings ``(index,
 /// finding)``, re-keys ``(index, run_id)``, deferred record indexes (for the reference), events folded
 /// by outcome (``OUTCOMES`` order), duplicates, watermarks ``(partition, ts_ms)``, policy mismatches
-/// ``(index, agent_id or "", digest)``, and the facts of the new events (`FactsOf`).
+/// ``(index, agent_id or "", digest)``, and the facts of the new events as the facts topic's items
+/// (`FactItem`).
 type BatchOut = (
     Vec<(i64, Py<PyBytes>, Py<PyBytes>)>,
     Vec<(usize, FindingTuple)>,
@@ -863,8 +864,49 @@ type BatchOut = (
     u64,
     Vec<(i64, i64)>,
     Vec<(usize, String, String)>,
-    Vec<FactsOf>,
+    Vec<FactItem>,
 );
+
+/// One fact as the facts topic's item (`stream_app/worker/facts.py`: `FactItem`): source partition,
+/// offset, kind (`KINDS`: 0 trees, 1 threads, 2 tools), scope key, and the item
+/// ``[source partition, offset, *fields]`` as JSON.
+type FactItem = (i64, i64, u8, String, Py<PyBytes>);
+
+/// A scope key's part but the last (`core.fleet.scope.key_text`): `%` and `/` escaped.
+fn key_part(part: &str) -> std::borrow::Cow<'_, str> {
+    if part.contains(['%', '/']) {
+        part.replace('%', "%25").replace('/', "%2F").into()
+    } else {
+        part.into()
+    }
+}
+
+/// The items of a batch's facts (tool facts summed: `sum_tool_facts`), in the order given.
+fn fact_items(py: Python<'_>, facts: Vec<FactsOf>, inputs: &[Input<'_>]) -> PyResult<Vec<FactItem>> {
+    let json = |e: serde_json::Error| pyo3::exceptions::PyValueError::new_err(e.to_string());
+    let mut out = Vec::with_capacity(facts.len());
+    for (index, tree, thread, tool) in facts {
+        let (sp, off) = (inputs[index].partition, inputs[index].offset);
+        if let Some(f) = tree {
+            let key = format!("tree/{}", f.0);
+            let item = serde_json::to_vec(&(sp, off, f.0, f.1, f.2, f.3, f.4, f.5, f.6, f.7, f.8, f.9, f.10, f.11))
+                .map_err(json)?;
+            out.push((sp, off, 0, key, PyBytes::new(py, &item).unbind()));
+        }
+        if let Some(f) = thread {
+            let key = format!("thread/{}/{}", key_part(&f.0), f.1);
+            let item = serde_json::to_vec(&(sp, off, f.0, f.1, f.2, f.3, f.4, f.5, f.6, f.7)).map_err(json)?;
+            out.push((sp, off, 1, key, PyBytes::new(py, &item).unbind()));
+        }
+        if let Some(f) = tool {
+            let key = format!("tool/{}/{}/{}", key_part(&f.0), key_part(&f.1), f.2);
+            let item = serde_json::to_vec(&(sp, off, f.0, f.1, f.2, f.3, f.4, f.5, f.6, f.7, f.8, f.9, f.10, f.11))
+                .map_err(json)?;
+            out.push((sp, off, 2, key, PyBytes::new(py, &item).unbind()));
+        }
+    }
+    Ok(out)
+}
 
 /// One input record as read from the consumer's record object.
 struct Input<'py> {
@@ -1020,7 +1062,7 @@ impl BatchFolder {
                 }
             }
         }
-        let facts = sum_tool_facts(facts, &inputs);
+        let facts = fact_items(py, sum_tool_facts(facts, &inputs), &inputs)?;
         let deferred = (0..inputs.len()).filter(|i| deferred_set[*i]).collect();
         Ok((
             out_records,

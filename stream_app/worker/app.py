@@ -37,7 +37,8 @@ from ..sources import Decoded
 from . import delivery
 from .batch import BatchFold, NativeBatchFold
 from .effects import DeadLetters, DecisionProducer, Effects, Topics
-from .fleet import KINDS, FactsPublisher, FleetEffects
+from .facts import KINDS
+from .fleet import FactsPublisher, FleetEffects
 from .metrics import WorkerMetrics
 from .relay import SourceRelay
 from .settings import SettingsError, WorkerSettings

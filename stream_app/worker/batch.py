@@ -20,8 +20,9 @@ The result holds each changed run's new stored record (one per run per batch, in
 the worker writes), the decisions in the order they were made, the dead letters and re-keys by record
 index, counts for the metrics (events whose ``policy_digest`` is not the worker's policy's among
 them), and ``facts``: what the folds keyed by something other than the run learn from the batch's new
-events (redeliveries excluded), with the source partition and offset of each (``core/fleet``; the
-worker publishes them re-keyed: ``worker/trees.py``).
+events (redeliveries excluded), with the source partition and offset of each, encoded as the facts
+topic's items (``core/fleet``; the format: ``worker/facts.py``; the worker publishes them re-keyed:
+``worker/fleet.py``).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ from ..core import (
     explain,
     parse_event,
 )
-from ..core.fleet import ThreadFact, ToolFact, TreeFact, thread_fact, tool_fact, tree_fact
+from ..core.fleet import thread_fact, tool_fact, tree_fact
 from ..core.stored import FORMAT_VERSION, decode_run, encode_run
+from .facts import Fact, FactItem, fact_items
 
 __all__ = ["BatchFold", "BatchResult", "DeadLetter", "InputRecord", "NativeBatchFold", "RawRecord", "Rekey", "Verifier",
            "is_operator"]
@@ -121,10 +123,10 @@ class BatchResult:
     watermarks: dict[int, int] = field(default_factory=dict)
     #: Folded events whose runtime's policy is not the worker's: (agent id or "", their digest) -> count.
     policy_mismatches: Counter[tuple[str, str]] = field(default_factory=Counter)
-    #: Tree, thread and tool facts of the new events: (source partition, source offset, fact), in batch
-    #: order per run (a tool fact per event: the publisher sums them per key and window, and sends them
-    #: in source offset order).
-    facts: list[tuple[int, int, TreeFact | ThreadFact | ToolFact]] = field(default_factory=list)
+    #: Tree, thread and tool facts of the new events as the facts topic's items (``worker/facts.py``),
+    #: tool facts summed per source partition, key and window; the publisher sends them in source offset
+    #: order.
+    facts: list[FactItem] = field(default_factory=list)
 
 
 Item = TelemetryEvent | OperatorCommand
@@ -180,7 +182,7 @@ class BatchFold:
 
         detector = self.detector
         policy = detector.policy
-        facts = result.facts
+        facts: list[tuple[int, int, Fact]] = []
         for (partition, key), items in by_run.items():
             run = decode_run(stored[(partition, key)])
             applied = False
@@ -214,6 +216,8 @@ class BatchFold:
                 result.decisions.extend(evaluation.decisions)
             if applied:
                 result.records.setdefault(partition, []).append((key, encode_run(run, self.write_version)))
+        if facts:
+            result.facts = fact_items(facts)
         return result
 
     def _decode(self, record: InputRecord, now_ms: int) -> Item:
@@ -288,15 +292,7 @@ class NativeBatchFold(BatchFold):
                 result.applied[outcome] += count
         for _, agent_id, digest in mismatches:
             result.policy_mismatches[(agent_id, digest)] += 1
-        out = result.facts
-        for index, tree, thread, tool in facts:  # each event's tree, thread, tool fact, as the reference
-            record = records[index]
-            if tree is not None:
-                out.append((record.partition, record.offset, TreeFact._make(tree)))
-            if thread is not None:
-                out.append((record.partition, record.offset, ThreadFact._make(thread)))
-            if tool is not None:
-                out.append((record.partition, record.offset, ToolFact.of(*tool)))
+        result.facts = facts  # the items, encoded as the reference's
         if deferred:
             self._merge(result, deferred, super().fold([records[i] for i in deferred], stored, now_ms))
         return result
@@ -315,4 +311,6 @@ class NativeBatchFold(BatchFold):
             if ts_ms > result.watermarks.get(partition, 0):
                 result.watermarks[partition] = ts_ms
         result.policy_mismatches.update(part.policy_mismatches)
+        # A tool key and window may now have an item from each engine, each summed at its own last
+        # offset: in source offset order (the publisher's) both count, as their sum would.
         result.facts.extend(part.facts)

@@ -1,15 +1,15 @@
 """The rules across runs in the fleet: facts re-keyed by scope key, folded by keyed folds of their own.
 
 The per-run side (``Effects``) takes each batch's facts (``BatchResult.facts``: what new events tell the
-folds of ``core/fleet``, a ``TreeFact`` or a ``ThreadFact``, each with its source telemetry partition and
-offset) and publishes them to the facts topic (``FactsPublisher``): one message per facts-topic partition
-per batch, the partition Kafka's default partitioner gives the fact's scope key (``tree/ROOT``,
-``thread/TENANT/THREAD``), so a key's facts always meet in one partition, in the order each source
-partition produced them. Like decisions, their acknowledgement is awaited before the runs' state is
+folds of ``core/fleet``, as encoded items with their source telemetry partition and offset and their scope
+key; the format is ``worker/facts.py``'s) and publishes them to the facts topic (``FactsPublisher``): one
+message per facts-topic partition per batch, the partition Kafka's default partitioner gives the fact's
+scope key (``tree/ROOT``, ``thread/TENANT/THREAD``, ``tool/TENANT/TOOL/UPSTREAM``), so a key's facts
+always meet in one partition, in the order each source partition produced them. Like decisions, their acknowledgement is awaited before the runs' state is
 written: a crash can publish a batch's facts again, never lose them.
 
 ``FleetEffects.process`` is the body of the facts topic's agent (``delivery`` hands it batches, in offset
-order, committed once processed). Each kind of key (``KINDS``: trees, threads) has its own table (RocksDB,
+order, committed once processed). Each kind of key (``KINDS``: trees, threads, tools) has its own table (RocksDB,
 changelog, standbys: as the runs table), co-partitioned with the facts topic. For each key of the batch:
 
 1. its stored record is read from its kind's table;
@@ -38,13 +38,11 @@ idle sweep decodes nothing.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import operator
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -54,30 +52,21 @@ from ..bus.clock import wall_clock_ms
 from ..bus.signing import SignatureRejected, Signer
 from ..bus.wire import KIND_HEADER, OPERATOR_KIND, encode_scope_control, header
 from ..core import InvalidEvent
-from ..core.fleet import (
-    ScopeDecision,
-    ThreadFact,
-    ThreadState,
-    ToolFact,
-    ToolState,
-    TreeFact,
-    TreeState,
-    threads,
-    tools,
-    trees,
-)
+from ..core.fleet import ScopeDecision
 from ..core.fleet.scope import ScopeCommand, decode_scope_command
 from ..core.policy import FleetThresholds
 from ..core.stored import StoredRecordError
 from .batch import Verifier
 from .delivery import Record
 from .effects import DeadLetters, DecisionProducer, Topics
+from .facts import FACTS_FORMAT, KIND_OF_SCOPE, KINDS, TOOLS, FactItem, Kind, decode_facts, message
 from .metrics import WorkerMetrics
 from .store import Change, RunStore
 
+__all__ = ["DECODED_KEYS", "FACTS_FORMAT", "KINDS", "FactsPublisher", "FleetEffects", "decode_facts", "partition_of"]
+
 log = logging.getLogger(__name__)
 
-FACTS_FORMAT = 1
 #: Decoded states kept between batches (a key's record is decoded again only when what is stored is not
 #: what this worker wrote last: after a rebalance, a recovery, a sweep).
 DECODED_KEYS = 4096
@@ -85,65 +74,10 @@ DECODED_KEYS = 4096
 #: Scope keys whose facts partition the publisher remembers (then it starts afresh).
 CACHED_PARTITIONS = 65_536
 
-Fact = TreeFact | ThreadFact | ToolFact
-
-
-@dataclass(frozen=True, eq=False)
-class Kind:
-    """One kind of key the fleet folds: its scope, facts, state and fold. One instance per kind (``KINDS``):
-    compared and hashed by identity (a batch's facts are grouped by kind; hashing every field per fact
-    was a tenth of the fold's time)."""
-
-    scope: str
-    #: The facts message's field for this kind, and the table's name.
-    name: str
-    label: str
-    fact: type[Any]
-    arity: int
-    #: Fields (of ``fact``) that must be a string, and an integer, in a fact read back.
-    strings: tuple[str, ...]
-    integers: tuple[str, ...]
-    state: type[Any]
-    fold: Callable[[FleetThresholds, Any, Any], tuple[ScopeDecision, ...]]
-    ttl_ms: Callable[[FleetThresholds], int]
-
-    @functools.cached_property
-    def typed(self) -> tuple[Callable[[list[Any]], tuple[Any, ...]], tuple[type, ...]]:
-        """What a fact read back must have: the source partition, offset, ``strings`` and ``integers`` of
-        its message item (``[source partition, offset, *fields]``) as a tuple, and their types."""
-        names = list(self.fact._fields)
-        at = [0, 1, *(2 + names.index(name) for name in self.strings + self.integers)]
-        return operator.itemgetter(*at), (int, int, *(str for _ in self.strings), *(int for _ in self.integers))
-
-    @functools.cached_property
-    def from_fields(self) -> Callable[[list[Any]], Any]:
-        """A fact from its fields as a message item lists them (their number checked before): a tool
-        fact's failing runs become a tuple."""
-        if self.fact is ToolFact:
-            return lambda fields: ToolFact.of(*fields)
-        make: Callable[[list[Any]], Any] = self.fact._make
-        return make
-
-
-TREES = Kind("tree", "trees", "sub-agent tree", TreeFact, 12, ("root", "run_id", "event_id"), ("ts_ms", "cost_micro"),
-             TreeState, trees.fold, lambda fleet: fleet.tree_ttl_ms)
-THREADS = Kind("thread", "threads", "thread", ThreadFact, 8, ("tenant", "thread_key", "run_id", "event_id"), ("ts_ms",),
-               ThreadState, threads.fold, lambda fleet: fleet.thread_ttl_ms)
-TOOLS = Kind("tool", "tools", "tool", ToolFact, 12, ("tenant", "tool", "upstream", "event_id", "run_id"),
-             ("window_ms", "ts_ms", "calls", "transient", "success_ts_ms", "retry_after_ms"), ToolState, tools.fold,
-             lambda fleet: fleet.tool_ttl_ms)
-KINDS: tuple[Kind, ...] = (TREES, THREADS, TOOLS)
-_KIND_OF: dict[type[Any], Kind] = {kind.fact: kind for kind in KINDS}
-_KIND_OF_SCOPE: dict[str, Kind] = {kind.scope: kind for kind in KINDS}
-
 
 def partition_of(scope_key: str, partitions: int) -> int:
     """The facts topic partition of a scope key (``tree/ROOT``): Kafka's default partitioner on it."""
     return int(murmur2(scope_key.encode()) & 0x7FFFFFFF) % partitions
-
-
-def scope_key(fact: Fact) -> str:
-    return f"{_KIND_OF[type(fact)].scope}/{fact.key_text}"
 
 
 class FactsPublisher:
@@ -156,11 +90,10 @@ class FactsPublisher:
         #: Scope key -> facts partition (aiokafka's murmur2 is pure Python: ~5 us a key; keys recur).
         self._partition_of: dict[str, int] = {}
 
-    async def send(self, facts: Sequence[tuple[int, int, Fact]]) -> list[asyncio.Future[Any]]:
-        """Queue the facts (tool facts summed per source partition, key and window, at the offset of the
-        last: one fact per key and window per batch), in source offset order; the futures resolve when
-        the broker has them."""
-        by_partition: dict[int, dict[str, list[list[Any]]]] = {}
+    async def send(self, items: Sequence[FactItem]) -> list[asyncio.Future[Any]]:
+        """Queue a batch's fact items (``worker/facts.py``), each kind's in source offset order in its
+        partition's message; the futures resolve when the broker has them."""
+        by_partition: dict[int, tuple[list[bytes], ...]] = {}
         partitions = self.partitions
         known = self._partition_of
         if len(known) > CACHED_PARTITIONS:
@@ -168,73 +101,19 @@ class FactsPublisher:
         # In source offset order: a batch's facts come run by run, and the keyed folds skip a fact at or
         # below a key's high-water offset of its source partition as folded before (runs A, B of one tree
         # at offsets 5, 7 (A), 6 (B): B's fact would be skipped).
-        for source_partition, offset, fact in sorted(_summed(facts), key=_source_offset):
-            kind = _KIND_OF[type(fact)]
-            key = f"{kind.scope}/{fact.key_text}"
+        for _, _, kind, key, item in sorted(items, key=_source_offset):
             partition = known.get(key)
             if partition is None:
                 partition = known[key] = partition_of(key, partitions)
-            message = by_partition.setdefault(partition, {})
-            message.setdefault(kind.name, []).append([source_partition, offset, *fact])
-        pending = []
-        for partition, items in by_partition.items():
-            value = orjson.dumps({"v": FACTS_FORMAT, **items})
-            pending.append(await self.producer.send_to(self.topic, partition, value))
-        return pending
+            lists = by_partition.get(partition)
+            if lists is None:
+                lists = by_partition[partition] = tuple([] for _ in KINDS)
+            lists[kind].append(item)
+        return [await self.producer.send_to(self.topic, partition, message(lists))
+                for partition, lists in by_partition.items()]
 
 
-def _source_offset(item: tuple[int, int, Fact]) -> tuple[int, int]:
-    return item[0], item[1]
-
-
-def _summed(facts: Sequence[tuple[int, int, Fact]]) -> list[tuple[int, int, Fact]]:
-    """``facts`` with the tool facts of one source partition, key and window summed into one, at the
-    offset of the contribution with the highest source offset (its event the trigger, whatever order
-    the batch's runs were folded in: the native engine sums alike), after the others."""
-    out: list[tuple[int, int, Fact]] = []
-    tool_facts: dict[tuple[int, tuple[str, str, str], int], list[tuple[int, ToolFact]]] = {}
-    for source_partition, offset, fact in facts:
-        if type(fact) is ToolFact:
-            tool_facts.setdefault((source_partition, fact.key, fact.window_ms), []).append((offset, fact))
-        else:
-            out.append((source_partition, offset, fact))
-    for (source_partition, _, _), items in tool_facts.items():
-        if len(items) == 1:
-            out.append((source_partition, items[0][0], items[0][1]))
-            continue
-        last = max(range(len(items)), key=lambda i: items[i][0])
-        ordered = [fact for i, (_, fact) in enumerate(items) if i != last] + [items[last][1]]
-        out.append((source_partition, items[last][0], tools.merge(ordered)[0]))
-    return out
-
-
-def decode_facts(value: bytes | None) -> list[tuple[Kind, int, int, Any]]:
-    """The facts of one facts-topic message as (kind, source partition, offset, fact); InvalidEvent
-    naming what is wrong."""
-    try:
-        obj = orjson.loads(value or b"")
-    except orjson.JSONDecodeError as exc:
-        raise InvalidEvent("facts", f"not JSON: {exc.msg}") from exc
-    if type(obj) is not dict or obj.get("v") != FACTS_FORMAT:
-        raise InvalidEvent("facts", f"not a facts message of format {FACTS_FORMAT}")
-    out = []
-    for kind in KINDS:
-        items = obj.get(kind.name, [])
-        if type(items) is not list:
-            raise InvalidEvent(kind.name, "must be a list of facts")
-        (typed, types), make, size = kind.typed, kind.from_fields, kind.arity + 2
-        for item in items:
-            if type(item) is not list or len(item) != size:
-                raise InvalidEvent(kind.name, f"a fact must be a list of {size} fields")
-            if tuple(map(type, typed(item))) != types:
-                raise InvalidEvent(kind.name, f"a fact's source, {', '.join(kind.strings + kind.integers)} must be "
-                                              "of their types")
-            try:
-                fact = make(item[2:])
-            except TypeError as exc:
-                raise InvalidEvent(kind.name, str(exc)) from exc
-            out.append((kind, item[0], item[1], fact))
-    return out
+_source_offset = operator.itemgetter(0, 1)
 
 
 class FleetEffects:
@@ -373,7 +252,7 @@ class FleetEffects:
         if age_ms > self.operator_max_age_ms:
             raise InvalidEvent("ts_ms", f"operator command is {age_ms / 1000:.0f} s old, over "
                                         "LOOPWARDEN_OPERATOR_MAX_AGE_S: refused as a replay")
-        return _KIND_OF_SCOPE[command.scope], command
+        return KIND_OF_SCOPE[command.scope], command
 
     async def _publish(self, decisions: list[tuple[Kind, ScopeDecision]]) -> None:
         pending = []

@@ -25,7 +25,7 @@ from stream_app.core.fleet import ToolFact
 from stream_app.core.stored import FORMAT_VERSION, StateVersionError, StoredRun, decode_run, encode_run
 from stream_app.devtools.fleet_sim import simulate_fleet, simulate_storm, simulate_threads, simulate_trees
 from stream_app.worker.batch import BatchFold, BatchResult, NativeBatchFold, RawRecord
-from stream_app.worker.fleet import _summed
+from stream_app.worker.facts import KINDS, scope_key, summed
 
 BATCH = Path(__file__).resolve().parents[2] / "stream_app" / "worker" / "batch.py"
 NOW_MS = 1_764_000_500_000
@@ -318,6 +318,20 @@ def _facts_tuple(fact: Any) -> tuple[Any, ...]:
     return (*fields[:-1], sorted(fields[-1])) if type(fact) is ToolFact else fields
 
 
+def _facts(result: BatchResult) -> list[tuple[Any, ...]]:
+    """The result's fact items read back, each checked against its listed source, offset and scope key;
+    tool facts summed again per source partition, key and window (a batch whose runs both engines fold
+    has a tool key's item from each, each summed at its own last offset)."""
+    facts = []
+    for source, offset, kind, key, item in result.facts:
+        fields = orjson.loads(item)
+        assert fields[:2] == [source, offset]
+        fact = KINDS[kind].from_fields(fields[2:])
+        assert scope_key(fact) == key
+        facts.append((source, offset, fact))
+    return sorted((p, o, type(f).__name__, repr(_facts_tuple(f))) for p, o, f in summed(facts))
+
+
 def _comparable(result: BatchResult) -> dict[str, Any]:
     return {
         "records": {(p, key): _record(value) for p, changes in result.records.items() for key, value in changes},
@@ -331,7 +345,7 @@ def _comparable(result: BatchResult) -> dict[str, Any]:
         # the same facts (each run's in its order: the runs of a batch may come in another order), tool
         # facts summed per source partition, key and window as they are published (the native engine
         # sums them itself), their failing runs as a set
-        "facts": sorted((p, o, type(f).__name__, repr(_facts_tuple(f))) for p, o, f in _summed(result.facts)),
+        "facts": _facts(result),
     }
 
 

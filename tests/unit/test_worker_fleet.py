@@ -18,6 +18,7 @@ from stream_app.core import Detector, Policy
 from stream_app.core.fleet import ThreadFact, ThreadState, ToolFact, TreeFact, TreeState
 from stream_app.core.policy import FleetThresholds
 from stream_app.worker.batch import BatchFold, RawRecord
+from stream_app.worker.facts import fact_items
 from stream_app.worker.fleet import FACTS_FORMAT, FactsPublisher, FleetEffects, decode_facts, partition_of
 from stream_app.worker.metrics import WorkerMetrics
 
@@ -162,7 +163,7 @@ async def test_facts_are_published_to_the_partition_of_their_scope_key() -> None
         (3, n, TreeFact(f"root-{n % 3}", "r", f"e{n}", n, None, None, 0, True, None, None, None, None))
         for n in range(9)]
     facts += [(3, 9 + n, ThreadFact("acme", f"pr-{n % 3}", "r", f"t{n}", n, "webhook", None, None)) for n in range(6)]
-    await asyncio.gather(*await publisher.send(facts))
+    await asyncio.gather(*await publisher.send(fact_items(facts)))
     by_partition = {int(key): decode_facts(value) for _, key, value in producer.sent}
     keys = {f"tree/root-{n}" for n in range(3)} | {f"thread/acme/pr-{n}" for n in range(3)}
     assert len(producer.sent) == len({partition_of(key, 8) for key in keys})  # one message per partition
@@ -190,7 +191,6 @@ async def test_a_thread_halt_goes_to_control_alerts_and_the_scopes_topic_with_th
 
 
 async def test_a_batchs_tool_facts_go_out_summed_per_source_partition_key_and_window() -> None:
-    from stream_app.core.fleet import ToolFact
 
     producer = _Producer()
     publisher = FactsPublisher("facts", 4, producer)  # type: ignore[arg-type]
@@ -200,7 +200,7 @@ async def test_a_batchs_tool_facts_go_out_summed_per_source_partition_key_and_wi
                                           0 if ok else 1, window + n if ok else -1, 0, () if ok else (f"r{n}",)))
 
     facts = [call(0, 1), call(1, 1), call(2, 2), call(3, 1, ok=True), call(4, 1, window=120_000)]
-    await asyncio.gather(*await publisher.send(facts))
+    await asyncio.gather(*await publisher.send(fact_items(facts)))
     sent = [item for _, _, value in producer.sent for item in decode_facts(value)]
     summed = {(source, fact.window_ms): (offset, fact.calls, fact.transient, fact.failing_runs, fact.event_id)
               for kind, source, offset, fact in sent}
@@ -262,7 +262,7 @@ async def test_facts_of_runs_interleaved_in_a_source_partition_all_count() -> No
     records = [RawRecord(0, 5 + n, *encode_telemetry(e)) for n, e in enumerate([event("A", 0), event("B", 1),
                                                                                event("A", 2)])]
     result = BatchFold(Detector(Policy())).fold(records, {(0, r.key): None for r in records if r.key}, 0)
-    assert [(offset, fact.run_id) for _, offset, fact in result.facts] == [(5, "A"), (7, "A"), (6, "B")]
+    assert [(offset, orjson.loads(item)[3]) for _, offset, _, _, item in result.facts] == [(5, "A"), (7, "A"), (6, "B")]
     effects, store, producer, _, metrics = _effects()
     await asyncio.gather(*await FactsPublisher("facts", 1, producer).send(result.facts))  # type: ignore[arg-type]
     await effects.process([_Record(0, n, value) for n, (_, _, value) in enumerate(producer.sent)])
@@ -294,7 +294,36 @@ def test_with_the_rules_across_runs_off_a_batch_lists_no_facts_and_folds_alike(e
     stored = {(0, r.key): None for r in records if r.key}
     with_facts = fold_class(Detector(Policy())).fold(records, stored, 0)
     without = fold_class(Detector(Policy()), facts=False).fold(records, stored, 0)
-    assert {type(fact) for _, _, fact in with_facts.facts} == {TreeFact, ThreadFact, ToolFact}
+    assert {kind for _, _, kind, _, _ in with_facts.facts} == {0, 1, 2}  # trees, threads, tools
     assert without.facts == []
     assert without.records == with_facts.records
     assert [d.decision_id for d in without.decisions] == [d.decision_id for d in with_facts.decisions] != []
+
+
+def test_both_engines_encode_a_batchs_facts_byte_for_byte_alike() -> None:
+    """The native engine builds the facts topic's items itself (``worker/facts.py``): the same bytes and
+    scope keys as the reference's ``fact_items``, escaping included (a tenant and a tool with ``/`` and
+    ``%``, quotes, non-ASCII text), spawn fields, missing fields as null, and tool facts summed alike."""
+    pytest.importorskip("loopwarden_native")
+    from stream_app.worker.batch import NativeBatchFold
+
+    def event(run: str, n: int, outcome: str, **extra: Any) -> dict[str, Any]:
+        return {"run_id": run, "event_id": f"{run}-{n}", "tool": 'se"arch/%q', "ts_ms": 59_990 + n, "outcome": outcome,
+                "error_class": "http_429" if outcome == "error" else None, "upstream": "api.exämple.com",
+                "args": {"q": n}, "result": "x", "root_run_id": "root-ü", "parent_run_id": "root-ü", "depth": 1,
+                "thread_key": "issue/7 \"ü\"", "trigger": "webhook", "tenant": "a/b%c", "cost_usd": 0.25,
+                "retry_after_ms": 1500 if outcome == "error" else None, **extra}
+
+    events = [event(run, n, "error" if n % 3 else "success") for n in range(12) for run in ("A", "B")]
+    events += [event("A", 20, "success", tool_class="spawn", child_run_id="C", child_agent_id="coder",
+                     task_hash="t" * 64, tenant=None, thread_key=None, upstream=None)]
+    records = [RawRecord(n % 2, n, *encode_telemetry({k: v for k, v in e.items() if v is not None}))
+               for n, e in enumerate(events)]
+    stored = {(r.partition, r.key): None for r in records if r.key}
+    reference = BatchFold(Detector(Policy())).fold(records, stored, 0)
+    native = NativeBatchFold(Detector(Policy())).fold(records, stored, 0)
+    assert {kind for _, _, kind, _, _ in reference.facts} == {0, 1, 2}
+    assert any(b"\\u00fc" not in item and "ü".encode() in item for *_, item in reference.facts)
+    assert sorted(native.facts) == sorted(reference.facts)
+    assert {key for _, _, _, key, _ in reference.facts} == {
+        "tree/root-ü", "thread/a%2Fb%25c/issue/7 \"ü\"", "tool/a%2Fb%25c/se\"arch%2F%25q/api.exämple.com"}

@@ -1,0 +1,177 @@
+"""The facts topic's format: what the per-run fold tells the folds across runs, one owner for both sides.
+
+A fact is what a new telemetry event tells a fold keyed by something other than its run
+(``core/fleet``): a ``TreeFact`` (keyed by the tree's root), a ``ThreadFact`` (tenant, thread key) or a
+``ToolFact`` (tenant, tool, upstream; a batch's tool facts of one source partition, key and window
+summed into one, at the offset of the last contribution). The batch function lists each as a
+``FactItem``: its source telemetry partition and offset, its kind (an index into ``KINDS``), its scope
+key (``tree/ROOT``, ``thread/TENANT/THREAD``, ``tool/TENANT/TOOL/UPSTREAM``: the facts topic's
+partition key) and the fact encoded as a message item, ``[source partition, offset, *fields]``. The
+native engine builds items itself (no Python object per field); the reference builds them from its
+facts with ``fact_items``; tests/unit/test_worker_batch.py holds the two alike.
+
+A facts message (``message``) is ``{"v": 1, "trees": [item, ...], "threads": [...], "tools": [...]}``
+(kinds without an item left out), one per facts partition per batch, each kind's items in source
+offset order: the keyed folds skip a fact at or below its key's high-water offset of its source
+partition as folded before. ``decode_facts`` reads one back. Kafka stays out of this module (the batch
+function imports it); the publisher and the keyed folds are ``worker/fleet.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ..core import InvalidEvent
+from ..core.fleet import (
+    ScopeDecision,
+    ThreadFact,
+    ThreadState,
+    ToolFact,
+    ToolState,
+    TreeFact,
+    TreeState,
+    threads,
+    tools,
+    trees,
+)
+from ..core.policy import FleetThresholds
+
+FACTS_FORMAT = 1
+
+Fact = TreeFact | ThreadFact | ToolFact
+#: (source partition, source offset, kind: index into ``KINDS``, scope key, the encoded message item).
+FactItem = tuple[int, int, int, str, bytes]
+
+
+@dataclass(frozen=True, eq=False)
+class Kind:
+    """One kind of key the fleet folds: its scope, facts, state and fold. One instance per kind (``KINDS``):
+    compared and hashed by identity (a batch's facts are grouped by kind; hashing every field per fact
+    was a tenth of the fold's time)."""
+
+    #: Its place in ``KINDS`` (``FactItem``'s kind; the native engine's numbering).
+    index: int
+    scope: str
+    #: The facts message's field for this kind, and the table's name.
+    name: str
+    label: str
+    fact: type[Any]
+    arity: int
+    #: Fields (of ``fact``) that must be a string, and an integer, in a fact read back.
+    strings: tuple[str, ...]
+    integers: tuple[str, ...]
+    state: type[Any]
+    fold: Callable[[FleetThresholds, Any, Any], tuple[ScopeDecision, ...]]
+    ttl_ms: Callable[[FleetThresholds], int]
+
+    @functools.cached_property
+    def typed(self) -> tuple[Callable[[list[Any]], tuple[Any, ...]], tuple[type, ...]]:
+        """What a fact read back must have: the source partition, offset, ``strings`` and ``integers`` of
+        its message item (``[source partition, offset, *fields]``) as a tuple, and their types."""
+        names = list(self.fact._fields)
+        at = [0, 1, *(2 + names.index(name) for name in self.strings + self.integers)]
+        return operator.itemgetter(*at), (int, int, *(str for _ in self.strings), *(int for _ in self.integers))
+
+    @functools.cached_property
+    def from_fields(self) -> Callable[[list[Any]], Any]:
+        """A fact from its fields as a message item lists them (their number checked before): a tool
+        fact's failing runs become a tuple."""
+        if self.fact is ToolFact:
+            return lambda fields: ToolFact.of(*fields)
+        make: Callable[[list[Any]], Any] = self.fact._make
+        return make
+
+
+TREES = Kind(0, "tree", "trees", "sub-agent tree", TreeFact, 12, ("root", "run_id", "event_id"),
+             ("ts_ms", "cost_micro"), TreeState, trees.fold, lambda fleet: fleet.tree_ttl_ms)
+THREADS = Kind(1, "thread", "threads", "thread", ThreadFact, 8, ("tenant", "thread_key", "run_id", "event_id"),
+               ("ts_ms",), ThreadState, threads.fold, lambda fleet: fleet.thread_ttl_ms)
+TOOLS = Kind(2, "tool", "tools", "tool", ToolFact, 12, ("tenant", "tool", "upstream", "event_id", "run_id"),
+             ("window_ms", "ts_ms", "calls", "transient", "success_ts_ms", "retry_after_ms"), ToolState, tools.fold,
+             lambda fleet: fleet.tool_ttl_ms)
+KINDS: tuple[Kind, ...] = (TREES, THREADS, TOOLS)
+KIND_OF: dict[type[Any], Kind] = {kind.fact: kind for kind in KINDS}
+KIND_OF_SCOPE: dict[str, Kind] = {kind.scope: kind for kind in KINDS}
+_FIELD_OF: tuple[bytes, ...] = tuple(f',"{kind.name}":['.encode() for kind in KINDS)
+
+
+def scope_key(fact: Fact) -> str:
+    return f"{KIND_OF[type(fact)].scope}/{fact.key_text}"
+
+
+def fact_items(facts: Sequence[tuple[int, int, Fact]]) -> list[FactItem]:
+    """The reference's items of a batch's facts (``(source partition, offset, fact)``, each event's in
+    order): tool facts summed per source partition, key and window (``summed``)."""
+    out = []
+    for source_partition, offset, fact in summed(facts):
+        kind = KIND_OF[type(fact)]
+        out.append((source_partition, offset, kind.index, f"{kind.scope}/{fact.key_text}",
+                    orjson.dumps([source_partition, offset, *fact])))
+    return out
+
+
+def summed(facts: Sequence[tuple[int, int, Fact]]) -> list[tuple[int, int, Fact]]:
+    """``facts`` with the tool facts of one source partition, key and window summed into one, at the
+    offset of the contribution with the highest source offset (its event the trigger, whatever order
+    the batch's runs were folded in: the native engine sums alike), after the others."""
+    out: list[tuple[int, int, Fact]] = []
+    tool_facts: dict[tuple[int, tuple[str, str, str], int], list[tuple[int, ToolFact]]] = {}
+    for source_partition, offset, fact in facts:
+        if type(fact) is ToolFact:
+            tool_facts.setdefault((source_partition, fact.key, fact.window_ms), []).append((offset, fact))
+        else:
+            out.append((source_partition, offset, fact))
+    for (source_partition, _, _), items in tool_facts.items():
+        if len(items) == 1:
+            out.append((source_partition, items[0][0], items[0][1]))
+            continue
+        last = max(range(len(items)), key=lambda i: items[i][0])
+        ordered = [fact for i, (_, fact) in enumerate(items) if i != last] + [items[last][1]]
+        out.append((source_partition, items[last][0], tools.merge(ordered)[0]))
+    return out
+
+
+def message(items: Sequence[Sequence[bytes]]) -> bytes:
+    """One facts message from its encoded items by kind (``KINDS`` order), each kind's in source offset
+    order."""
+    parts = [b'{"v":%d' % FACTS_FORMAT]
+    for field_of, kind_items in zip(_FIELD_OF, items, strict=True):
+        if kind_items:
+            parts += (field_of, b",".join(kind_items), b"]")
+    parts.append(b"}")
+    return b"".join(parts)
+
+
+def decode_facts(value: bytes | None) -> list[tuple[Kind, int, int, Any]]:
+    """The facts of one facts-topic message as (kind, source partition, offset, fact); InvalidEvent
+    naming what is wrong."""
+    try:
+        obj = orjson.loads(value or b"")
+    except orjson.JSONDecodeError as exc:
+        raise InvalidEvent("facts", f"not JSON: {exc.msg}") from exc
+    if type(obj) is not dict or obj.get("v") != FACTS_FORMAT:
+        raise InvalidEvent("facts", f"not a facts message of format {FACTS_FORMAT}")
+    out = []
+    for kind in KINDS:
+        items = obj.get(kind.name, [])
+        if type(items) is not list:
+            raise InvalidEvent(kind.name, "must be a list of facts")
+        (typed, types), make, size = kind.typed, kind.from_fields, kind.arity + 2
+        for item in items:
+            if type(item) is not list or len(item) != size:
+                raise InvalidEvent(kind.name, f"a fact must be a list of {size} fields")
+            if tuple(map(type, typed(item))) != types:
+                raise InvalidEvent(kind.name, f"a fact's source, {', '.join(kind.strings + kind.integers)} must be "
+                                              "of their types")
+            try:
+                fact = make(item[2:])
+            except TypeError as exc:
+                raise InvalidEvent(kind.name, str(exc)) from exc
+            out.append((kind, item[0], item[1], fact))
+    return out
