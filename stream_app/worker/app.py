@@ -25,7 +25,7 @@ decisions.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import faust
@@ -135,7 +135,8 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
     if fleet_tables:
         facts_sink = delivery.BatchSink(settings.facts_topic, settings.batch_max, stale)
         sinks.append(facts_sink)
-    delivery.install(app, sinks, metrics.refetched.labels(reason="gap").inc)
+    state_writers: list[Callable[[], Awaitable[None]]] = []  # the folds across runs' (below)
+    delivery.install(app, sinks, metrics.refetched.labels(reason="gap").inc, state_writers)
 
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]  # faust's signal type wants a signal= keyword
     async def forget_revoked(sender: faust.App, revoked: set[faust.types.TP], **_: object) -> None:
@@ -152,6 +153,12 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
                                      policy.fleet, metrics, dead_letters, signer, settings.event_source, decisions,
                                      settings.evict_scan_per_sweep, settings.scopes_topic, operator_keys,
                                      int(settings.operator_max_age_s * 1000))
+
+        state_writers.append(fleet_effects.flush)
+
+        @app.on_partitions_revoked.connect  # type: ignore[arg-type]  # faust's signal type wants a signal= keyword
+        async def forget_revoked_keys(sender: faust.App, revoked: set[faust.types.TP], **_: object) -> None:
+            await fleet_effects.forget({tp.partition for tp in revoked if tp.topic == settings.facts_topic})
 
         def facts_partitions() -> set[int]:
             return {tp.partition for tp in app.consumer.assignment() if tp.topic == settings.facts_topic}

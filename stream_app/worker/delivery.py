@@ -31,7 +31,12 @@ agents' topics: telemetry, OTLP) skip it:
   acknowledged [101, 102] commits 103).
 * a batch's offsets are acknowledged into faust's commit bookkeeping in bulk once the handler returned
   (its decisions acknowledged by the broker, its state and changelog queued: faust flushes the producer
-  before it commits), in the generation it was fetched in; faust's commit timer does the rest.
+  before it commits), in the generation it was fetched in; faust's commit timer does the rest. A handler
+  may keep its batches' state in memory past them (the folds across runs do, so that a key busy in
+  every batch is written once a commit): its writer (``install``'s ``state_writers``) is awaited at the
+  start of every commit (``_commit_tps``), before the committed offsets are worked out, and in
+  ``wait_empty``, so no offset is committed, and no partition handed to another worker, ahead of the
+  state of what was processed.
 * back-pressure: a sink holding more than ``4 x batch_max`` records marks the partitions it holds as
   buffered (faust's ``on_buffer_full``: no more fetches for them) until it drained below half of that
   (then the fetch starts at once; faust would sleep a second when no partition is left to fetch, and
@@ -59,8 +64,9 @@ at start-up by ``versions``): ``Consumer._wait_next_records``, ``_buffered_parti
 ``_acked_index``, ``_committed_offset``, ``_to_message``, ``scheduler``, ``seek_to_committed`` (and
 aiokafka's: it seeks only committed offsets above 0), ``_thread`` (``earliest_offsets``, ``seek``),
 ``on_buffer_full``/``on_buffer_drop``, ``_get_active_partitions``, ``_paused_partitions``, ``wait_empty``,
-``_add_gap``; aiokafka's ``_subscription`` (the stall watch's diagnostic only); ``App.flow_control.manage_queue``
-and ``is_active``; ``App.consumer_generation_id`` and ``rebalancing``; ``Monitor.stream_inbound_time`` and
+``_add_gap``, ``_commit_tps`` (every commit passes it: ``commit``, ``force_commit``); aiokafka's
+``_subscription`` (the stall watch's diagnostic only); ``App.flow_control.manage_queue`` and ``is_active``;
+``App.consumer_generation_id`` and ``rebalancing``; ``Monitor.stream_inbound_time`` and
 ``track_tp_end_offset``; ``App.transport.Consumer`` (how the consumer class is installed); for standbys
 ``TableManager.changelog_queue``, ``changelog_topics``, ``standbys_ready``, ``on_standbys_ready`` and
 ``Recovery.standby_tps``, ``active_tps``, ``standby_offsets``, ``tp_to_table``, ``buffers``,
@@ -76,7 +82,7 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -450,6 +456,9 @@ class BatchConsumer(Consumer):
 
     sinks: Mapping[str, BatchSink]
     on_seek: Callable[[], object]
+    #: What writes state a handler folded but keeps in memory past its batch (``FleetEffects.flush``):
+    #: awaited before every commit and after the last batch of a revoke or stop.
+    state_writers: Sequence[Callable[[], Awaitable[None]]] = ()
     sequencer: Sequencer
     standby: StandbyApplier
 
@@ -646,13 +655,26 @@ class BatchConsumer(Consumer):
         return True
 
     async def wait_empty(self) -> None:
-        """Revoke and stop: pending batches dropped, the batch in hand finished, then faust's own wait."""
+        """Revoke and stop: pending batches dropped, the batch in hand finished, the state written late
+        written (before faust flushes the producer: its changelog records are out before a new owner
+        recovers the partition), then faust's own wait (it commits)."""
         for sink in self.sinks.values():
             sink.clear()
             if not await sink.wait_idle(IN_FLIGHT_WAIT_S):
                 self.log.warning("a batch of %s did not finish within %.0f s of the revoke or stop; its offsets "
                                  "stay uncommitted", sink.topic, IN_FLIGHT_WAIT_S)
+        await self._write_state()
         await super().wait_empty()
+
+    async def _commit_tps(self, tps: Iterable[TP], start_new_transaction: bool) -> bool:
+        """Every commit writes the state written late first: the offsets it then commits (worked out
+        after, with no wait in between) never run ahead of the state of what was processed."""
+        await self._write_state()
+        return bool(await super()._commit_tps(tps, start_new_transaction))
+
+    async def _write_state(self) -> None:
+        for write in self.state_writers:
+            await write()
 
     async def _add_gap(self, tp: TP, offset_from: int, offset_to: int) -> None:
         """faust's own gap detection fires on offsets it dropped: gaps come from the Sequencer."""
@@ -662,11 +684,15 @@ class BatchConsumer(Consumer):
         await super()._add_gap(tp, offset_from, offset_to)
 
 
-def install(app: faust.App, sinks: Iterable[BatchSink], on_seek: Callable[[], object]) -> None:
+def install(app: faust.App, sinks: Iterable[BatchSink], on_seek: Callable[[], object],
+            state_writers: Sequence[Callable[[], Awaitable[None]]] = ()) -> None:
     """Give ``app`` a consumer that diverts the sinks' topics to them (``on_seek`` counts seeks back over
-    gaps); call before the app starts."""
+    gaps) and awaits each of ``state_writers`` before every commit and in ``wait_empty`` (state a handler
+    keeps in memory past its batch: it may be appended to until the app starts); call before the app
+    starts."""
     consumer_class: Any = type("BatchConsumer", (BatchConsumer,), {
-        "sinks": {sink.topic: sink for sink in sinks}, "on_seek": staticmethod(on_seek)})
+        "sinks": {sink.topic: sink for sink in sinks}, "on_seek": staticmethod(on_seek),
+        "state_writers": state_writers})
     # faust makes the consumer from this attribute of the transport when the app starts.
     app.transport.Consumer = consumer_class  # type: ignore[misc]
 

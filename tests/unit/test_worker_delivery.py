@@ -323,6 +323,57 @@ async def test_a_revoke_waits_for_the_batch_in_hand_and_drops_the_pending_ones(t
         await _stopped(task)
 
 
+async def test_a_revoke_writes_the_state_kept_in_memory_after_the_batch_in_hand_and_before_the_commit(tmp_path) -> None:
+    """``install``'s state writers (the folds across runs keep their records until the next commit): in a
+    revoke's ``wait_empty`` they run once the batch in hand finished, and before faust's commit (and its
+    producer flush), so a partition's next owner recovers them from the changelog."""
+    h = await Harness(tmp_path, "revoke-state").seeded()
+    seen: list[tuple[int, int]] = []
+
+    async def write() -> None:
+        seen.append((len(h.handled), len(h.commits)))
+
+    h.consumer.state_writers = [write]
+    h.release.clear()
+    task = h.start()
+    try:
+        h.sink.offer(1, _records(*range(100, 150)))
+        await h.settle()
+        h.consumer.stop_flow()
+        h.app.flow_control.suspend()
+        h.app.flow_control.clear()
+        waiting = asyncio.create_task(h.consumer.wait_empty())
+        await h.settle()
+        assert seen == []  # the batch in hand is not finished
+        h.release.set()
+        await asyncio.wait_for(waiting, 2)
+        assert seen == [(1, 0)] and h.commits == [1]
+    finally:
+        await _stopped(task)
+
+
+async def test_every_commit_writes_the_state_kept_in_memory_before_working_out_its_offsets(tmp_path) -> None:
+    """A commit awaits the state writers first, then works out what it commits: a batch acknowledged
+    while a writer waited (for the batch in hand) is committed with its state written, never before it."""
+    h = await Harness(tmp_path, "commit-state").seeded()
+    consumer = h.consumer
+    order: list[Any] = []
+
+    async def write() -> None:
+        order.append("write")
+        consumer.ack_batch(1, _records(102, 103))  # the batch the writer waited for finished meanwhile
+
+    async def commit_offsets(offsets: dict[TP, int], start_new_transaction: bool = True) -> bool:
+        order.append(dict(offsets))
+        return True
+
+    consumer.state_writers = [write]
+    consumer._commit_offsets = commit_offsets  # type: ignore[method-assign]
+    assert consumer.ack_batch(1, _records(100, 101))
+    assert await consumer.commit()
+    assert order == ["write", {PARTITION: 104}]
+
+
 async def test_a_tail_the_flow_controls_resume_drops_is_fetched_again(tmp_path) -> None:
     """faust ends an assignment's recovery by resuming the partitions, seeking them to the committed
     offsets and only then resuming its flow control, which clears the sinks. Records fetched after the

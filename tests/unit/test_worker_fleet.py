@@ -121,6 +121,7 @@ async def test_a_redelivered_batch_of_facts_counts_once() -> None:
     assert [orjson.loads(v)["verdict"] for t, _, v in producer.sent if t == "control"] == ["tree_fanout"]  # half
     await effects.process([_Record(0, 1, _spawns("root", 0, 6))])  # the same facts, published again
     await effects.process([_Record(0, 2, _spawns("root", 3, 6))])  # half of them again, then 3 new
+    await effects.flush()
     state = TreeState.decode(store.data[(0, b"root")])
     assert len(state.depth) == 10 and state.sources == {"0": 8}
     assert metrics.fleet_facts.labels(fold="trees", state="redelivered")._value.get() == 9
@@ -140,9 +141,64 @@ async def test_a_batch_whose_decisions_were_not_acknowledged_leaves_no_folded_st
         await effects.process([_Record(0, 1, _spawns("root", 1, 2))])  # crosses half: a decision to send
     producer.fail = False
     await effects.process([_Record(0, 1, _spawns("root", 1, 2))])
+    await effects.flush()
     state = TreeState.decode(store.data[(0, b"root")])
     assert len(state.depth) == 4 and state.sources == {"0": 2}
     assert [orjson.loads(v)["action"] for t, _, v in producer.sent if t == "control"] == ["alert"]
+
+
+async def test_a_keys_record_is_written_with_the_next_commit_once_however_many_batches_changed_it() -> None:
+    """Batches keep their keys' new records in memory (decisions still go out with each batch); the next
+    batch folds on them, and ``flush`` (awaited by every commit) writes each key's latest once."""
+    effects, store, producer, _, _ = _effects(max_tree_runs=10)
+    writes: list[dict[int, list[tuple[bytes, bytes | None]]]] = []
+    write = store.write
+
+    async def counted(changes: dict[int, list[tuple[bytes, bytes | None]]]) -> None:
+        writes.append(changes)
+        await write(changes)
+
+    store.write = counted  # type: ignore[method-assign]
+    await effects.process([_Record(0, 0, _spawns("root", 0, 4))])
+    await effects.process([_Record(0, 1, _spawns("root", 4, 2))])  # the root and 6 children: over half of 10
+    assert store.data == {} and writes == []
+    assert [orjson.loads(v)["verdict"] for t, _, v in producer.sent if t == "control"] == ["tree_fanout"]
+    await effects.flush()
+    assert [[(p, [k for k, _ in items]) for p, items in w.items()] for w in writes] == [[(0, [b"root"])]]
+    state = TreeState.decode(store.data[(0, b"root")])
+    assert len(state.depth) == 7 and state.sources == {"0": 5}
+    await effects.flush()  # nothing left to write
+    assert len(writes) == 1
+    await effects.process([_Record(0, 2, _spawns("root", 0, 6))])  # all folded before: counted once
+    await effects.flush()
+    assert TreeState.decode(store.data[(0, b"root")]).sources == {"0": 5}
+
+
+async def test_a_failed_batch_after_unwritten_ones_folds_again_on_their_records() -> None:
+    """Batches since the last commit are not written; one that fails (its decisions not acknowledged)
+    leaves them as they were, and its retry folds on them, not on the stored record nor on what the failed
+    attempt folded."""
+    effects, store, producer, _, _ = _effects(max_tree_runs=6)
+    await effects.process([_Record(0, 0, _spawns("root", 0, 1))])
+    await effects.flush()
+    await effects.process([_Record(0, 1, _spawns("root", 1, 1))])  # the root and 2 children: unwritten
+    producer.fail = True
+    with pytest.raises(ConnectionError):
+        await effects.process([_Record(0, 2, _spawns("root", 2, 2))])  # 5 runs: over half, an alert to send
+    producer.fail = False
+    await effects.process([_Record(0, 2, _spawns("root", 2, 2))])
+    await effects.flush()
+    state = TreeState.decode(store.data[(0, b"root")])
+    assert len(state.depth) == 5 and state.sources == {"0": 3}
+    assert [orjson.loads(v)["action"] for t, _, v in producer.sent if t == "control"] == ["alert"]
+
+
+async def test_a_revoked_partitions_unwritten_records_are_dropped_not_written_later() -> None:
+    effects, store, _, _, _ = _effects()
+    await effects.process([_Record(0, 0, _spawns("a", 0, 1)), _Record(1, 0, _spawns("b", 0, 1))])
+    await effects.forget({1})
+    await effects.flush()
+    assert {p for p, _ in store.data} == {0}
 
 
 async def test_bad_facts_go_to_the_dead_letters_and_the_rest_is_folded() -> None:
@@ -153,6 +209,7 @@ async def test_bad_facts_go_to_the_dead_letters_and_the_rest_is_folded() -> None
                                                                                        None, None]]})),
                            _Record(0, 4, _spawns("root", 0, 1))])
     assert [e.field for _, e in dead.sent] == ["facts", "facts", "threads", "threads"]
+    await effects.flush()
     assert (0, b"root") in store.data
 
 
@@ -183,6 +240,7 @@ async def test_a_thread_halt_goes_to_control_alerts_and_the_scopes_topic_with_th
     key, halt = sent["scopes"]
     assert key == b"thread/acme/pr-7" and halt["verdict"] == "self_trigger" and halt["trigger_event_id"] == "e3"
     assert halt["expires_ms"] == 1_003 + FleetThresholds().thread_ttl_ms
+    await effects.flush()
     state = ThreadState.decode(effects.stores["threads"].data[(1, b"acme/pr-7")])  # type: ignore[attr-defined]
     assert state.sources == {"0": 4} and len(state.runs) == 5
     assert metrics.fleet_facts.labels(fold="threads", state="folded")._value.get() == 5
@@ -266,6 +324,7 @@ async def test_facts_of_runs_interleaved_in_a_source_partition_all_count() -> No
     effects, store, producer, _, metrics = _effects()
     await asyncio.gather(*await FactsPublisher("facts", 1, producer).send(result.facts))  # type: ignore[arg-type]
     await effects.process([_Record(0, n, value) for n, (_, _, value) in enumerate(producer.sent)])
+    await effects.flush()
     state = TreeState.decode(store.data[(0, b"root")])
     assert sorted(state.depth) == ["A", "B", "root"] and state.sources == {"0": 7}
     assert metrics.fleet_facts.labels(fold="trees", state="redelivered")._value.get() == 0
