@@ -14,6 +14,7 @@ SCENARIOS = {
     "worker_crash_trees": "Worker crash while sub-agent trees are folded: trees on every partition (facts re-keyed by root run id), SIGKILL and restart as above; no fact folded twice",
     "worker_crash_storm": "Worker crash while a tool storm is folded: 24 runs of one tenant failing on one upstream, SIGKILL and restart as above; one pause (replay's id), then a resume",
     "rebalance": "Rebalance: two workers under load, one SIGKILLed (partitions move), restarted 2 s later",
+    "rebalance_trees": "Rebalance while sub-agent trees and threads are folded: as above, trees and threads on every partition (the survivor's revoke writes the keys' records kept until the next commit)",
     "broker_restart": "Broker restart: SIGTERM mid-stream, started again on the same data and port",
     "slow_worker": "Slow worker: throttled to ~3% (SIGSTOP 0.97 s / SIGCONT 0.03 s) for 6 s below the input rate",
     "join_during_batch": "Join during a batch: the corpus waits as a backlog, a second worker joins while the first folds it in batches of ~1,000",

@@ -107,6 +107,22 @@ def test_rebalance(kafka_bootstrap: str, tmp_path: Path, trial: int) -> None:
 
 
 @pytest.mark.parametrize("trial", range(max(1, TRIALS // 5)))
+def test_rebalance_while_trees_are_folded(kafka_bootstrap: str, tmp_path: Path, trial: int) -> None:
+    """As the rebalance above, with sub-agent trees and threads on every partition: the survivor's facts
+    partitions are revoked when the killed worker comes back, so the keys' records its folds keep until
+    the next commit are written in the revoke (or their facts folded again by the new owner); every tree
+    and thread decision replay makes arrives once, none other."""
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4, settings={"log_level": "info"})
+    fleet.start_worker(0)
+    fleet.start_worker(1)
+    try:
+        _check(asyncio.run(harness.run_trial("rebalance_trees", trial, fleet, harness.rebalance(fleet),
+                                             seed=2500 + trial, kind="trees")))
+    finally:
+        fleet.stop()
+
+
+@pytest.mark.parametrize("trial", range(max(1, TRIALS // 5)))
 def test_join_during_a_batch(kafka_bootstrap: str, tmp_path: Path, trial: int) -> None:
     """A second worker joins while the first works through a backlog in batches of 1,000 records: the
     revoke lands on a batch in flight. Nothing is lost or decided twice, and the first worker's revoked
