@@ -263,15 +263,16 @@ async def overshoot_section(deployment: BenchDeployment, guard: Guard, template:
 async def _interleaved(bootstrap: str, template: Path, plan: Plan, backlog: int, section: str, prefix: str,
                        configs: tuple[tuple[str, dict[str, object], dict[str, str]], ...],
                        rounds: int, profiles: dict[str, Path] | None = None,
-                       measure_s: float | None = None) -> list[dict[str, Any]]:
+                       measure_s: float | None = None, alternate: bool = False) -> list[dict[str, Any]]:
     """One worker's saturation probe for each of ``configs`` (label, worker settings by field, other
     environment), each on a fresh deployment, in ``rounds`` interleaved rounds (so drift in the
     machine's load hits all of them); per config its probes and their medians. ``profiles``: the
     configs (by label) whose first-round probe is sampled by py-spy, and where to; ``measure_s``: each
-    probe's measured window (default: the plan's, less 2 s)."""
+    probe's measured window (default: the plan's, less 2 s); ``alternate``: every other round runs the
+    configs in reverse order (a machine slowing down or speeding up over the run then favours none)."""
     probes: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in configs}
     for round_ in range(rounds):
-        for label, settings, env in configs:
+        for label, settings, env in (configs[::-1] if alternate and round_ % 2 else configs):
             deployment = BenchDeployment(bootstrap, WORKDIR, settings=dict(settings), env=env)
             try:
                 await deployment.start_worker_async()
@@ -319,11 +320,17 @@ async def trees_section(bootstrap: str, plan: Plan, capacity_one: float | None, 
     backlog = plan.backlog_for(capacity_one or 40_000, measure_s, margin=1.5)
     configs: tuple[tuple[str, dict[str, object], dict[str, str]], ...] = (
         ("every fold", {"fleet_rules": True}, {}), ("per-run rules only", {"fleet_rules": False}, {}))
+    # The verdict is the median of the rounds' ratios: each round's two probes ran back to back (in
+    # alternating order), so the machine's drift between rounds, which moved either configuration's probes
+    # by a third on 2026-12-03, cancels in each ratio; the ratio of the two medians is reported beside it.
     tried = await _interleaved(bootstrap, template, plan, backlog, "trees", "t", configs, plan.settings_rounds + 3,
                                {"every fold": results / "profile-trees.txt", "per-run rules only":
-                                results / "profile-trees-off.txt"}, measure_s)
+                                results / "profile-trees-off.txt"}, measure_s, alternate=True)
+    pairs = [on["worker_cpu_us_per_event"] / off["worker_cpu_us_per_event"]
+             for on, off in zip(tried[0]["probes"], tried[1]["probes"], strict=True)]
     return {"corpus": {"events": events, "tree_facts": facts, "trees": trees}, "tried": tried,
-            "cpu_ratio": tried[0]["worker_cpu_us_per_event"] / tried[1]["worker_cpu_us_per_event"]}
+            "round_ratios": pairs, "cpu_ratio": statistics.median(pairs),
+            "ratio_of_medians": tried[0]["worker_cpu_us_per_event"] / tried[1]["worker_cpu_us_per_event"]}
 
 
 async def tree_halt_section(bootstrap: str, plan: Plan, trees: int = 40) -> dict[str, Any]:

@@ -601,9 +601,19 @@ class Page:
         )
         for t in tried:
             each = ", ".join(_n(p["applied_per_s"]) for p in t.get("probes", []))
-            self.add(f"| {t['label']} | {_n(t['applied_per_s'])} ({each}) | {_n(t['worker_cpu_us_per_event'])} us |")
-        self.add("", f"Worker CPU per event with every fold: {ratio:.2f}x the per-run rules' alone (target <= 1.2x: "
-                 f"{_met(ratio <= 1.2)}).", "")
+            cpus = ", ".join(_n(p["worker_cpu_us_per_event"]) for p in t.get("probes", []))
+            self.add(f"| {t['label']} | {_n(t['applied_per_s'])} ({each}) | {_n(t['worker_cpu_us_per_event'])} us "
+                     f"({cpus}) |")
+        pairs = self.trees.get("round_ratios")
+        if pairs:
+            self.add("", f"Worker CPU per event with every fold: {ratio:.2f}x the per-run rules' alone, the median of "
+                     f"the rounds' ratios ({', '.join(f'{r:.2f}' for r in pairs)}: each round's two probes back to "
+                     "back, in alternating order) (target <= 1.2x: "
+                     f"{_met(ratio <= 1.2)}); the ratio of the two medians above: "
+                     f"{self.trees['ratio_of_medians']:.2f}x.", "")
+        else:  # results of a run before round ratios were kept
+            self.add("", f"Worker CPU per event with every fold: {ratio:.2f}x the per-run rules' alone (target <= "
+                     f"1.2x: {_met(ratio <= 1.2)}).", "")
         profiled = [(t["label"], p) for t in tried for p in t.get("probes", [])[:1] if p.get("profile")]
         if len(profiled) == len(tried):
             self.add("Where the difference goes (py-spy of each configuration's first probe, as in \"Where a",
