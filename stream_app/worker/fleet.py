@@ -1,22 +1,24 @@
 """The rules across runs in the fleet: facts re-keyed by scope key, folded by keyed folds of their own.
 
 The per-run side (``Effects``) takes each batch's facts (``BatchResult.facts``: what new events tell the
-folds of ``core/fleet``, as encoded items with their source telemetry partition and offset and their scope
-key; the format is ``worker/facts.py``'s) and publishes them to the facts topic (``FactsPublisher``): one
-message per facts-topic partition per batch, the partition Kafka's default partitioner gives the fact's
-scope key (``tree/ROOT``, ``thread/TENANT/THREAD``, ``tool/TENANT/TOOL/UPSTREAM``), so a key's facts
-always meet in one partition, in the order each source partition produced them. Like decisions, their acknowledgement is awaited before the runs' state is
+folds of ``core/fleet``, as encoded items with their source telemetry partition and offset and their
+scope key; the format is ``worker/facts.py``'s) and publishes them to the facts topic
+(``FactsPublisher``): one message per facts-topic partition per batch, the partition Kafka's default
+partitioner gives the fact's scope key (``tree/ROOT``, ``thread/TENANT/THREAD``,
+``tool/TENANT/TOOL/UPSTREAM``), so a key's facts always meet in one partition, in the order each source
+partition produced them. Like decisions, their acknowledgement is awaited before the runs' state is
 written: a crash can publish a batch's facts again, never lose them.
 
 ``FleetEffects.process`` is the body of the facts topic's agent (``delivery`` hands it batches, in offset
-order, committed once processed). Each kind of key (``KINDS``: trees, threads, tools) has its own table (RocksDB,
-changelog, standbys: as the runs table), co-partitioned with the facts topic. For each key of the batch:
+order, committed once processed). Each kind of key (``KINDS``: trees, threads, tools) has its own table
+(RocksDB, changelog, standbys: as the runs table), co-partitioned with the facts topic. For each key of
+the batch:
 
 1. its stored record is read from its kind's table (or, if newer, the record a batch since the last
    commit left to write);
 2. facts at or below the key's high-water offset of their source partition were folded before (a batch
    published again after a crash, or facts fetched again) and are skipped, so each counts once;
-3. the rest are folded (``core.fleet.trees.fold``, ``core.fleet.threads.fold``);
+3. the rest are folded (``core.fleet.trees.fold``, ``threads.fold``, ``tools.fold``);
 4. the decisions (scope ``tree`` or ``thread``, keyed by the scope key; signed) go to the control topic,
    and to the alerts topic for on-call; a halt also goes to the scopes topic (compacted, keyed
    ``SCOPE/KEY``, with ``expires_ms``: the trigger's time + the kind's ttl), which runtimes read from its
@@ -24,13 +26,13 @@ changelog, standbys: as the runs table), co-partitioned with the facts topic. Fo
    thread's new runs. All are acknowledged before the keys' new records are kept to be written.
 
 The new records are written (RocksDB, changelog) at the start of the consumer's next commit, before it
-works out the offsets to commit, and when a revoke or stop has let the batch in hand finish
-(``flush``, ``delivery.install``'s ``state_writers``), not after every batch: a tree busy in every batch
-is written once a commit (every second), not once a batch (on the bench's trees, 7,600 records and 26 MB
-per 300,000 events were written batch by batch). Nothing is committed ahead of its state: a crash loses
-only facts whose offsets were not committed, which are fetched and folded again (their decisions, ids
-derived from the scope key, published again); the keys' high-water offsets are in the written records,
-so facts folded into a written record count once.
+works out the offsets to commit, when a revoke or stop has let the batch in hand finish (``flush``,
+``delivery.install``'s ``state_writers``) and before each sweep (every 0.5 s), not after every batch: a
+tree busy in every batch is written once in that time, not once a batch (on the bench's trees, per
+300,000 events: 7,600 records and 26 MB batch by batch, 1,800 and 5 MB so). Nothing is committed ahead
+of its state: a crash loses only facts whose offsets were not committed, which are fetched and folded
+again (their decisions, ids derived from the scope key, published again); the keys' high-water offsets
+are in the written records, so facts folded into a written record count once.
 
 An operator's halt or resume of a tree or a thread (``loopwarden halt|resume --tree|--thread``) comes on
 the facts topic too, keyed and partitioned like the key's facts, so it is applied in order with them.
