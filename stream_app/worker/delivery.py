@@ -655,9 +655,9 @@ class BatchConsumer(Consumer):
         return True
 
     async def wait_empty(self) -> None:
-        """Revoke and stop: pending batches dropped, the batch in hand finished, the state written late
-        written (before faust flushes the producer: its changelog records are out before a new owner
-        recovers the partition), then faust's own wait (it commits)."""
+        """Revoke and stop: pending batches dropped, the batch in hand finished, the state handlers kept past
+        their batches written (before faust flushes the producer: its changelog records are out before a
+        new owner recovers the partition), then faust's own wait (it commits)."""
         for sink in self.sinks.values():
             sink.clear()
             if not await sink.wait_idle(IN_FLIGHT_WAIT_S):
@@ -667,8 +667,9 @@ class BatchConsumer(Consumer):
         await super().wait_empty()
 
     async def _commit_tps(self, tps: Iterable[TP], start_new_transaction: bool) -> bool:
-        """Every commit writes the state written late first: the offsets it then commits (worked out
-        after, with no wait in between) never run ahead of the state of what was processed."""
+        """Every commit first writes the state handlers kept past their batches: the offsets it then
+        commits (worked out after, with no wait in between) never run ahead of the state of what was
+        processed."""
         await self._write_state()
         return bool(await super()._commit_tps(tps, start_new_transaction))
 

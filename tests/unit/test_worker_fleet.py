@@ -132,8 +132,9 @@ async def test_a_redelivered_batch_of_facts_counts_once() -> None:
 
 
 async def test_a_batch_whose_decisions_were_not_acknowledged_leaves_no_folded_state_behind() -> None:
-    """The decisions' send fails: the batch is not written (delivery fetches it again). Folding it again
-    must start from the stored record, not from the state the failed attempt had already folded."""
+    """The decisions' send fails: the batch is not kept (delivery fetches it again). Folding it again must
+    start from the record the batch before it left (not written yet), not from the state the failed
+    attempt had already folded."""
     effects, store, producer, _, _ = _effects(max_tree_runs=4)
     await effects.process([_Record(0, 0, _spawns("root", 0, 1))])
     producer.fail = True
@@ -172,25 +173,11 @@ async def test_a_keys_record_is_written_with_the_next_commit_once_however_many_b
     await effects.process([_Record(0, 2, _spawns("root", 0, 6))])  # all folded before: counted once
     await effects.flush()
     assert TreeState.decode(store.data[(0, b"root")]).sources == {"0": 5}
-
-
-async def test_a_failed_batch_after_unwritten_ones_folds_again_on_their_records() -> None:
-    """Batches since the last commit are not written; one that fails (its decisions not acknowledged)
-    leaves them as they were, and its retry folds on them, not on the stored record nor on what the failed
-    attempt folded."""
-    effects, store, producer, _, _ = _effects(max_tree_runs=6)
-    await effects.process([_Record(0, 0, _spawns("root", 0, 1))])
-    await effects.flush()
-    await effects.process([_Record(0, 1, _spawns("root", 1, 1))])  # the root and 2 children: unwritten
-    producer.fail = True
-    with pytest.raises(ConnectionError):
-        await effects.process([_Record(0, 2, _spawns("root", 2, 2))])  # 5 runs: over half, an alert to send
-    producer.fail = False
-    await effects.process([_Record(0, 2, _spawns("root", 2, 2))])
+    await effects.process([_Record(0, 3, _spawns("root", 6, 1))])  # newer than the stored record...
+    await effects.process([_Record(0, 4, _spawns("root", 7, 1))])  # ...which this batch must not fold on
     await effects.flush()
     state = TreeState.decode(store.data[(0, b"root")])
-    assert len(state.depth) == 5 and state.sources == {"0": 3}
-    assert [orjson.loads(v)["action"] for t, _, v in producer.sent if t == "control"] == ["alert"]
+    assert len(state.depth) == 9 and state.sources == {"0": 7}
 
 
 async def test_a_revoked_partitions_unwritten_records_are_dropped_not_written_later() -> None:
