@@ -135,13 +135,13 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
     if fleet_tables:
         facts_sink = delivery.BatchSink(settings.facts_topic, settings.batch_max, stale)
         sinks.append(facts_sink)
-    state_writers: list[Callable[[], Awaitable[None]]] = []  # the folds across runs' (below)
+    state_writers: list[Callable[[], Awaitable[None]]] = [effects.flush]  # and the folds across runs' (below)
     delivery.install(app, sinks, metrics.refetched.labels(reason="gap").inc, state_writers)
 
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]  # faust's signal type wants a signal= keyword
     async def forget_revoked(sender: faust.App, revoked: set[faust.types.TP], **_: object) -> None:
         cast(delivery.BatchConsumer, app.consumer).sequencer.forget(revoked)
-        effects.forget({tp.partition for tp in revoked if tp.topic == settings.telemetry_topic})
+        await effects.forget({tp.partition for tp in revoked if tp.topic == settings.telemetry_topic})
 
     runs.on_recover(effects.recount)  # loopwarden_runs_tracked: exact, for the active partitions
 

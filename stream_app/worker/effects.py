@@ -12,11 +12,15 @@ For one batch (``Effects.process``), in this order:
    broker's acknowledgement of every one is awaited *before* the new state is written, so a crash can
    duplicate a decision (same id, deduplicated by runtimes) or a fact (skipped by its source offset) but
    never lose one;
-5. the runs' new records are written (``store.RunStore``: local RocksDB and the changelog).
+5. the runs' new records are kept for the next flush (``store.RunStore.keep``), which writes them to
+   the local RocksDB and the changelog: before every commit and at a revoke or stop once the batch in
+   hand is done (``flush``, one of ``delivery.install``'s ``state_writers``), before each partition's
+   sweep, and at once when a batch leaves more than ``KEEP_MAX_RECORDS`` kept. The next batch folds on
+   the kept records.
 
-A batch and a sweep both read, then write stored runs, awaiting in between, so they take turns. The
-sweep (a timer, off the batch path) forgets runs silent for ``run_ttl_ms`` of event time, a few stored
-runs per partition per sweep, resuming where the last one stopped.
+A batch, a flush and a sweep all read or write stored runs, awaiting in between, so they take turns.
+The sweep (a timer, off the batch path) forgets runs silent for ``run_ttl_ms`` of event time, a few
+stored runs per partition per sweep, resuming where the last one stopped.
 """
 
 from __future__ import annotations
@@ -47,6 +51,10 @@ from .metrics import WorkerMetrics
 from .store import Change, RunStore
 
 log = logging.getLogger(__name__)
+
+#: A batch that leaves more records kept than this writes them at once (memory: ~1.3 KB a run record), not
+#: with the next commit.
+KEEP_MAX_RECORDS = 20_000
 
 #: Dead-lettered values are cut to this many bytes (header ``value_bytes``: the original size), below the
 #: producer's 1 MB request limit: the telemetry topic may allow larger messages than the DLQ does.
@@ -264,12 +272,19 @@ class Effects:
             self.decisions.flush_now()
         if facts_sent:
             await asyncio.gather(*facts_sent)
-        await store.write(result.records)
+        store.keep(result.records)
+        if store.kept > KEEP_MAX_RECORDS:
+            await store.flush()
         tracked = self._tracked
         for partition, changes in result.records.items():
             if partition in tracked:
                 tracked[partition] += sum(stored[(partition, key)] is None for key, _ in changes)
         metrics.runs_tracked.set(sum(tracked.values()))
+
+    async def flush(self) -> None:
+        """Write the runs' records kept by the batches processed so far."""
+        async with self._state_lock:
+            await self.store.flush()
 
     async def sweep(self) -> None:
         """Expire silent runs in every assigned partition (on a timer, off the per-batch path), a partition
@@ -285,6 +300,7 @@ class Effects:
         return {tp.partition for tp in self.app.consumer.assignment() if tp.topic == topic}  # type: ignore[attr-defined]
 
     async def _sweep(self, partition: int) -> None:
+        await self.store.flush()  # the scan reads stored records and deletes some: they must be the latest
         horizon = self._watermark_ms[partition] - self._run_ttl_ms
         found, self._sweep_from[partition] = self.store.scan(
             partition, self._sweep_from.get(partition, b""), self.evict_scan_per_sweep)
@@ -296,8 +312,15 @@ class Effects:
                 self._tracked[partition] -= len(stale)
             self.metrics.runs_tracked.set(sum(self._tracked.values()))
 
-    def forget(self, partitions: set[int]) -> None:
-        """Partitions were revoked: their runs and their lag are another worker's to count."""
+    async def forget(self, partitions: set[int]) -> None:
+        """Partitions were revoked: their runs and their lag are another worker's to count, and their
+        records not written by then (the revoke's ``wait_empty`` flushed; a batch that outlived its wait
+        keeps its records once done, hence the lock) are dropped: their offsets are not committed here, so
+        the next owner folds those events again."""
+        async with self._state_lock:
+            if dropped := self.store.drop(partitions):
+                log.warning("%d run records of partitions %s not written before their revoke: dropped, their "
+                            "events are folded again by the partitions' next owner", dropped, sorted(partitions))
         for partition in partitions:
             self._tracked.pop(partition, None)
             with contextlib.suppress(KeyError):  # never reported here

@@ -16,6 +16,14 @@ standbys, partition assignment) and writes its storage directly:
 
 Restart safety is unchanged: Faust flushes that producer before it commits input offsets, so a
 committed input offset never runs ahead of the changelog.
+
+A batch's new records need not be written after every batch: ``keep`` holds them (the latest of each key)
+and ``get`` reads them first, so the next batch folds on them; ``flush`` writes what is kept, and the
+worker awaits it before every commit and in a revoke's ``wait_empty`` (``delivery.install``'s
+``state_writers``), so no offset is committed, and no partition handed over, ahead of its state. A key
+changed in every batch is then written once a commit, and a batch of a few events costs no RocksDB write
+and no changelog request: at a few thousand events per second a worker made a write and a produce request
+every 3-4 ms for a handful of events.
 """
 
 from __future__ import annotations
@@ -42,6 +50,10 @@ class RunStore:
         self.app = app
         self.table = table
         self.changelog_topic = changelog_topic
+        #: Records kept for the next ``flush`` by partition and key (None: delete), newest of each key.
+        self._kept: dict[int, dict[bytes, bytes | None]] = {}
+        #: How many records ``_kept`` holds.
+        self.kept = 0
 
     @property
     def _store(self) -> Any:
@@ -49,8 +61,43 @@ class RunStore:
         return self.table.data
 
     def get(self, partition: int, key: bytes) -> bytes | None:
+        """``key``'s record: the one kept for the next flush, else the stored one."""
+        kept = self._kept.get(partition)
+        if kept is not None and key in kept:
+            return kept[key]
         value: bytes | None = self._store._db_for_partition(partition).get(key)
         return value
+
+    def keep(self, changes: Mapping[int, Sequence[Change]]) -> None:
+        """Hold ``changes`` for the next ``flush`` (``get`` returns them meanwhile)."""
+        kept = self._kept
+        for partition, items in changes.items():
+            if items:
+                by_key = kept.setdefault(partition, {})
+                before = len(by_key)
+                by_key.update(items)
+                self.kept += len(by_key) - before
+
+    async def flush(self) -> None:
+        """Write what ``keep`` holds. Records kept while it writes wait for the next flush; if the write
+        fails, all it held is kept again (under any newer record of the same key; written twice is
+        harmless)."""
+        if not self._kept:
+            return
+        pending, self._kept, self.kept = self._kept, {}, 0
+        try:
+            await self.write({partition: list(items.items()) for partition, items in pending.items()})
+        except BaseException:
+            for partition, items in pending.items():
+                self._kept[partition] = {**items, **self._kept.get(partition, {})}
+            self.kept = sum(map(len, self._kept.values()))
+            raise
+
+    def drop(self, partitions: set[int]) -> int:
+        """Forget the records kept for ``partitions`` (revoked: no longer this worker's to write); how many."""
+        dropped = sum(len(self._kept.pop(partition, {})) for partition in partitions)
+        self.kept -= dropped
+        return dropped
 
     async def write(self, changes: Mapping[int, Sequence[Change]]) -> None:
         """Apply ``changes`` (by partition) locally and queue their changelog records; returns once the

@@ -1,9 +1,12 @@
 """The runs' effects around the batch function (stream_app/worker/effects.py) without Kafka: the lag gauge
-read from end offsets, and the sweep's turns with batches."""
+read from end offsets, the sweep's turns with batches, and the runs' records kept from batch to batch
+until a flush (on the real RunStore over RocksDB, see test_worker_store)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,11 +16,16 @@ import pytest
 pytest.importorskip("faust")
 
 from aiokafka.errors import KafkaTimeoutError
+from aiokafka.structs import ConsumerRecord
 from faust.types import TP
 
 from stream_app.core import Detector
+from stream_app.worker import effects as effects_module
+from stream_app.worker.batch import BatchFold
 from stream_app.worker.effects import Effects
 from stream_app.worker.metrics import WorkerMetrics
+
+from .test_worker_store import open_store
 
 TOPIC = "agent.telemetry"
 
@@ -49,6 +57,12 @@ class _Store:
         self.log: list[str] = []
         self.hold: asyncio.Event | None = None
 
+    def drop(self, partitions: set[int]) -> int:
+        return 0
+
+    async def flush(self) -> None:
+        """Nothing kept here (the sweep flushes first: see the tests on the real RunStore below)."""
+
     def scan(self, partition: int, start: bytes, limit: int) -> tuple[list[tuple[bytes, bytes]], bytes]:
         self.log.append(f"scan {partition}")
         return sorted(self.data.get(partition, {}).items())[:limit], b""
@@ -63,6 +77,7 @@ class _Store:
 
 
 def _effects(consumer: _Consumer, store: Any = None) -> tuple[Effects, WorkerMetrics]:
+    store = _Store() if store is None else store
     metrics = WorkerMetrics()
     topics: Any = SimpleNamespace(telemetry=SimpleNamespace(get_topic_name=lambda: TOPIC))
     fold: Any = SimpleNamespace(detector=Detector())
@@ -93,7 +108,7 @@ async def test_the_lag_gauge_is_the_end_offset_minus_the_next_offset_to_process(
     await effects.report_lag()
     assert _lag(metrics) == {"0": 30, "1": 0, "2": 9}
     consumer.partitions.discard(0)
-    effects.forget({0})  # revoked: its lag is the next owner's to report
+    await effects.forget({0})  # revoked: its lag is the next owner's to report
     await effects.report_lag()
     assert _lag(metrics) == {"1": 0, "2": 9}
 
@@ -118,3 +133,100 @@ async def test_a_batch_waits_for_one_partitions_sweep_not_the_whole_sweep() -> N
     await asyncio.gather(sweep, turn)
     assert store.log == ["scan 0", "write 0", "batch", "scan 1", "write 1"]
     assert store.data == {0: {}, 1: {}}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Any]:
+    """A RunStore on RocksDB, its DBs and its changelog's producer (test_worker_store)."""
+    yield from open_store(tmp_path)
+
+
+class _Decisions:
+    """The decisions producer: every send acknowledged at once; what was sent, in order."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+
+    async def send(self, topic: str, key: bytes, value: bytes | None, headers: Any) -> asyncio.Future[None]:
+        self.sent.append((topic, key))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+    def flush_now(self) -> None:
+        pass
+
+
+def _calls(partition: int, run_id: str, first: int, count: int) -> list[ConsumerRecord[bytes, bytes]]:
+    """``count`` identical failing calls of ``run_id`` at offsets ``first``..."""
+    out = []
+    for n in range(first, first + count):
+        value = orjson.dumps({"schema_version": "1", "run_id": run_id, "event_id": f"{run_id}-{n}", "tool": "search",
+                              "ts_ms": 1_764_000_000_000 + n, "seq": n, "outcome": "error", "args": {"q": "x"},
+                              "result": {"error": "down"}})
+        out.append(ConsumerRecord(TOPIC, partition, n, 0, 0, run_id.encode(), value, None, 5, len(value), ()))
+    return out
+
+
+def _folding(store: Any) -> tuple[Effects, _Decisions]:
+    consumer = _Consumer({0, 1})
+    decisions = _Decisions()
+    topics: Any = SimpleNamespace(telemetry=SimpleNamespace(get_topic_name=lambda: TOPIC),
+                                  control=SimpleNamespace(get_topic_name=lambda: "control"),
+                                  alerts=SimpleNamespace(get_topic_name=lambda: "alerts"))
+    app: Any = SimpleNamespace(consumer=consumer)
+    effects = Effects(app, topics, store, BatchFold(Detector(), facts=False), WorkerMetrics(), None, None, "/test",
+                      256, decisions)  # type: ignore[arg-type]
+    return effects, decisions
+
+
+async def test_a_batch_folds_on_the_records_kept_by_the_last_and_a_flush_writes_each_run_once(store: Any) -> None:
+    """Runs split over three batches are halted at the same call as in one batch, with nothing written until
+    the flush, which writes each run's latest record once (RocksDB and its changelog)."""
+    runs, data, producer = store
+    effects, decisions = _folding(runs)
+    for first in (1, 3, 5):  # calls 1-2, 3-4, 5-6 of each run
+        await effects.process(_calls(0, "run-a", first, 2) + _calls(1, "run-b", first, 2))
+    assert producer.sent == [] and b"run-a" not in data._dbs[0] and runs.kept == 2
+    halts = [key for topic, key in decisions.sent if topic == "alerts"]
+    assert halts == [b"run-a", b"run-b"]  # the 4th call of each halts it, once
+    await effects.flush()
+    assert [(partition, [key for key, _ in records]) for partition, records in producer.sent] == [
+        (0, [b"run-a"]), (1, [b"run-b"])]
+    assert data._dbs[0][b"run-a"] == producer.sent[0][1][0][1] and runs.kept == 0
+
+
+async def test_a_batch_leaving_too_many_records_kept_writes_them_at_once(store: Any, monkeypatch: Any) -> None:
+    runs, _, producer = store
+    effects, _ = _folding(runs)
+    monkeypatch.setattr(effects_module, "KEEP_MAX_RECORDS", 2)
+    await effects.process(_calls(0, "run-a", 1, 1) + _calls(0, "run-b", 1, 1))
+    assert runs.kept == 2 and producer.sent == []
+    await effects.process(_calls(1, "run-c", 1, 1))
+    assert runs.kept == 0 and sorted(len(records) for _, records in producer.sent) == [1, 2]
+
+
+async def test_the_sweep_writes_the_kept_records_before_it_scans(store: Any) -> None:
+    """A run whose stored record is stale but whose kept one is recent is not expired: the sweep judges the
+    latest record (scanning RocksDB before the flush, it deleted the run and counted an eviction that the
+    flush after it undid)."""
+    runs, data, _ = store
+    effects, _ = _folding(runs)
+    await effects.process(_calls(0, "run-a", 1, 1) + _calls(0, "run-b", 1, 1))
+    await effects.flush()
+    await effects.process(_calls(0, "run-b", 10**9 - 3, 1) + _calls(0, "run-z", 10**9, 1))  # kept, not written
+    effects._run_ttl_ms = 10**9 - 5  # expires what is silent since call 5's time
+    await effects.sweep()
+    assert effects.metrics.evictions._value.get() == 1  # run-a only
+    assert b"run-a" not in data._dbs[0] and runs.get(0, b"run-a") is None
+    assert data._dbs[0][b"run-b"] == runs.get(0, b"run-b") and runs.kept == 0
+
+
+async def test_a_revoked_partitions_kept_records_are_dropped_with_a_warning(store: Any, caplog: Any) -> None:
+    runs, _, producer = store
+    effects, _ = _folding(runs)
+    await effects.process(_calls(0, "run-a", 1, 1) + _calls(1, "run-b", 1, 1))
+    await effects.forget({1})
+    await effects.flush()
+    assert [partition for partition, _ in producer.sent] == [0]
+    assert "1 run records of partitions [1] not written before their revoke" in caplog.text
