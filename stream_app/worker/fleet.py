@@ -161,9 +161,6 @@ class FleetEffects:
         self._tracked: dict[str, int] = dict.fromkeys(stores, 0)
         #: (kind, partition, key) -> (the record this worker wrote, its decoded state): most active last.
         self._decoded: OrderedDict[tuple[str, int, bytes], tuple[bytes, Any]] = OrderedDict()
-        #: Records of processed batches not written yet, by kind, partition and key (the latest of each
-        #: key): ``flush`` writes them before every commit (see the module docstring).
-        self._unwritten: dict[str, dict[int, dict[bytes, bytes]]] = {}
 
     async def process(self, records: Sequence[Record]) -> None:
         async with self._lock:
@@ -198,9 +195,7 @@ class FleetEffects:
         for (kind, partition, key_text), items in by_key.items():
             store = self.stores[kind.name]
             key = (kind.name, partition, key_text.encode())
-            raw = self._unwritten.get(kind.name, {}).get(partition, {}).get(key[2])
-            if raw is None:
-                raw = store.get(partition, key[2])
+            raw = store.get(partition, key[2])  # kept for the next flush, else stored
             known = self._decoded.pop(key, None)  # put back once folded: a failed batch leaves no folded copy
             if raw is None:
                 state = kind.state()
@@ -239,11 +234,14 @@ class FleetEffects:
             self._keep_until(mark, state.last_ts_ms, kind.ttl_ms(fleet))
         if decisions:
             await self._publish(decisions)
-        decoded, unwritten = self._decoded, self._unwritten
+        decoded = self._decoded
+        kept: dict[str, dict[int, list[Change]]] = {}
         for key, record, state in written:
-            unwritten.setdefault(key[0], {}).setdefault(key[1], {})[key[2]] = record  # with the next commit
+            kept.setdefault(key[0], {}).setdefault(key[1], []).append((key[2], record))
             decoded[key] = (record, state)
             decoded.move_to_end(key)
+        for name, changes in kept.items():
+            self.stores[name].keep(changes)  # written with the next commit
         while len(decoded) > DECODED_KEYS:
             decoded.popitem(last=False)
         for name, count in folded.items():
@@ -304,21 +302,19 @@ class FleetEffects:
             await self._flush()
 
     async def _flush(self) -> None:
-        for name in list(self._unwritten):  # a kind leaves the list once written: a failed write is tried again
-            await self.stores[name].write({partition: list(items.items())
-                                           for partition, items in self._unwritten[name].items()})
-            del self._unwritten[name]
+        for store in self.stores.values():
+            await store.flush()
 
     async def forget(self, partitions: set[int]) -> None:
         """``partitions`` (the facts topic's) were revoked: nothing of them may be written any more (their
         records were written when the revoke's ``wait_empty`` flushed; a batch that outlived it is
         dropped, its offsets not committed here)."""
         async with self._lock:
-            for name, by_partition in self._unwritten.items():
-                for partition in partitions & by_partition.keys():
-                    log.warning("%d %s records of facts partition %d not written before its revoke: dropped, "
-                                "their facts are folded again by the partition's next owner",
-                                len(by_partition.pop(partition)), name, partition)
+            for name, store in self.stores.items():
+                if dropped := store.drop(partitions):
+                    log.warning("%d %s records of facts partitions %s not written before their revoke: dropped, "
+                                "their facts are folded again by the partitions' next owner", dropped, name,
+                                sorted(partitions))
 
     async def sweep(self, partitions: set[int]) -> None:
         """Forget keys silent for their kind's ttl of event time in ``partitions`` (the facts topic's)."""

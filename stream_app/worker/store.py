@@ -65,6 +65,10 @@ class RunStore:
         kept = self._kept.get(partition)
         if kept is not None and key in kept:
             return kept[key]
+        return self.read(partition, key)
+
+    def read(self, partition: int, key: bytes) -> bytes | None:
+        """``key``'s stored record (RocksDB), whatever is kept."""
         value: bytes | None = self._store._db_for_partition(partition).get(key)
         return value
 

@@ -5,6 +5,7 @@ folded."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from stream_app.worker.batch import BatchFold, RawRecord
 from stream_app.worker.facts import fact_items
 from stream_app.worker.fleet import FACTS_FORMAT, FactsPublisher, FleetEffects, decode_facts, partition_of
 from stream_app.worker.metrics import WorkerMetrics
+from stream_app.worker.store import RunStore
 
 
 @dataclass
@@ -33,8 +35,13 @@ class _Record:
     headers: tuple[Any, ...] = ()
 
 
-class _Store:
+class _Store(RunStore):
+    """RunStore with what it stores in a dict (``data``) instead of RocksDB and the changelog; what it keeps
+    for the next flush is RunStore's own (``keep``, ``get``, ``flush``, ``drop``)."""
+
     def __init__(self) -> None:
+        self._kept = {}
+        self.kept = 0
         self.data: dict[tuple[int, bytes], bytes] = {}
         self.scanned = 0
         self.starts: list[bytes] = []
@@ -48,10 +55,10 @@ class _Store:
         self.scanned += len(keys[:limit])
         return [(k, self.data[(partition, k)]) for k in keys[:limit]], keys[limit] if len(keys) > limit else b""
 
-    def get(self, partition: int, key: bytes) -> bytes | None:
+    def read(self, partition: int, key: bytes) -> bytes | None:
         return self.data.get((partition, key))
 
-    async def write(self, changes: dict[int, list[tuple[bytes, bytes | None]]]) -> None:
+    async def write(self, changes: Mapping[int, Sequence[tuple[bytes, bytes | None]]]) -> None:
         for partition, items in changes.items():
             for key, value in items:
                 if value is None:
