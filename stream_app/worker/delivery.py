@@ -31,12 +31,13 @@ agents' topics: telemetry, OTLP) skip it:
   acknowledged [101, 102] commits 103).
 * a batch's offsets are acknowledged into faust's commit bookkeeping in bulk once the handler returned
   (its decisions acknowledged by the broker, its state and changelog queued: faust flushes the producer
-  before it commits), in the generation it was fetched in; faust's commit timer does the rest. A handler
-  may keep its batches' state in memory past them (the folds across runs do, so that a key busy in
-  every batch is written once a commit): its writer (``install``'s ``state_writers``) is awaited at the
-  start of every commit (``_commit_tps``), before the committed offsets are worked out, and in
-  ``wait_empty``, so no offset is committed, and no partition handed to another worker, ahead of the
-  state of what was processed.
+  before it commits), in the generation it was fetched in; faust's commit timer does the rest. Handlers
+  may keep their batches' state in memory past them (the runs and the folds across runs do, so that a
+  key busy in every batch is written once a commit): their writers (``install``'s ``state_writers``)
+  are awaited at the start of every commit (``_commit_tps``), before the committed offsets are worked
+  out, and in ``wait_empty``; a processed batch is acknowledged only once the writers ran after it
+  (``processed``, ``_write_state``), so no offset is committed, and no partition handed to another
+  worker, ahead of the state of what was processed, whatever batches run while the writers await.
 * back-pressure: a sink holding more than ``4 x batch_max`` records marks the partitions it holds as
   buffered (faust's ``on_buffer_full``: no more fetches for them) until it drained below half of that
   (then the fetch starts at once; faust would sleep a second when no partition is left to fetch, and
@@ -456,8 +457,9 @@ class BatchConsumer(Consumer):
 
     sinks: Mapping[str, BatchSink]
     on_seek: Callable[[], object]
-    #: What writes state a handler folded but keeps in memory past its batch (``FleetEffects.flush``):
-    #: awaited before every commit and after the last batch of a revoke or stop.
+    #: What writes state the handlers folded but keep in memory past their batches (``Effects.flush``,
+    #: ``FleetEffects.flush``): awaited before every commit and after the last batch of a revoke or stop.
+    #: With any, a processed batch is acknowledged only once they ran after it (``processed``).
     state_writers: Sequence[Callable[[], Awaitable[None]]] = ()
     sequencer: Sequencer
     standby: StandbyApplier
@@ -468,6 +470,9 @@ class BatchConsumer(Consumer):
         self.standby = StandbyApplier(self.app)
         self._drained = asyncio.Event()
         self._stalls_reported: dict[TP, int] = {}
+        #: Processed batches (generation, records) whose state may still be kept in memory: acknowledged
+        #: once the state writers ran after them.
+        self._unwritten: list[tuple[int, Records]] = []
         for sink in self.sinks.values():
             sink.consumer = self
             self.app.flow_control.manage_queue(sink)  # type: ignore[arg-type]  # it only calls clear()
@@ -637,6 +642,14 @@ class BatchConsumer(Consumer):
             self.sequencer.seed(TP(tp.topic, tp.partition), start)
         return committed
 
+    def processed(self, generation: int, batch: Records) -> None:
+        """``batch`` was processed: acknowledged now, or, if the handlers keep state past their batches,
+        once the state writers ran after it (at the next commit, or a revoke's or stop's ``wait_empty``)."""
+        if self.state_writers:
+            self._unwritten.append((generation, batch))
+        else:
+            self.ack_batch(generation, batch)
+
     def ack_batch(self, generation: int, batch: Records) -> bool:
         """Acknowledge ``batch``'s offsets (processed) into faust's commit bookkeeping, unless the consumer
         generation moved on since it was fetched. Synchronous: no await between check and ack."""
@@ -670,12 +683,27 @@ class BatchConsumer(Consumer):
         """Every commit first writes the state handlers kept past their batches: the offsets it then
         commits (worked out after, with no wait in between) never run ahead of the state of what was
         processed."""
-        await self._write_state()
-        return bool(await super()._commit_tps(tps, start_new_transaction))
+        acknowledged = await self._write_state()
+        # faust listed ``tps`` (the partitions with acknowledged offsets) before: add those just acknowledged
+        return bool(await super()._commit_tps({*tps, *acknowledged}, start_new_transaction))
 
-    async def _write_state(self) -> None:
-        for write in self.state_writers:
-            await write()
+    async def _write_state(self) -> set[TP]:
+        """Run the state writers, then acknowledge the batches processed before they started: their state
+        is written. A batch processed while they ran may have kept its state after a writer was done with
+        it (the runs' flush goes a partition at a time; the writers run one after the other): it waits for
+        the next time. If a writer fails, nothing is acknowledged. Returns the partitions acknowledged."""
+        done, self._unwritten = self._unwritten, []
+        try:
+            for write in self.state_writers:
+                await write()
+        except BaseException:
+            self._unwritten[:0] = done
+            raise
+        acknowledged: set[TP] = set()
+        for generation, batch in done:
+            if self.ack_batch(generation, batch):
+                acknowledged.update(batch)
+        return acknowledged
 
     async def _add_gap(self, tp: TP, offset_from: int, offset_to: int) -> None:
         """faust's own gap detection fires on offsets it dropped: gaps come from the Sequencer."""
@@ -745,7 +773,7 @@ async def drain(app: faust.App, sink: BatchSink, fatal: FatalStop, handle: Handl
             records = admitted[next(iter(admitted))] if len(admitted) == 1 else [
                 record for tp_records in admitted.values() for record in tp_records]
             if await fatal.run(handle(records)):
-                consumer.ack_batch(generation, admitted)
+                consumer.processed(generation, admitted)
         except Exception:  # the agent crashes and its supervisor restarts it: fetch the batch again
             if admitted:
                 await sequencer.rewind(admitted)

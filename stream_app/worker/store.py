@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import faust
@@ -54,6 +54,8 @@ class RunStore:
         self._kept: dict[int, dict[bytes, bytes | None]] = {}
         #: How many records ``_kept`` holds.
         self.kept = 0
+        #: What the flush under way is writing (``get`` reads it after ``_kept``).
+        self._flushing: dict[int, dict[bytes, bytes | None]] = {}
 
     @property
     def _store(self) -> Any:
@@ -65,6 +67,10 @@ class RunStore:
         kept = self._kept.get(partition)
         if kept is not None and key in kept:
             return kept[key]
+        if self._flushing:  # a flush under way: RocksDB may not have this partition's records yet
+            flushing = self._flushing.get(partition)
+            if flushing is not None and key in flushing:
+                return flushing[key]
         return self.read(partition, key)
 
     def read(self, partition: int, key: bytes) -> bytes | None:
@@ -82,20 +88,32 @@ class RunStore:
                 by_key.update(items)
                 self.kept += len(by_key) - before
 
-    async def flush(self) -> None:
-        """Write what ``keep`` holds. Records kept while it writes wait for the next flush; if the write
-        fails, all it held is kept again (under any newer record of the same key; written twice is
-        harmless)."""
-        if not self._kept:
+    async def flush(self, partitions: Iterable[int] | None = None) -> None:
+        """Write what ``keep`` holds (of ``partitions`` only, if given). Records kept while it writes wait
+        for the next flush; if the write fails, all it held is kept again (under any newer record of the
+        same key; written twice is harmless)."""
+        if partitions is None:
+            pending, self._kept = self._kept, {}
+        else:
+            pending = {p: self._kept.pop(p) for p in partitions if p in self._kept}
+        if not pending:
             return
-        pending, self._kept, self.kept = self._kept, {}, 0
+        self.kept -= sum(map(len, pending.values()))
+        self._flushing = pending
         try:
             await self.write({partition: list(items.items()) for partition, items in pending.items()})
         except BaseException:
             for partition, items in pending.items():
-                self._kept[partition] = {**items, **self._kept.get(partition, {})}
-            self.kept = sum(map(len, self._kept.values()))
+                newer = self._kept.get(partition, {})
+                self._kept[partition] = {**items, **newer}
+                self.kept += len(self._kept[partition]) - len(newer)
             raise
+        finally:
+            self._flushing = {}
+
+    def kept_partitions(self) -> set[int]:
+        """The partitions with records kept for the next flush."""
+        return set(self._kept)
 
     def drop(self, partitions: set[int]) -> int:
         """Forget the records kept for ``partitions`` (revoked: no longer this worker's to write); how many."""

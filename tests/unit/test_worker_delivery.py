@@ -352,26 +352,54 @@ async def test_a_revoke_writes_the_state_kept_in_memory_after_the_batch_in_hand_
         await _stopped(task)
 
 
-async def test_every_commit_writes_the_state_kept_in_memory_before_working_out_its_offsets(tmp_path) -> None:
-    """A commit awaits the state writers first, then works out what it commits: a batch acknowledged
-    while a writer waited (for the batch in hand) is committed with its state written, never before it."""
+async def test_with_state_kept_in_memory_a_batch_is_acknowledged_once_the_writers_ran_after_it(tmp_path) -> None:
+    """A commit runs the state writers first, then acknowledges the batches processed before they started
+    and works out its offsets; a batch processed while a writer awaited (the runs' flush goes a partition at
+    a time, the writers one after the other: it may have kept its state after its writer was done) waits
+    for the next commit; a failed writer acknowledges nothing. A partition's first acknowledgement, made by
+    the commit itself, is committed by it (faust lists the partitions to commit before)."""
     h = await Harness(tmp_path, "commit-state").seeded()
     consumer = h.consumer
-    order: list[Any] = []
+    hold = asyncio.Event()
+    hold.set()
+    failing = False
 
     async def write() -> None:
-        order.append("write")
-        consumer.ack_batch(1, _records(102, 103))  # the batch the writer waited for finished meanwhile
+        await hold.wait()
+        if failing:
+            raise ConnectionError("broker away")
 
     async def commit_offsets(offsets: dict[TP, int], start_new_transaction: bool = True) -> bool:
-        order.append(dict(offsets))
+        committed.append(dict(offsets))
+        consumer._committed_offset.update(offsets)  # what faust's does once the broker has them
         return True
 
+    committed: list[dict[TP, int]] = []
     consumer.state_writers = [write]
     consumer._commit_offsets = commit_offsets  # type: ignore[method-assign]
-    assert consumer.ack_batch(1, _records(100, 101))
-    assert await consumer.commit()
-    assert order == ["write", {PARTITION: 104}]
+    task = h.start()
+    try:
+        h.sink.offer(1, _records(100, 101))
+        await h.settle()
+        assert h.handled == [[100, 101]] and not consumer._acked.get(PARTITION)  # processed, not acknowledged
+        hold.clear()
+        committing = asyncio.create_task(consumer.commit())
+        await h.settle()  # the writer awaits...
+        h.sink.offer(1, _records(102, 103))  # ...while the next batch is processed
+        await h.settle()
+        assert h.handled == [[100, 101], [102, 103]]
+        hold.set()
+        assert await committing
+        assert committed == [{PARTITION: 102}]  # the batch processed during the write: not yet
+        failing = True
+        with pytest.raises(ConnectionError):
+            await consumer.commit()
+        assert committed == [{PARTITION: 102}] and h.commit_offset() is None  # nothing acknowledged
+        failing = False
+        assert await consumer.commit()
+        assert committed == [{PARTITION: 102}, {PARTITION: 104}]
+    finally:
+        await _stopped(task)
 
 
 async def test_a_tail_the_flow_controls_resume_drops_is_fetched_again(tmp_path) -> None:

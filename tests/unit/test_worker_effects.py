@@ -60,7 +60,10 @@ class _Store:
     def drop(self, partitions: set[int]) -> int:
         return 0
 
-    async def flush(self) -> None:
+    def kept_partitions(self) -> set[int]:
+        return set()
+
+    async def flush(self, partitions: Any = None) -> None:
         """Nothing kept here (the sweep flushes first: see the tests on the real RunStore below)."""
 
     def scan(self, partition: int, start: bytes, limit: int) -> tuple[list[tuple[bytes, bytes]], bytes]:
@@ -230,3 +233,30 @@ async def test_a_revoked_partitions_kept_records_are_dropped_with_a_warning(stor
     await effects.flush()
     assert [partition for partition, _ in producer.sent] == [0]
     assert "1 run records of partitions [1] not written before their revoke" in caplog.text
+
+
+async def test_a_batch_waits_for_one_partitions_flush_not_the_whole_flush(store: Any) -> None:
+    runs, _, producer = store
+    effects, _ = _folding(runs)
+    await effects.process(_calls(0, "run-a", 1, 1) + _calls(1, "run-b", 1, 1))
+    log: list[str] = []
+    hold = asyncio.Event()
+    send = producer.send_batch
+
+    async def held(records: Any, topic: str, *, partition: int) -> Any:
+        log.append(f"write {partition}")
+        await hold.wait()
+        return await send(records, topic, partition=partition)
+
+    producer.send_batch = held
+    flushing = asyncio.create_task(effects.flush())
+    await asyncio.sleep(0)  # partition 0's write held
+
+    async def batch() -> None:
+        async with effects._state_lock:  # what Effects.process takes
+            log.append("batch")
+
+    turn = asyncio.create_task(batch())
+    hold.set()
+    await asyncio.gather(flushing, turn)
+    assert log == ["write 0", "batch", "write 1"] and runs.kept == 0

@@ -40,7 +40,7 @@ class _Store(RunStore):
     for the next flush is RunStore's own (``keep``, ``get``, ``flush``, ``drop``)."""
 
     def __init__(self) -> None:
-        self._kept = {}
+        self._kept, self._flushing = {}, {}
         self.kept = 0
         self.data: dict[tuple[int, bytes], bytes] = {}
         self.scanned = 0

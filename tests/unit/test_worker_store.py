@@ -148,3 +148,35 @@ async def test_a_revoked_partitions_kept_records_are_dropped(store: Any) -> None
     assert runs.kept == 1 and runs.get(1, b"run-b") is None
     await runs.flush()
     assert producer.sent == [(0, [(b"run-a", b"a1")])]
+
+
+async def test_a_flush_of_some_partitions_leaves_the_others_kept(store: Any) -> None:
+    runs, data, producer = store
+    runs.keep({0: [(b"run-a", b"a1")], 1: [(b"run-b", b"b1")]})
+    assert runs.kept_partitions() == {0, 1}
+    await runs.flush([1, 7])
+    assert producer.sent == [(1, [(b"run-b", b"b1")])] and runs.kept == 1 and runs.kept_partitions() == {0}
+    assert b"run-a" not in data._dbs[0] and runs.get(0, b"run-a") == b"a1"
+
+
+async def test_a_read_while_a_flush_writes_gets_the_record_being_written(store: Any) -> None:
+    """The flush writes RocksDB a partition at a time, awaiting each one's changelog batch: while partition
+    0's is held, partition 1's records are in neither RocksDB nor what is kept."""
+    runs, data, producer = store
+    data._dbs[1][b"run-b"] = b"b0"
+    runs.keep({0: [(b"run-a", b"a1")], 1: [(b"run-b", b"b1")]})
+    hold = asyncio.Event()
+    send = producer.send_batch
+
+    async def held(*args: Any, **kwargs: Any) -> Any:
+        await hold.wait()
+        return await send(*args, **kwargs)
+
+    producer.send_batch = held
+    flushing = asyncio.create_task(runs.flush())
+    await asyncio.sleep(0)
+    assert data._dbs[1][b"run-b"] == b"b0" and runs.kept == 0  # partition 1 not written yet
+    assert runs.get(1, b"run-b") == b"b1" and runs.get(0, b"run-a") == b"a1"
+    hold.set()
+    await flushing
+    assert data._dbs[1][b"run-b"] == b"b1" and runs.get(1, b"run-b") == b"b1"
