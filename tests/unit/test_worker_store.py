@@ -51,6 +51,18 @@ class _Producer:
         self.sent: list[tuple[int, list[tuple[bytes, bytes | None]]]] = []
         self.fail = False
 
+    def hold(self) -> asyncio.Event:
+        """From now on every ``send_batch`` waits for the event returned."""
+        event = asyncio.Event()
+        send = self.send_batch
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            await event.wait()
+            return await send(*args, **kwargs)
+
+        self.send_batch = held  # type: ignore[method-assign]
+        return event
+
     def create_batch(self) -> Any:
         return BatchBuilder(16384, 0)
 
@@ -123,14 +135,7 @@ async def test_a_failed_flush_keeps_its_records_under_newer_ones(store: Any) -> 
 async def test_records_kept_while_a_flush_writes_wait_for_the_next_one(store: Any) -> None:
     runs, data, producer = store
     runs.keep({0: [(b"run-a", b"a1")]})
-    hold = asyncio.Event()
-    send = producer.send_batch
-
-    async def held(*args: Any, **kwargs: Any) -> Any:
-        await hold.wait()
-        return await send(*args, **kwargs)
-
-    producer.send_batch = held
+    hold = producer.hold()
     flushing = asyncio.create_task(runs.flush())
     await asyncio.sleep(0)
     runs.keep({0: [(b"run-a", b"a2")]})
@@ -165,14 +170,7 @@ async def test_a_read_while_a_flush_writes_gets_the_record_being_written(store: 
     runs, data, producer = store
     data._dbs[1][b"run-b"] = b"b0"
     runs.keep({0: [(b"run-a", b"a1")], 1: [(b"run-b", b"b1")]})
-    hold = asyncio.Event()
-    send = producer.send_batch
-
-    async def held(*args: Any, **kwargs: Any) -> Any:
-        await hold.wait()
-        return await send(*args, **kwargs)
-
-    producer.send_batch = held
+    hold = producer.hold()
     flushing = asyncio.create_task(runs.flush())
     await asyncio.sleep(0)
     assert data._dbs[1][b"run-b"] == b"b0" and runs.kept == 0  # partition 1 not written yet
