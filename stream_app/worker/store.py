@@ -91,7 +91,8 @@ class RunStore:
     async def flush(self, partitions: Iterable[int] | None = None) -> None:
         """Write what ``keep`` holds (of ``partitions`` only, if given). Records kept while it writes wait
         for the next flush; if the write fails, all it held is kept again (under any newer record of the
-        same key; written twice is harmless)."""
+        same key; written twice is harmless). One flush at a time: its callers take turns under their
+        state lock."""
         if partitions is None:
             pending, self._kept = self._kept, {}
         else:
