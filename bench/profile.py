@@ -30,7 +30,8 @@ LAYERS: tuple[tuple[str, str], ...] = (
     ("prometheus_client", "prometheus_client/"),
 )
 
-#: (label, function names whose presence anywhere in a stack puts the sample in the stage; ``A+B``: both).
+#: (label, function names whose presence anywhere in a stack puts the sample in the stage; ``A+B``: both;
+#: ``A+!B``: A without B).
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Effects.process (whole batch: fold, state, decisions)", ("Effects.process",)),
     ("  fold by the native engine (NativeBatchFold.fold)", ("NativeBatchFold.fold",)),
@@ -45,9 +46,11 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
                                                              "FleetEffects._process+RunStore.write")),
     ("batch delivery (BatchConsumer.getmany, sink, sequencer)", ("BatchConsumer.getmany", "BatchSink.offer",
                                                                  "BatchSink.next", "Sequencer.admit")),
+    ("  records read from fetch responses (aiokafka's Fetcher.fetched_records)", ("Fetcher.fetched_records",)),
     ("standby changelog writes (StandbyApplier)", ("StandbyApplier.apply",)),
-    ("faust per-message path (conductor, streams)", ("Consumer._drain_messages", "Stream._c_aiter",
-                                                     "Conductor._compile_message_handler")),
+    # faust's drain loop is BatchConsumer.getmany's caller: only its own work is the per-message path
+    ("faust per-message path (conductor, streams)", ("Consumer._drain_messages+!BatchConsumer.getmany",
+                                                     "Stream._c_aiter", "Conductor._compile_message_handler")),
     ("faust producer buffer (decisions, DLQ)", ("ProducerBuffer._handle_pending", "ProducerBuffer.flush_atmost",
                                          "ProducerBuffer.wait_until_ebb")),
     ("aiokafka producer sender", ("Sender._sender_routine", "SendProduceReqHandler.do")),
@@ -99,7 +102,8 @@ def summarise(raw: Path, events: int, top: int = 12) -> dict[str, Any]:
         leaves[frames[-1]] += count
         names = {frame.partition(" (")[0] for frame in frames}
         for label, functions in STAGES:
-            if any(all(part in names for part in name.split("+")) for name in functions):
+            if any(all((part[1:] not in names) if part.startswith("!") else (part in names)
+                       for part in name.split("+")) for name in functions):
                 stages[label] += count
     share = {k: v / samples for k, v in layers.most_common()} if samples else {}
     return {
