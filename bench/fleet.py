@@ -39,9 +39,13 @@ MIN_PRODUCER_SHARE = 0.97
 MAX_BACKLOG = 1_500_000
 #: A saturation probe whose backlog lasts a shorter window than this is repeated with a bigger one.
 MIN_WINDOW_S = 4.0
-#: The workers are stopped (SIGSTOP) while a probe's backlog is produced, for this long at most: well inside
-#: the group's session timeout (10 s), so no rebalance follows.
+#: The workers are stopped (SIGSTOP) while a probe's backlog is produced, this long at a time: well inside
+#: the group's session timeout (10 s), so no rebalance follows...
 HOLD_MAX_S = 6.0
+#: ...then let run this long (their heartbeats reach the group coordinator), and stopped again...
+BREATHE_S = 0.3
+#: ...until the backlog is produced or this long has passed.
+PRODUCE_MAX_S = 180.0
 
 
 @dataclass
@@ -135,24 +139,40 @@ async def saturate(deployment: BenchDeployment, template: Path, backlog: int, wa
     after ``warm_s`` (or until the backlog runs out), with the producer idle; with ``profile_to``, a
     py-spy summary of worker 0 over the same window.
 
-    The workers are held (SIGSTOP) while the backlog is produced, for ``HOLD_MAX_S`` at most: workers that
-    apply faster than one load generator produces would otherwise eat the backlog as it is made (two
-    workers did, 1,500,000 events, 2026-12-03) and no window would ever have the producer idle."""
+    The workers are held (SIGSTOP) while the backlog is produced: workers that apply faster than one load
+    generator produces would otherwise eat the backlog as it is made (two workers did, 1,500,000 events,
+    2026-12-03) and no window would ever have the producer idle. A hold lasts ``HOLD_MAX_S``, then the
+    workers run for ``BREATHE_S`` (a heartbeat: the group keeps them) and are held again, until the backlog
+    is produced: a single 6 s hold let a slow generator (23,600 events/s, 64 s for 1,500,000) hand the
+    two-worker probes a backlog they ate as it was made (one probe measured 0 events/s).
+    ``applied_while_produced`` says how much of the backlog the breaths took."""
     gen = LoadGen(deployment.bootstrap, deployment.telemetry_topic, template, backlog * 10.0, 0.1, prefix)
     await gen.prepare()
     base, _ = await deployment.progress()
     pids = [w.process.pid for w in deployment.workers]
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
+    breaths = 0
     try:
         await gen.go()
         done = asyncio.ensure_future(gen.wait())
-        await asyncio.wait([done], timeout=HOLD_MAX_S)
+        producing = time.monotonic()
+        while True:
+            await asyncio.wait([done], timeout=HOLD_MAX_S)
+            if done.done() or time.monotonic() - producing > PRODUCE_MAX_S:
+                break
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+            await asyncio.sleep(BREATHE_S)
+            breaths += 1
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
     resumed = time.monotonic()
     final = await done
+    applied_while_produced = (await deployment.progress())[0] - base
     await asyncio.sleep(max(0.0, warm_s - (time.monotonic() - resumed)))
     before, _ = await deployment.progress()
     batches0 = _batches(await deployment.scrape_async())
@@ -172,6 +192,8 @@ async def saturate(deployment: BenchDeployment, template: Path, backlog: int, wa
         "mean_batch_events": (batches1[0] - batches0[0]) / max(batches1[1] - batches0[1], 1),
         "backlog": final["acked"],
         "produce_s": final["send_s"],
+        "breaths": breaths,
+        "applied_while_produced": applied_while_produced,
         "window_s": elapsed,
         "backlog_ran_out": after - base >= final["acked"],
         "applied_per_s": (after - before) / elapsed,

@@ -372,8 +372,9 @@ class Page:
             "up, each step with run ids the workers have never seen.",
             "",
             "1. **Saturation probe**: a backlog (sized from the first probe to outlast the measurement) is",
-            "   produced as fast as possible while the workers are held (SIGSTOP, 6 s at most: inside the group's",
-            "   session timeout; else they eat a backlog as it is made); the workers' apply rate once warm (events applied per second,",
+            "   produced as fast as possible while the workers are held (SIGSTOP 6 s at a time, inside the group's",
+            "   session timeout, with 0.3 s runs between holds for their heartbeats; else they eat a backlog as it",
+            "   is made); the workers' apply rate once warm (events applied per second,",
             "   from `loopwarden_events_total`), measured while the producer is idle, is their capacity.",
             f"2. **Open-loop steps** of {f['step_s']:.0f} s on the same deployment, at "
             f"{', '.join(f'{x:.0%}' for x in f['step_fractions'])} of that capacity while they keep up,",
