@@ -660,9 +660,14 @@ class Page:
                 float(statistics.mean(p["worker_cpu_us_per_event"] for p in probes)))
 
     def _default_probes(self) -> list[dict[str, Any]]:
+        """The default configuration's one-worker saturation probes of the fleet section's run: the settings
+        section's only when it was measured in that same run (a carried-over section's probes come from
+        another day's machine: mixed in, they made a 18,477 events/s run read 42,286)."""
+        fleet = self.fleet or {}
+        same_run = self.settings is not None and self.settings.get("measured") == fleet.get("measured")
         probes = [p for t in (self.settings or {}).get("tried", []) if t["label"] == "default"
-                  for p in t.get("probes", [t])]
-        return probes + ([self.fleet["1w"]["probe"]] if self.fleet else [])
+                  for p in t.get("probes", [t])] if same_run or not fleet else []
+        return probes + ([fleet["1w"]["probe"]] if fleet else [])
 
     def _noise(self) -> float:
         """Half the range of the default's saturated rates, as a share of their mean."""
