@@ -150,8 +150,7 @@ async def saturate(deployment: BenchDeployment, template: Path, backlog: int, wa
     await gen.prepare()
     base, _ = await deployment.progress()
     pids = [w.process.pid for w in deployment.workers]
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
+    _signal(pids, signal.SIGSTOP)
     breaths = 0
     try:
         await gen.go()
@@ -161,15 +160,12 @@ async def saturate(deployment: BenchDeployment, template: Path, backlog: int, wa
             await asyncio.wait([done], timeout=HOLD_MAX_S)
             if done.done() or time.monotonic() - producing > PRODUCE_MAX_S:
                 break
-            for pid in pids:
-                os.kill(pid, signal.SIGCONT)
+            _signal(pids, signal.SIGCONT)
             await asyncio.sleep(BREATHE_S)
             breaths += 1
-            for pid in pids:
-                os.kill(pid, signal.SIGSTOP)
+            _signal(pids, signal.SIGSTOP)
     finally:
-        for pid in pids:
-            os.kill(pid, signal.SIGCONT)
+        _signal(pids, signal.SIGCONT)
     resumed = time.monotonic()
     final = await done
     applied_while_produced = (await deployment.progress())[0] - base
@@ -208,6 +204,11 @@ async def saturate(deployment: BenchDeployment, template: Path, backlog: int, wa
         except RuntimeError as exc:  # e.g. no ptrace permission in a container
             progress(f"  no profile: {exc}")
     return result
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        os.kill(pid, sig)
 
 
 def _batches(samples: list[dict[str, float]]) -> tuple[float, float]:
