@@ -193,7 +193,8 @@ def _trees(draw: st.DrawFn) -> list[TreeFact]:
                            parent=None if parent == "root" else "?"))
         runs.append(child)
         if draw(st.booleans()):
-            facts.append(_fact(child, 1000 + n, parent=parent, depth=draw(st.none() | st.integers(0, 8))))
+            facts.append(_fact(child, 1000 + n, parent=parent, depth=draw(st.none() | st.integers(0, 8)),
+                               cost=draw(st.sampled_from([0, 0, 250_000]))))
     return facts
 
 
@@ -239,6 +240,21 @@ def test_a_call_of_a_known_run_skips_placing_it_with_the_same_state_and_decision
     for fact in facts:
         assert trees.fold(fleet, shortcut, fact) == placing_every_fact(reference, fact)
         assert shortcut.encode() == reference.encode()
+
+
+def test_a_call_that_only_crosses_the_budget_is_in_the_next_stored_form() -> None:
+    """A known run's call that takes the tree past its budget changes the fired rules without placing a
+    run: the record encoded after it says so (the encoded runs and rules are kept between facts)."""
+    fleet = FleetThresholds(max_tree_cost_usd=1.0)
+    state = TreeState()
+    trees.fold(fleet, state, _fact("root", 1, spawn=True, child="c1"))
+    trees.fold(fleet, state, _fact("c1", 2, parent="root"))
+    before = state.encode()
+    assert [d.verdict for d in trees.fold(fleet, state, _fact("c1", 3, parent="root", cost=1_500_000))] == [
+        "tree_budget"]
+    after = state.encode()
+    assert after != before and after == TreeState.decode(after).encode()
+    assert "tree_budget" in TreeState.decode(after).fired
 
 
 @given(_trees())
