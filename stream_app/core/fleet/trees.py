@@ -81,8 +81,7 @@ class TreeState:
     and a cycle in bad parent links ends), parent links, summed cost, spawn counts per task and the
     rules that fired."""
 
-    __slots__ = ("anonymous", "body", "children", "cost_micro", "depth", "fired", "last_ts_ms", "parent", "sources",
-                 "tasks")
+    __slots__ = ("anonymous", "children", "cost_micro", "depth", "fired", "last_ts_ms", "parent", "sources", "tasks")
 
     def __init__(self) -> None:
         self.depth: dict[str, int] = {}
@@ -98,23 +97,12 @@ class TreeState:
         #: The adapter's bookkeeping: the highest offset folded per source ("partition" -> offset), so a
         #: redelivered fact counts once (the worker's; replay and the SDK leave it empty).
         self.sources: dict[str, int] = {}
-        #: The encoded runs, links, tasks, fired rules and unnamed spawners, kept until the fold may change
-        #: them (None: encode them afresh). Most facts are another call of a run the tree knows, which
-        #: changes only the cost, the time and the sources: a 100-run tree's record (~19 KB) then costs
-        #: ~3.6 us to encode instead of ~18 (the worker encodes every touched tree once per facts batch).
-        self.body: tuple[orjson.Fragment, ...] | None = None
 
     def encode(self) -> bytes:
         """The stored form (the worker's trees table)."""
-        body = self.body
-        if body is None:
-            dumps, fragment = orjson.dumps, orjson.Fragment
-            body = self.body = (fragment(dumps(self.depth)), fragment(dumps(self.parent)),
-                                fragment(dumps(self.tasks)), fragment(dumps(sorted(self.fired))),
-                                fragment(dumps(sorted(self.anonymous))))
-        depth, parent, tasks, fired, anonymous = body
-        return orjson.dumps({"v": 1, "d": depth, "p": parent, "c": self.cost_micro, "t": tasks, "f": fired,
-                             "ts": self.last_ts_ms, "s": self.sources, "a": anonymous})
+        return orjson.dumps({"v": 1, "d": self.depth, "p": self.parent, "c": self.cost_micro, "t": self.tasks,
+                             "f": sorted(self.fired), "ts": self.last_ts_ms, "s": self.sources,
+                             "a": sorted(self.anonymous)})
 
     @classmethod
     def decode(cls, raw: bytes) -> TreeState:
@@ -221,7 +209,6 @@ def _runs_settled(fleet: FleetThresholds, state: TreeState) -> bool:
 def _place(state: TreeState, fact: TreeFact, cap: int) -> tuple[str, int] | None:
     """Put the fact's runs (its own, its parent, the child it spawns) in the tree; the first (run, depth)
     put at the cap, if any."""
-    state.body = None  # its runs, links and unnamed spawners are encoded afresh
     root, run_id = fact.root, fact.run_id
     deeper = _know(state, root, max(0, fact.depth or 0) if run_id == root else 0, cap)
     if run_id != root:
@@ -243,7 +230,6 @@ def _place(state: TreeState, fact: TreeFact, cap: int) -> tuple[str, int] | None
 def _crossed(fleet: FleetThresholds, state: TreeState, fact: TreeFact, deeper: tuple[str, int] | None,
              cap: int) -> tuple[ScopeDecision, ...]:
     """The decisions of the rules the fact's tree crossed with it (each fires once per tree)."""
-    state.body = None  # its tasks and fired rules are encoded afresh
     root, run_id = fact.root, fact.run_id
     out: list[ScopeDecision] = []
     fired = state.fired
