@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -145,8 +146,24 @@ def serve(app: Any, level: str, on_ready: Callable[[], None]) -> None:
 
         async def on_startup_finished(self) -> None:
             await super().on_startup_finished()
+            freeze_startup_objects()
             on_ready()
 
     # override_logging=False: logging stays as run_worker configured it (one format for every line);
     # mode would install its own handlers on stdout.
     Worker(app, loglevel=level, quiet=True, redirect_stdouts=False, override_logging=False).execute_from_commandline()
+
+
+def freeze_startup_objects() -> None:
+    """Move what start-up made (modules, classes, functions, faust's services, aiokafka's clients: ~54,000
+    objects) out of the garbage collector's reach (``gc.freeze``), once the worker has started.
+
+    Every full collection walks every tracked object, and a batch worker triggers full collections in bursts:
+    a batch's records and results live through the young collections, so they count as long-lived, and each
+    ~70,000 of them start one. Measured on the halt bench's worker (2-core machine, 2,000 events/s): full
+    collections of 46-90 ms (up to 206 ms at 10,000 events/s), often four within half a second, each stopping
+    the event loop (a halt waits for it); with the start-up objects frozen, 0.2-1.3 ms. Objects made later are
+    collected as usual; garbage made before the freeze that only a collection could free stays (a one-off,
+    bounded by start-up)."""
+    gc.collect()
+    gc.freeze()
