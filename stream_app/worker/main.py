@@ -159,8 +159,9 @@ def freeze_startup_objects() -> None:
     objects) out of the garbage collector's reach (``gc.freeze``), once the worker has started.
 
     Every full collection walks every tracked object, and a batch worker triggers full collections in bursts:
-    a batch's records and results live through the young collections, so they count as long-lived, and each
-    ~70,000 of them start one. Measured on the halt bench's worker (2-core machine, 2,000 events/s): full
+    a batch's records and results live through the young collections, so they are promoted as long-lived,
+    and CPython starts a full collection every tenth middle one once those promoted since the last exceed a
+    quarter of the long-lived. Measured on the halt bench's worker (2-core machine, 2,000 events/s): full
     collections of 46-90 ms (up to 206 ms at 10,000 events/s), often four within half a second, each stopping
     the event loop (a halt waits for it); with the start-up objects frozen, 0.2-1.3 ms. Objects made later are
     collected as usual; garbage made before the freeze that only a collection could free stays (a one-off,

@@ -244,7 +244,8 @@ def test_a_call_of_a_known_run_skips_placing_it_with_the_same_state_and_decision
 
 def test_a_call_that_only_crosses_the_budget_is_in_the_next_stored_form() -> None:
     """A known run's call that takes the tree past its budget changes the fired rules without placing a
-    run: the record encoded after it says so (the encoded runs and rules are kept between facts)."""
+    run: the record encoded after it says so (an encoding that keeps parts of the tree between facts must
+    see that change too: b72a92e's cache did only once ``_crossed`` cleared it)."""
     fleet = FleetThresholds(max_tree_cost_usd=1.0)
     state = TreeState()
     trees.fold(fleet, state, _fact("root", 1, spawn=True, child="c1"))
