@@ -163,8 +163,8 @@ def freeze_startup_objects() -> None:
     and CPython starts a full collection every tenth middle one once those promoted since the last exceed a
     quarter of the long-lived. Measured on the halt bench's worker (2-core machine, 2,000 events/s): full
     collections of 46-90 ms (up to 206 ms at 10,000 events/s), often four within half a second, each stopping
-    the event loop (a halt waits for it); with the start-up objects frozen, 0.2-1.3 ms. Objects made later are
-    collected as usual; garbage made before the freeze that only a collection could free stays (a one-off,
-    bounded by start-up)."""
+    the event loop (a halt waits for it); with the start-up objects frozen, 0.2-1.3 ms. The collection just before
+    frees start-up's garbage; objects made later are collected as usual. A frozen object that later becomes
+    garbage only a collection could free (a cycle) stays: at most what start-up made, once."""
     gc.collect()
     gc.freeze()
