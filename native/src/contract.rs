@@ -3,7 +3,9 @@
 //! reports the precise error or decodes an unusual but valid event. The fast path must never accept a
 //! line the reference refuses; the differential tests check that.
 
-use serde_json::{Map, Value};
+use serde_json::Value;
+
+use crate::fields::Fields;
 
 const MAX_ID_LENGTH: usize = 512;
 const MAX_RETRY_BUDGET: i64 = 10_000;
@@ -106,23 +108,23 @@ pub struct Call<'a> {
 }
 
 /// The call in `obj`, or None when the reference decoder must look at it.
-pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
-    let run_id = identifier(obj.get("run_id"), true)?;
-    let event_id = identifier(obj.get("event_id"), true)?;
-    let tool = identifier(obj.get("tool"), true)?;
-    let ts_ms = integer(obj.get("ts_ms")?).filter(|t| *t >= 0)?;
-    let outcome = match obj.get("outcome")? {
+pub fn decode<R: Fields + ?Sized>(obj: &R) -> Option<Call<'_>> {
+    let run_id = identifier(obj.field("run_id"), true)?;
+    let event_id = identifier(obj.field("event_id"), true)?;
+    let tool = identifier(obj.field("tool"), true)?;
+    let ts_ms = integer(obj.field("ts_ms")?).filter(|t| *t >= 0)?;
+    let outcome = match obj.field("outcome")? {
         Value::String(s) => OUTCOMES.iter().position(|o| o == s)? as u8,
         _ => return None,
     };
-    let model_call = match present(obj.get("kind")) {
+    let model_call = match present(obj.field("kind")) {
         None => false,
         Some(Value::String(kind)) if kind == "tool_call" => false,
         Some(Value::String(kind)) if kind == "model_call" => true,
         Some(_) => return None,
     };
     // A model call needs neither arguments nor a result; a tool call needs both.
-    let args = match (present(obj.get("args")), present(obj.get("args_hash"))) {
+    let args = match (present(obj.field("args")), present(obj.field("args_hash"))) {
         (_, Some(hash)) if !is_hash(hash) => return None,
         (Some(args @ Value::Object(_)), _) => Hashed::Raw(args),
         (Some(_), _) => return None,
@@ -130,7 +132,7 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
         (None, _) if model_call => Hashed::Hash(""),
         (None, _) => return None,
     };
-    let result = match (present(obj.get("result_hash")), obj.get("result")) {
+    let result = match (present(obj.field("result_hash")), obj.field("result")) {
         (Some(Value::String(hash)), _) if is_hash_text(hash) => Hashed::Hash(hash),
         (Some(_), _) => return None,
         (None, Some(result)) => Hashed::Raw(result), // a JSON null result is a result; an absent one is not
@@ -146,7 +148,7 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
         outcome,
         args,
         result,
-        raw_result: obj.get("result"),
+        raw_result: obj.field("result"),
         result_fp: None,
         tool_class: None,
         target: None,
@@ -172,11 +174,11 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
         upstream: None,
         retry_after_ms: 0,
     };
-    for (name, value) in obj {
+    obj.try_each(|name, value| {
         if value.is_null() {
-            continue; // an optional field set to null is absent
+            return Some(()); // an optional field set to null is absent
         }
-        match name.as_str() {
+        match name {
             "run_id" | "event_id" | "tool" | "ts_ms" | "outcome" | "args" | "args_hash"
             | "result" | "result_hash" => {}
             "agent_id" => call.agent_id = Some(identifier(Some(value), false)?),
@@ -229,7 +231,8 @@ pub fn decode(obj: &Map<String, Value>) -> Option<Call<'_>> {
             "schema_version" if value.as_str()? != "1" => return None,
             _ => {} // unknown fields are ignored: forward compatible
         }
-    }
+        Some(())
+    })?;
     if call.parent_run_id.is_some() && call.root_run_id.is_none() {
         return None; // a child names its tree's root
     }

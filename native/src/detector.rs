@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 use sha2::{Digest as _, Sha256};
 
 /// The thresholds of one call (the reference's `Thresholds`).
@@ -39,6 +39,7 @@ pub struct Thresholds {
 }
 
 use crate::contract::SPEND_CAP;
+use crate::fields::Fields;
 
 
 
@@ -881,24 +882,24 @@ impl RunState {
     /// The state and offset of a stored record (`core/stored.py`, versions 0 to 2), or None for
     /// anything else (another version, a damaged record): the reference then reads it and says what is
     /// wrong.
-    pub fn from_record(record: &Map<String, Value>, raw: &[u8]) -> Option<(RunState, i64)> {
-        match record.get("v") {
+    pub fn from_record<R: Fields + ?Sized>(record: &R, raw: &[u8]) -> Option<(RunState, i64)> {
+        match record.field("v") {
             None => {}
             Some(Value::Number(n)) if (0..=FORMAT_VERSION).contains(&n.as_i64()?) => {}
             Some(_) => return None,
         }
-        let int = |name: &str| record.get(name)?.as_i64();
-        let flag = |name: &str| record.get(name)?.as_bool();
-        let text = |name: &str| record.get(name)?.as_str();
+        let int = |name: &str| record.field(name)?.as_i64();
+        let flag = |name: &str| record.field(name)?.as_bool();
+        let text = |name: &str| record.field(name)?.as_str();
         let times = |name: &str| -> Option<VecDeque<i64>> {
-            record.get(name)?.as_array()?.iter().map(Value::as_i64).collect()
+            record.field(name)?.as_array()?.iter().map(Value::as_i64).collect()
         };
-        let halted_by = match record.get("halted_by")? {
+        let halted_by = match record.field("halted_by")? {
             Value::Null => None,
             Value::String(id) => Some(id.clone()),
             _ => return None,
         };
-        let plan_step = match record.get("plan_step")? {
+        let plan_step = match record.field("plan_step")? {
             Value::Null => None,
             value => Some(value.as_i64()?),
         };
@@ -912,7 +913,7 @@ impl RunState {
             (None, _) => return None,
         };
         // Version 2's fingerprint streak; absent before (the streak goes on by exact hashes).
-        let streak_fp: Option<StreakKey> = match record.get("streak_fp") {
+        let streak_fp: Option<StreakKey> = match record.field("streak_fp") {
             None => None,
             Some(value) => match unhex(value.as_str()?)?.as_slice() {
                 [] => None,
@@ -920,7 +921,7 @@ impl RunState {
             },
         };
         // The handoff ping-pong in progress (absent: none).
-        let (handoffs, handoff_from, handoff_to): (i64, Digest, Digest) = match record.get("handoffs") {
+        let (handoffs, handoff_from, handoff_to): (i64, Digest, Digest) = match record.field("handoffs") {
             None | Some(Value::Null) => (0, [0; 8], [0; 8]),
             Some(value) => match value.as_array()?.as_slice() {
                 [n, from, to] => (
@@ -931,11 +932,11 @@ impl RunState {
                 _ => return None,
             },
         };
-        let streak_fuzzy = match record.get("streak_fuzzy") {
+        let streak_fuzzy = match record.field("streak_fuzzy") {
             None => false,
             Some(value) => value.as_bool()?,
         };
-        let reads = match record.get("reads") {
+        let reads = match record.field("reads") {
             None | Some(Value::Null) => Vec::new(),
             Some(value) => value
                 .as_array()?
@@ -947,12 +948,12 @@ impl RunState {
                 .collect::<Option<Vec<_>>>()?,
         };
         let spend = |name: &str| -> Option<i64> {
-            match record.get(name) {
+            match record.field(name) {
                 None => Some(0),
                 Some(value) => value.as_i64(),
             }
         };
-        let tool_counts = match record.get("tool_counts") {
+        let tool_counts = match record.field("tool_counts") {
             None | Some(Value::Null) => Vec::new(),
             Some(value) => value
                 .as_array()?
@@ -963,7 +964,7 @@ impl RunState {
                 })
                 .collect::<Option<Vec<_>>>()?,
         };
-        let targets = match record.get("targets") {
+        let targets = match record.field("targets") {
             None | Some(Value::Null) => Vec::new(),
             Some(value) => value
                 .as_array()?
@@ -978,7 +979,7 @@ impl RunState {
                 })
                 .collect::<Option<Vec<_>>>()?,
         };
-        let side_effects = match record.get("side_effects")? {
+        let side_effects = match record.field("side_effects")? {
             Value::Null => Vec::new(),
             // The table's order is its insertion order (which entry an eviction picks among equals):
             // read it from the record's text, which serde_json's sorted map does not keep.
@@ -1015,7 +1016,7 @@ impl RunState {
             tokens: spend("tokens")?,
             model_streak: spend("model_streak")?,
             tool_counts,
-            streak_ids: match record.get("streak_ids") {
+            streak_ids: match record.field("streak_ids") {
                 None | Some(Value::Null) => StreakIds::default(),
                 Some(value) => {
                     let mut ids = StreakIds::default();
@@ -1025,11 +1026,11 @@ impl RunState {
                     ids
                 }
             },
-            streak_args: match record.get("streak_args") {
+            streak_args: match record.field("streak_args") {
                 None => String::new(),
                 Some(value) => value.as_str()?.to_owned(),
             },
-            streak_transient: match record.get("streak_transient") {
+            streak_transient: match record.field("streak_transient") {
                 None => false,
                 Some(value) => value.as_bool()?,
             },
@@ -1039,10 +1040,10 @@ impl RunState {
             handoff_to,
             recent_sigs: chunks(&unhex(text("recent_sigs")?)?)?,
             recent_ts: times("recent_ts")?,
-            recent_failing: record.get("recent_failing")?.as_u64()?,
+            recent_failing: record.field("recent_failing")?.as_u64()?,
             side_effects,
         };
-        let offset = match record.get("offset") {
+        let offset = match record.field("offset") {
             None => -1,
             Some(value) => value.as_i64()?,
         };
@@ -1069,7 +1070,7 @@ impl RunState {
         let hex_of = |out: &mut Vec<u8>, parts: &mut dyn Iterator<Item = &[u8]>| {
             out.push(b'"');
             for part in parts {
-                out.extend_from_slice(crate::normalize::hex(part).as_bytes());
+                crate::normalize::hex_into(out, part);
             }
             out.push(b'"');
         };
@@ -1265,15 +1266,34 @@ fn unhex(text: &str) -> Option<Vec<u8>> {
     if !digits.len().is_multiple_of(2) {
         return None;
     }
-    digits
-        .chunks(2)
-        .map(|pair| {
-            let high = (pair[0] as char).to_digit(16)?;
-            let low = (pair[1] as char).to_digit(16)?;
-            Some((high * 16 + low) as u8)
-        })
-        .collect()
+    let mut out = Vec::with_capacity(digits.len() / 2);
+    for pair in digits.chunks_exact(2) {
+        let (high, low) = (NIBBLE[pair[0] as usize], NIBBLE[pair[1] as usize]);
+        if (high | low) & 0x10 != 0 {
+            return None;
+        }
+        out.push((high << 4) | low);
+    }
+    Some(out)
 }
+
+/// Each byte's value as a hex digit (`0-9`, `a-f`, `A-F`), else 0x10: `unhex`'s table (a stored
+/// record's digests are most of its text, and `char::to_digit` per digit was a tenth of a run's fold).
+const NIBBLE: [u8; 256] = {
+    let mut table = [0x10u8; 256];
+    let mut i = 0;
+    while i < 10 {
+        table[b'0' as usize + i] = i as u8;
+        i += 1;
+    }
+    let mut i = 0;
+    while i < 6 {
+        table[b'a' as usize + i] = 10 + i as u8;
+        table[b'A' as usize + i] = 10 + i as u8;
+        i += 1;
+    }
+    table
+};
 
 /// `bytes` cut into `N`-byte entries, None if it does not divide evenly.
 fn chunks<const N: usize>(bytes: &[u8]) -> Option<VecDeque<[u8; N]>> {
@@ -1286,6 +1306,93 @@ fn chunks<const N: usize>(bytes: &[u8]) -> Option<VecDeque<[u8; N]>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stored record of the bench's corpus (a halted run with a side effect, written by this engine).
+    const RECORD: &str = r#"{"calls":4,"last_ts_ms":1764000024737,"halted_by":"6f7fd5e553c9c06890bd12fd31e2e0ad","plan_step":null,"seen_ids":"9f18b0f017530313e81f8066175403147116d1dc175503150611e14a17560316987574e917570317ef72447f17580318","streak_key":"5440d2febcd90e18658ef07932","streak_call":"0286009d141cb295","streak_varied":false,"streak_ts":[1764000018391,1764000019744,1764000021064,1764000022388],"streak_first_event_id":"run-001495-0","streak_alerted":false,"recent_sigs":"0286009d141cb2955440d2febcd90e18658ef079320286009d141cb2955440d2febcd90e18658ef079320286009d141cb2955440d2febcd90e18658ef079320286009d141cb2955440d2febcd90e18658ef07932","recent_ts":[1764000018391,1764000019744,1764000021064,1764000022388],"recent_failing":15,"side_effects":{"0286009d141cb2958ef07932":[1764000018391,4]},"streak_fp":"5440d2febcd90e18658ef07932","advised":1,"streak_ids":["run-001495-1","run-001495-2","run-001495-3"],"streak_args":"{\"body\":\"Approved.\",\"subject\":\"Your refund\",\"to\":\"customer916@example.com\"}","offset":1063,"v":2}"#;
+
+    /// A reader's result: the record written back from the state it read, and the offset.
+    type ReadBack = Option<(Vec<u8>, i64)>;
+
+    /// What each reader (flat, map) makes of `raw`.
+    fn read_back(raw: &str) -> (ReadBack, ReadBack) {
+        let write = |(state, offset): (RunState, i64)| {
+            let mut out = Vec::new();
+            state.write_record(offset, FORMAT_VERSION, &mut out);
+            (out, offset)
+        };
+        let flat = crate::fields::FlatObject::parse(raw.as_bytes())
+            .and_then(|record| RunState::from_record(&record, raw.as_bytes()))
+            .map(write);
+        let map = match serde_json::from_str::<Value>(raw) {
+            Ok(Value::Object(record)) => RunState::from_record(&record, raw.as_bytes()).map(write),
+            _ => None,
+        };
+        (flat, map)
+    }
+
+    #[test]
+    fn a_flat_record_reads_as_the_map_does() {
+        let (flat, map) = read_back(RECORD);
+        assert!(flat.is_some());
+        assert_eq!(flat, map);
+        assert_eq!(flat.unwrap(), (RECORD.as_bytes().to_vec(), 1063)); // written by this engine: the same bytes
+        // a repeated name: the flat reading declines, the map keeps the last, and so does `Object`
+        let repeated = RECORD.replacen("{\"calls\":4,", "{\"calls\":4,\"calls\":9,", 1);
+        let (flat, map) = read_back(&repeated);
+        assert_eq!(flat, None);
+        assert!(String::from_utf8(map.unwrap().0).unwrap().starts_with("{\"calls\":9,"));
+        let object = crate::fields::Object::parse(repeated.as_bytes()).unwrap();
+        assert!(matches!(object, crate::fields::Object::Map(_)));
+        assert_eq!(RunState::from_record(&object, repeated.as_bytes()).unwrap().0.calls, 9);
+        // refused alike: a field of the wrong type, a missing one, another version
+        for refused in [
+            RECORD.replacen("\"calls\":4", "\"calls\":4.0", 1),
+            RECORD.replacen("\"plan_step\":null,", "", 1),
+            RECORD.replacen("\"v\":2", "\"v\":3", 1),
+        ] {
+            assert_eq!(read_back(&refused), (None, None), "{refused}");
+        }
+    }
+
+    #[test]
+    fn the_flat_reading_declines_what_the_map_may_read_otherwise() {
+        for declined in [
+            RECORD.replacen("\"calls\"", "\"ca\\u006cls\"", 1), // a name with an escape
+            RECORD.replacen("\"v\":2", "\"v\":2,\"calls\":4", 1),  // a repeated name
+            format!("{RECORD} x"),                               // text after the object
+            format!("[{RECORD}]"),                               // not an object
+            RECORD[..RECORD.len() - 1].to_owned(),               // cut short
+        ] {
+            assert!(crate::fields::FlatObject::parse(declined.as_bytes()).is_none(), "{declined}");
+        }
+        let escaped = RECORD.replacen("\"calls\"", "\"ca\\u006cls\"", 1);
+        assert!(read_back(&escaped).1.is_some()); // the map reads it: the caller falls back to it
+    }
+
+    #[test]
+    fn unhex_reads_what_to_digit_reads() {
+        let by_char = |text: &str| -> Option<Vec<u8>> {
+            let digits = text.as_bytes();
+            if !digits.len().is_multiple_of(2) {
+                return None;
+            }
+            digits
+                .chunks(2)
+                .map(|pair| Some(((pair[0] as char).to_digit(16)? * 16 + (pair[1] as char).to_digit(16)?) as u8))
+                .collect()
+        };
+        for high in 0u8..128 {
+            for low in 0u8..128 {
+                let text = String::from_utf8(vec![high, low, b'a', b'F']).unwrap();
+                assert_eq!(unhex(&text), by_char(&text), "{text:?}");
+            }
+        }
+        for text in ["", "0", "é0", "0é", "00ff", "FFff", "0g", " 0", "abc"] {
+            assert_eq!(unhex(text), by_char(text), "{text:?}");
+        }
+        let all: Vec<u8> = (0..=255).collect();
+        assert_eq!(unhex(&crate::normalize::hex(&all)), Some(all));
+    }
 
     #[test]
     fn checksum_matches_zlib() {

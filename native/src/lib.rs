@@ -11,6 +11,7 @@
 
 mod contract;
 mod detector;
+mod fields;
 mod heap;
 mod normalize;
 
@@ -25,6 +26,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use serde_json::Value;
 
 use contract::{Call, Hashed, OUTCOMES, TOOL_CLASSES};
+use fields::Object;
 use detector::{checksum, short, tool_digest, Admission, RunState, Thresholds, Step};
 use normalize::{hex, semantic_hash as hash_value, HashError};
 
@@ -980,7 +982,7 @@ impl BatchFolder {
             });
         }
         // Decode each record once to route it; runs in the order they first appear, as the reference.
-        let mut values: Vec<Option<Value>> = Vec::with_capacity(inputs.len());
+        let mut values: Vec<Option<Object<'_>>> = Vec::with_capacity(inputs.len());
         let mut rekeys = Vec::new();
         // Runs: (partition, key, member indexes, deferred to the reference).
         let mut groups: Vec<(i64, &[u8], Vec<usize>, bool)> = Vec::new();
@@ -989,7 +991,6 @@ impl BatchFolder {
         let mut watermarks: Vec<(i64, i64)> = Vec::new();
         let mut deferred_set: Vec<bool> = vec![false; inputs.len()];
         for (index, input) in inputs.iter().enumerate() {
-            let key = input.key.as_ref().map(|k| k.as_bytes());
             let decoded = if reference.contains(&index) {
                 None
             } else {
@@ -998,23 +999,25 @@ impl BatchFolder {
                     if bytes.len() > self.max_event_bytes {
                         return None;
                     }
-                    match serde_json::from_slice::<Value>(bytes) {
-                        Ok(value @ Value::Object(_)) => Some(value),
-                        _ => None,
-                    }
+                    Object::parse(bytes)
                 })
             };
-            let call_run = decoded.as_ref().and_then(|value| {
-                let call = contract::decode(value.as_object().expect("an object"))?;
-                Some((call.run_id.to_owned(), call.ts_ms))
-            });
-            match (call_run, key) {
-                (Some((run_id, ts_ms)), Some(key)) if run_id.as_bytes() == key => {
-                    note_watermark(&mut watermarks, input.partition, ts_ms);
+            values.push(decoded);
+        }
+        // Each decoded record's call, decoded once (its run's fold reads it again).
+        let calls: Vec<Option<Call<'_>>> = values
+            .iter()
+            .map(|value| contract::decode(value.as_ref()?))
+            .collect();
+        for (index, input) in inputs.iter().enumerate() {
+            let key = input.key.as_ref().map(|k| k.as_bytes());
+            match (&calls[index], key) {
+                (Some(call), Some(key)) if call.run_id.as_bytes() == key => {
+                    note_watermark(&mut watermarks, input.partition, call.ts_ms);
                     let g = group_index(&mut groups, &mut group_of, input.partition, key);
                     groups[g].2.push(index);
                 }
-                (Some((run_id, _)), _) => rekeys.push((index, run_id)),
+                (Some(call), _) => rekeys.push((index, call.run_id.to_owned())),
                 (None, Some(key)) => {
                     // Not decodable here: the reference decodes it (or dead-letters it) with its run.
                     let g = group_index(&mut groups, &mut group_of, input.partition, key);
@@ -1023,7 +1026,6 @@ impl BatchFolder {
                 }
                 (None, None) => deferred_set[index] = true,
             }
-            values.push(decoded);
         }
 
         let mut out_records = Vec::new();
@@ -1036,7 +1038,7 @@ impl BatchFolder {
             let folded = if *deferred {
                 None
             } else {
-                self.fold_run(py, *partition, key, members, &inputs, &values, stored)?
+                self.fold_run(py, *partition, key, members, &inputs, &calls, stored)?
             };
             match folded {
                 Some(run) => {
@@ -1099,7 +1101,7 @@ impl BatchFolder {
         key: &[u8],
         members: &[usize],
         inputs: &[Input<'_>],
-        values: &[Option<Value>],
+        calls: &[Option<Call<'_>>],
         stored: &Bound<'_, PyDict>,
     ) -> PyResult<Option<FoldedRun>> {
         let lookup = (partition, PyBytes::new(py, key));
@@ -1110,12 +1112,10 @@ impl BatchFolder {
                 let Ok(raw) = raw.cast_into::<PyBytes>() else {
                     return Ok(None);
                 };
-                match serde_json::from_slice::<Value>(raw.as_bytes()) {
-                    Ok(Value::Object(record)) => match RunState::from_record(&record, raw.as_bytes()) {
-                        Some(found) => found,
-                        None => return Ok(None),
-                    },
-                    _ => return Ok(None),
+                let raw = raw.as_bytes();
+                match Object::parse(raw).and_then(|record| RunState::from_record(&record, raw)) {
+                    Some(found) => found,
+                    None => return Ok(None),
                 }
             }
         };
@@ -1134,8 +1134,7 @@ impl BatchFolder {
                 run.duplicates += 1;
                 continue;
             }
-            let value = values[index].as_ref().expect("routed to fold: decoded");
-            let call = contract::decode(value.as_object().expect("an object")).expect("routed to fold: decoded");
+            let call = calls[index].as_ref().expect("routed to fold: decoded");
             let policy = self.resolver.resolve(py, call.agent_id, call.tool)?;
             if policy.thresholds.cycle_occurrences > detector::MAX_STORED_CYCLE_OCCURRENCES {
                 return Ok(None);
@@ -1149,14 +1148,14 @@ impl BatchFolder {
                     if !call.model_call {
                         state.count_call(call.plan_step);
                     }
-                    for finding in self.resolver.fold(py, &mut state, &policy, &call, None)? {
+                    for finding in self.resolver.fold(py, &mut state, &policy, call, None)? {
                         run.findings.push((index, finding));
                     }
                 }
             }
             if self.facts && !matches!(admission, Admission::Duplicate) {
                 let class = call.tool_class.unwrap_or(policy.thresholds.tool_class);
-                if let Some(facts) = facts_of(index, &call, class) {
+                if let Some(facts) = facts_of(index, call, class) {
                     run.facts.push(facts);
                 }
             }

@@ -228,13 +228,19 @@ fn escape_into(out: &mut Vec<u8>, s: &str) {
 
 /// Lowercase hex of a digest (the `args_hash`/`result_hash` text).
 pub fn hex(digest: &[u8]) -> String {
+    let mut text = Vec::with_capacity(digest.len() * 2);
+    hex_into(&mut text, digest);
+    String::from_utf8(text).expect("hex digits are ASCII")
+}
+
+/// `hex(bytes)` appended to `out` (a stored record's digests, without a string each).
+pub fn hex_into(out: &mut Vec<u8>, bytes: &[u8]) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut text = String::with_capacity(digest.len() * 2);
-    for b in digest {
-        text.push(HEX[(b >> 4) as usize] as char);
-        text.push(HEX[(b & 0xf) as usize] as char);
+    out.reserve(bytes.len() * 2);
+    for b in bytes {
+        out.push(HEX[(b >> 4) as usize]);
+        out.push(HEX[(b & 0xf) as usize]);
     }
-    text
 }
 
 #[cfg(test)]
