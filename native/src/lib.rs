@@ -1004,7 +1004,7 @@ impl BatchFolder {
             };
             values.push(decoded);
         }
-        // Each decoded record's call, decoded once (its run's fold reads it again).
+        // Each decoded record's call, decoded once: the routing below and its run's fold both read it.
         let calls: Vec<Option<Call<'_>>> = values
             .iter()
             .map(|value| contract::decode(value.as_ref()?))
