@@ -760,9 +760,11 @@ class Page:
                 + f". A batch writes {fold['runs_written_per_batch']:.0f} runs (the mix interleaves thousands of runs,"
                 f" so most events touch a run of their own in their batch); decoding and re-encoding one stored run"
                 f" ({fold['stored_record_bytes_mean']:.0f} B) costs {fold['python_codec_us_per_run']:.1f} us in Python,"
-                " which the native engine does in Rust inside the same call. *Recommendation*: the native engine still"
-                " parses a stored record through `serde_json::Value` maps before building its state; a typed"
-                " deserialiser is the next cut."]
+                " which the native engine does in Rust inside the same call (reading events and records by field"
+                " name without serde_json's sorted maps: `native/src/fields.rs`). *Recommendation*: each field is"
+                " still a `serde_json::Value` (strings and arrays allocated), and with the folds across runs on, each"
+                " event's facts build owned strings (`facts_of`, `sum_tool_facts`): borrowing from the event until a"
+                " fact is final is the next cut."]
 
     def _producer_bullet(self) -> list[str]:
         lines = []
