@@ -48,19 +48,10 @@ impl<'a> FlatObject<'a> {
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
                 let mut entries: Vec<(&'de str, Value)> = Vec::with_capacity(32);
-                // A bit per (length, first byte, last byte) of the names so far: a name is compared
-                // with the others only when its bit was set before.
-                let mut seen = 0u64;
                 while let Some((name, value)) = map.next_entry::<&'de str, Value>()? {
-                    let bytes = name.as_bytes();
-                    let sketch = bytes.len() * 31
-                        + 7 * usize::from(bytes.first().copied().unwrap_or(0))
-                        + usize::from(bytes.last().copied().unwrap_or(0));
-                    let bit = 1u64 << (sketch % 64);
-                    if seen & bit != 0 && entries.iter().any(|(other, _)| *other == name) {
+                    if entries.iter().any(|(other, _)| *other == name) {
                         return Err(serde::de::Error::custom("a repeated name"));
                     }
-                    seen |= bit;
                     entries.push((name, value));
                 }
                 Ok(entries)
@@ -108,7 +99,7 @@ impl Fields for Object<'_> {
     fn field(&self, name: &str) -> Option<&Value> {
         match self {
             Object::Flat(flat) => flat.field(name),
-            Object::Map(map) => map.get(name),
+            Object::Map(map) => map.field(name),
         }
     }
     fn try_each<'s>(&'s self, f: impl FnMut(&'s str, &'s Value) -> Option<()>) -> Option<()> {
