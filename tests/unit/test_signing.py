@@ -75,6 +75,74 @@ def test_forged_and_tampered_halts_are_refused_and_counted(keys: Path, attack: s
     assert listener.board.halt_decision("run-1") is None and listener.board.halt_decision("run-2") is None
 
 
+class _CountingRing(KeyRing):
+    """A key ring that counts the signatures it checks."""
+
+    checked = 0
+
+    def verify(self, value: bytes, headers: object) -> str:
+        self.checked += 1
+        return super().verify(value, headers)
+
+
+def _guarding(keys: Path) -> tuple[HaltListener, _CountingRing, Signer, Signer]:
+    """A listener as a fleet guard has one (it watches its own runs only), its ring, the worker's and an
+    attacker's signer."""
+    ring = _CountingRing.from_paths([keys / "worker.pub"])
+    assert isinstance(ring, _CountingRing)
+    listener = HaltListener(KafkaClientConfig("127.0.0.1:1"), trusted_keys=ring, board=ControlBoard())
+    return listener, ring, Signer.from_file(keys / "worker.key"), Signer.from_file(keys / "attacker.key")
+
+
+def test_other_processes_decisions_are_parked_unchecked_and_checked_when_their_run_is_watched(keys: Path) -> None:
+    """Decisions about runs this process does not watch cost no signature check; a run watched later
+    gets its parked halt, checked then."""
+    listener, ring, worker, _ = _guarding(keys)
+    for n in range(20):
+        value = _halt(run_id=f"other-{n}", decision_id=f"d-{n}")
+        assert listener.receive(_record(value, worker.headers(value))) == "ignored"
+    assert ring.checked == 0
+    listener.board.watch("run-1")
+    value = _halt(run_id="run-1", decision_id="d-mine")
+    assert listener.receive(_record(value, worker.headers(value))) == "applied"
+    assert ring.checked == 1
+    listener.board.watch("other-3")
+    assert ring.checked == 2
+    assert listener.board.halt_decision("other-3") is not None
+    assert listener.board.halt_decision("other-4") is None
+    assert listener.board.counters["applied"] == 2
+
+
+@pytest.mark.parametrize("attack", ["unsigned", "other key", "tampered"])
+def test_a_forged_decision_parked_unchecked_is_refused_when_its_run_is_watched(keys: Path, attack: str) -> None:
+    """A forged halt for a run not watched yet is parked, and refused and counted when the run is watched;
+    its decision id is not taken from the genuine halt that comes after it."""
+    listener, _, worker, attacker = _guarding(keys)
+    value = _halt(decision_id="d-real")
+    if attack == "unsigned":
+        record, reason = _record(value, []), "unsigned"
+    elif attack == "other key":
+        record, reason = _record(value, attacker.headers(value)), "unknown_key"
+    else:
+        genuine = _halt(run_id="run-9", decision_id="d-real")
+        record, reason = _record(value, worker.headers(genuine)), "bad_signature"
+    assert listener.receive(record) == "ignored"
+    assert listener.board.counters[reason] == 0
+    listener.board.watch("run-1")
+    assert listener.board.counters[reason] == 1
+    assert listener.board.halt_decision("run-1") is None
+    assert listener.receive(_record(value, worker.headers(value))) == "applied"
+    assert listener.board.halt_decision("run-1") is not None
+
+
+def test_a_stale_decision_about_another_run_is_dropped_unchecked(keys: Path) -> None:
+    listener, ring, worker, _ = _guarding(keys)
+    old = _halt(run_id="other", ts_ms=wall_clock_ms() - 3_600_000)
+    assert listener.receive(_record(old, worker.headers(old))) == "expired"
+    listener.board.watch("other")
+    assert ring.checked == 0 and listener.board.halt_decision("other") is None
+
+
 def test_replays_are_refused_when_old_or_already_applied(keys: Path) -> None:
     signer = Signer.from_file(keys / "worker.key")
     listener = _listener(KeyRing.from_paths([keys / "worker.pub"]), max_age_ms=60_000)
