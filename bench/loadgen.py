@@ -4,7 +4,11 @@
 
 Open loop: the schedule is fixed in advance (``rate`` events per second from the start), and the
 producer sends whatever is due whether or not the workers keep up, the way a fleet of runtimes does.
-Everything is serialised before the start. The process prints one JSON line when ready, waits for
+Everything is serialised and partitioned (aiokafka's default partitioner, as ``send`` would) before the
+start; every ``TICK_S`` what is due goes out as one record batch per partition through aiokafka's batch
+API, the batches a 5 ms linger makes, at a third of ``send``'s CPU per message (11-12 vs 31-33 us at
+17,700 events/s here): the generator stands in for runtimes on other machines, so the less of this
+machine it takes, the less it disturbs what is measured. The process prints one JSON line when ready, waits for
 ``go`` on stdin, prints progress lines (``sent``, ``acked``, ``behind``: events due but not yet sent)
 every ``--report-s`` and a last line with ``"done": true``. ``LoadGen`` is the controller's side.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import resource
 import sys
 import time
@@ -24,12 +29,14 @@ import orjson
 
 from .corpus import read_template, records
 
-TICK_S = 0.002
+#: How often what is due is sent: the linger of the producers it stands in for.
+TICK_S = 0.005
 
 
 async def produce(args: argparse.Namespace) -> None:
     """Prepare, wait for ``go``, then send on schedule and report."""
     from aiokafka import AIOKafkaProducer
+    from aiokafka.partitioner import DefaultPartitioner
 
     count = int(args.rate * args.duration)
     messages = list(records(read_template(args.template), count, args.prefix))
@@ -40,15 +47,17 @@ async def produce(args: argparse.Namespace) -> None:
     await producer.start()
     acked = failed = 0
 
-    def delivered(future: asyncio.Future[Any]) -> None:
+    def delivered(size: int, future: asyncio.Future[Any]) -> None:
         nonlocal acked, failed
         if future.cancelled() or future.exception() is not None:
-            failed += 1
+            failed += size
         else:
-            acked += 1
+            acked += size
 
     try:
-        await producer.partitions_for(args.topic)
+        partitions = sorted(await producer.partitions_for(args.topic))
+        partitioner = DefaultPartitioner()
+        partition_of = [partitioner(key, partitions, partitions) for key, _ in messages]
         _emit({"ready": True, "events": count})
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
         start = time.monotonic()
@@ -59,10 +68,25 @@ async def produce(args: argparse.Namespace) -> None:
             now = time.monotonic()
             due = min(count, int(args.rate * (now - start)))
             behind_max = max(behind_max, due - sent)
+            batches: dict[int, Any] = {}
+            sizes: dict[int, int] = {}
             while sent < due:
                 key, value = messages[sent]
-                (await producer.send(args.topic, value, key=key)).add_done_callback(delivered)
+                partition = partition_of[sent]
+                batch = batches.get(partition)
+                if batch is None:
+                    batch, sizes[partition] = batches.setdefault(partition, producer.create_batch()), 0
+                if batch.append(key=key, value=value, timestamp=None) is None:  # full: send it, start another
+                    (await producer.send_batch(batch, args.topic, partition=partition)).add_done_callback(
+                        functools.partial(delivered, sizes[partition]))
+                    batch = batches[partition] = producer.create_batch()
+                    batch.append(key=key, value=value, timestamp=None)
+                    sizes[partition] = 0
+                sizes[partition] += 1
                 sent += 1
+            for partition, batch in batches.items():
+                (await producer.send_batch(batch, args.topic, partition=partition)).add_done_callback(
+                    functools.partial(delivered, sizes[partition]))
             if now >= next_report:
                 _emit({"t": time.time(), "sent": sent, "acked": acked, "behind": due - sent})
                 next_report += args.report_s
