@@ -128,20 +128,23 @@ async def kafka_benches(bootstrap: str, plan: Plan, sections: set[str], results:
             await deployment.start_worker_async()
             await fleet.warm_up(deployment, template, "hw")
             # Halt latency is the fleet path's (what decisions only the fleet makes cost: local rules off,
-            # telemetry sent at once); overshoot is what a runtime gets as shipped (local rules on).
-            fleet_path = await halt.guard_for(deployment, local_rules=False, linger_ms=0)
-            shipped = await halt.guard_for(deployment)
-            try:
-                if "halt" in sections:
+            # telemetry sent at once); overshoot is what a runtime gets as shipped (local rules on). One
+            # guard at a time: each reads the whole control topic, on this process's event loop.
+            if "halt" in sections:
+                fleet_path = await halt.guard_for(deployment, local_rules=False, linger_ms=0)
+                try:
                     save("halt", await halt_section(deployment, fleet_path, template, plan, base)
                          | {"commit_overruns": commit_overruns(deployment.workers[0]), "path": "fleet",
                             "guard": {"local_rules": False, "linger_ms": 0}})
-                if "overshoot" in sections:
+                finally:
+                    await fleet_path.stop()
+            if "overshoot" in sections:
+                shipped = await halt.guard_for(deployment)
+                try:
                     save("overshoot", await overshoot_section(deployment, shipped, template, plan, base)
                          | {"guard": {"local_rules": True}})
-            finally:
-                await shipped.stop()
-                await fleet_path.stop()
+                finally:
+                    await shipped.stop()
         finally:
             deployment.stop()
 
