@@ -470,6 +470,9 @@ class Page:
             "runs from the moment the 4th `call` has returned (its telemetry queued to the SDK's producer,",
             "linger 0) to the moment the runtime's `Guard.on_decision` callback receives the halt.",
             f"{h['duration_s']:.0f} s per run; p50/p95/p99 are medians over the runs of each run's percentiles.",
+            "The worker starts with the section; before the first level, 10 s of the lowest load warm it and the",
+            "broker's JVM (without them the first 10% run measured their warming: 8 ms at p50, then 6 and 5).",
+            "Each level's runaways start with its load: the step from idle to the load is in its p99.",
             "",
             "| load | events/s | runaways/s | halted | p50 ms | p95 ms | p99 ms | max ms | p50 / raw RTT p50 "
             "| p99 / raw RTT p99 | inbound / outbound p50 ms |",
