@@ -130,7 +130,8 @@ async def kafka_benches(bootstrap: str, plan: Plan, sections: set[str], results:
             # The broker is a JVM started a minute ago and the worker has folded a few hundred events: the
             # first seconds of load measure their warming up (the first 10% load run was 8 ms at p50, the
             # third 5 ms, on one day), not the halt path. Ten seconds of the lowest load first.
-            await fleet.run_load(deployment, template, plan.load_levels[0] * base, 10.0, "hw10", drain_timeout_s=30.0)
+            await fleet.run_load(deployment, template, plan.load_levels[0] * base, 10.0, "hw10",
+                                 drain_timeout_s=30.0)
             # Halt latency is the fleet path's (what decisions only the fleet makes cost: local rules off,
             # telemetry sent at once); overshoot is what a runtime gets as shipped (local rules on). One
             # guard at a time: each reads the whole control topic, on this process's event loop.

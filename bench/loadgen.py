@@ -8,8 +8,8 @@ Everything is serialised and partitioned (aiokafka's default partitioner, as ``s
 start; every ``TICK_S`` what is due goes out as one record batch per partition through aiokafka's batch
 API, the batches a 5 ms linger makes, at a third of ``send``'s CPU per message (11-12 vs 31-33 us at
 17,700 events/s here): the generator stands in for runtimes on other machines, so the less of this
-machine it takes, the less it disturbs what is measured. The process prints one JSON line when ready, waits for
-``go`` on stdin, prints progress lines (``sent``, ``acked``, ``behind``: events due but not yet sent)
+machine it takes, the less it disturbs what is measured. The process prints one JSON line when ready,
+waits for ``go`` on stdin, prints progress lines (``sent``, ``acked``, ``behind``: events due but not yet sent)
 every ``--report-s`` and a last line with ``"done": true``. ``LoadGen`` is the controller's side.
 """
 
