@@ -76,6 +76,9 @@ class Plan:
     overshoot_rates: tuple[float, ...] = (10, 100, 1000)
     overshoot_runs: int = 5
     settings_rounds: int = 2
+    #: Rounds of the trees section's two probes: its rounds' ratios spread 0.99-1.73 over 5 rounds on
+    #: 2026-12-04, so their median moved by a tenth from one run to the next.
+    trees_rounds: int = 9
 
     def backlog_for(self, capacity: float | None, measure_s: float, margin: float = 1.5) -> int:
         """A saturation backlog that outlasts warm-up and measuring ``margin`` times at ``capacity``."""
@@ -83,7 +86,8 @@ class Plan:
 
 
 QUICK = Plan(template_runs=4_000, raw_messages=40_000, repeats=2, round_trips=100, backlog=250_000,
-             measure_s=4, step_fractions=(0.5, 0.9), step_s=6, halt_s=5, overshoot_runs=3, settings_rounds=1)
+             measure_s=4, step_fractions=(0.5, 0.9), step_s=6, halt_s=5, overshoot_runs=3, settings_rounds=1,
+             trees_rounds=3)
 
 
 def run_core(results: Path) -> None:
@@ -323,8 +327,8 @@ async def trees_section(bootstrap: str, plan: Plan, capacity_one: float | None, 
     corpus.check_renamed(corpus.read_template(template)[:1])
     progress(f"trees: {events:,} events ({facts:,} tree facts, {trees} trees) -> {template}")
     # A ratio of two noisy medians, on a corpus whose parts differ (threads first, trees in bursts): windows
-    # of two passes over it, and three rounds more than the settings' (6-s windows, 3 rounds: the same
-    # configuration's probes spread 31-46 us).
+    # of two passes over it, and ``plan.trees_rounds`` rounds (the same configuration's probes spread 31-46 us
+    # in the settings' 6-s windows).
     measure_s = 2 * plan.measure_s - 2
     backlog = plan.backlog_for(capacity_one or 40_000, measure_s, margin=1.5)
     configs: tuple[tuple[str, dict[str, object], dict[str, str]], ...] = (
@@ -332,7 +336,7 @@ async def trees_section(bootstrap: str, plan: Plan, capacity_one: float | None, 
     # The verdict is the median of the rounds' ratios: each round's two probes ran back to back (in
     # alternating order), so the machine's drift between rounds, which moved either configuration's probes
     # by a third on 2026-12-03, cancels in each ratio; the ratio of the two medians is reported beside it.
-    tried = await _interleaved(bootstrap, template, plan, backlog, "trees", "t", configs, plan.settings_rounds + 3,
+    tried = await _interleaved(bootstrap, template, plan, backlog, "trees", "t", configs, plan.trees_rounds,
                                {"every fold": results / "profile-trees.txt", "per-run rules only":
                                 results / "profile-trees-off.txt"}, measure_s, alternate=True)
     pairs = [on["worker_cpu_us_per_event"] / off["worker_cpu_us_per_event"]
