@@ -54,6 +54,10 @@ async def produce(args: argparse.Namespace) -> None:
         else:
             acked += size
 
+    async def ship(batch: Any, size: int, partition: int) -> None:
+        (await producer.send_batch(batch, args.topic, partition=partition)).add_done_callback(
+            functools.partial(delivered, size))
+
     try:
         partitions = sorted(await producer.partitions_for(args.topic))
         partitioner = DefaultPartitioner()
@@ -68,25 +72,19 @@ async def produce(args: argparse.Namespace) -> None:
             now = time.monotonic()
             due = min(count, int(args.rate * (now - start)))
             behind_max = max(behind_max, due - sent)
-            batches: dict[int, Any] = {}
-            sizes: dict[int, int] = {}
+            batches: dict[int, tuple[Any, int]] = {}  # partition -> (its batch, messages in it)
             while sent < due:
                 key, value = messages[sent]
                 partition = partition_of[sent]
-                batch = batches.get(partition)
-                if batch is None:
-                    batch, sizes[partition] = batches.setdefault(partition, producer.create_batch()), 0
+                batch, size = batches.get(partition) or (producer.create_batch(), 0)
                 if batch.append(key=key, value=value, timestamp=None) is None:  # full: send it, start another
-                    (await producer.send_batch(batch, args.topic, partition=partition)).add_done_callback(
-                        functools.partial(delivered, sizes[partition]))
-                    batch = batches[partition] = producer.create_batch()
+                    await ship(batch, size, partition)
+                    batch, size = producer.create_batch(), 0
                     batch.append(key=key, value=value, timestamp=None)
-                    sizes[partition] = 0
-                sizes[partition] += 1
+                batches[partition] = (batch, size + 1)
                 sent += 1
-            for partition, batch in batches.items():
-                (await producer.send_batch(batch, args.topic, partition=partition)).add_done_callback(
-                    functools.partial(delivered, sizes[partition]))
+            for partition, (batch, size) in batches.items():
+                await ship(batch, size, partition)
             if now >= next_report:
                 _emit({"t": time.time(), "sent": sent, "acked": acked, "behind": due - sent})
                 next_report += args.report_s

@@ -261,9 +261,7 @@ class ControlBoard:
         run_id = message["run_id"]
         view = self._runs.get(run_id)
         if view is None and not self.watch_all:
-            self._park(run_id, message)
-            self.counters["ignored"] += 1
-            return "ignored"
+            return self.park(run_id, message)
         self._act(run_id, view if view is not None else self._view(run_id), message, source)
         return "applied"
 
@@ -404,22 +402,20 @@ class ControlBoard:
             self._runs.move_to_end(run_id)
         return view
 
-    def park(self, run_id: str, message: object, check: Callable[[], bool]) -> Applied:
-        """Keep a fleet message about ``run_id``, a run this process does not watch, unchecked: most are
-        another process's runs, and checking each signature of the whole fleet's decisions would cost a
-        runtime more than its own runs do. ``check()`` (the signature and the rest) runs if the run is
-        watched while the message is still parked; then it is applied like any other. Nothing about an
+    def park(self, run_id: str, message: Any, check: Callable[[], bool] | None = None) -> Applied:
+        """Keep a message about ``run_id``, a run this process does not watch (yet), until it is watched.
+        ``apply`` parks messages it has checked and marked seen (``check`` None: acted on when the run is
+        watched). The listener parks fleet messages unchecked, with their ``check()`` (the signature and
+        the rest): most are another process's runs, and checking each signature of the whole fleet's
+        decisions would cost a runtime more than its own runs do; ``check()`` runs if the run is watched
+        while the message is still parked, and then it is applied like any other. Nothing about an
         unchecked message is acted upon or remembered (its decision id is not marked seen)."""
-        self._park(run_id, message, check)
-        self.counters["ignored"] += 1
-        return "ignored"
-
-    def _park(self, run_id: str, message: Any, check: Callable[[], bool] | None = None) -> None:
         parked = self._parked.pop(run_id, [])
-        parked = [*parked, (message, check)][-_PARKED_PER_RUN:]
-        self._parked[run_id] = parked
+        self._parked[run_id] = [*parked, (message, check)][-_PARKED_PER_RUN:]
         if len(self._parked) > self.max_parked_runs:
             self._parked.popitem(last=False)
+        self.counters["ignored"] += 1
+        return "ignored"
 
 
 def _run_scoped(message: object) -> str | None:
