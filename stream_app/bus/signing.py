@@ -10,7 +10,11 @@ name a different key than the one that verifies, and rotation needs no registry:
 and the new public key during a roll-over, workers switch to the new private key, the old one is
 dropped. Keys are PEM files (PKCS#8 private, SubjectPublicKeyInfo public), e.g. Kubernetes secrets.
 
-Requires the ``cryptography`` package (in the ``kafka`` and ``worker`` extras).
+Keys are read and made with ``cryptography``; signatures are made and checked with PyNaCl (libsodium),
+both in the ``kafka`` and ``worker`` extras: a runtime checks each decision about its runs on the way
+to halting them, and libsodium takes half the time (best of 5 here, 700-byte values: verify 58 vs 110
+us, sign 26 vs 36 us with cryptography 50.0.2). Ed25519 signing is deterministic: the signatures are
+the same bytes.
 """
 
 from __future__ import annotations
@@ -47,17 +51,24 @@ class SignatureRejected(LoopwardenError):
 
 
 def key_id(public_key: Any) -> str:
+    return "ed25519:" + hashlib.sha256(_raw_public(public_key)).hexdigest()[:16]
+
+
+def _raw_public(public_key: Any) -> bytes:
     from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-    raw = public_key.public_bytes(Encoding.Raw, PublicFormat.Raw)
-    return "ed25519:" + hashlib.sha256(raw).hexdigest()[:16]
+    raw: bytes = public_key.public_bytes(Encoding.Raw, PublicFormat.Raw)
+    return raw
 
 
 class Signer:
-    """Signs values with one Ed25519 private key."""
+    """Signs values with one Ed25519 private key (a ``cryptography`` key)."""
 
     def __init__(self, private_key: Any) -> None:
-        self._key = private_key
+        from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+        from nacl.signing import SigningKey
+
+        self._key = SigningKey(private_key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()))
         self.key_id = key_id(private_key.public_key())
 
     @classmethod
@@ -75,15 +86,18 @@ class Signer:
 
     def headers(self, value: bytes) -> Headers:
         """The two headers that sign ``value``."""
-        signature = base64.urlsafe_b64encode(self._key.sign(value)).rstrip(b"=")
+        signature = base64.urlsafe_b64encode(self._key.sign(value).signature).rstrip(b"=")
         return [(KEY_ID_HEADER, self.key_id.encode()), (SIGNATURE_HEADER, signature)]
 
 
 class KeyRing:
-    """The public keys a reader trusts, by key id (two or more during a key roll-over)."""
+    """The public keys a reader trusts (``cryptography`` keys), by key id (two or more during a key
+    roll-over)."""
 
     def __init__(self, public_keys: Iterable[Any]) -> None:
-        self._keys = {key_id(key): key for key in public_keys}
+        from nacl.signing import VerifyKey
+
+        self._keys = {key_id(key): VerifyKey(_raw_public(key)) for key in public_keys}
         if not self._keys:
             raise KeyFileError("no public keys: a key ring that trusts nothing would refuse every message")
 
@@ -120,7 +134,7 @@ class KeyRing:
 
     def verify(self, value: bytes, headers: Any) -> str:
         """The key id that signed ``value``; raises ``SignatureRejected`` otherwise."""
-        from cryptography.exceptions import InvalidSignature
+        from nacl.exceptions import BadSignatureError
 
         kid = header(headers, KEY_ID_HEADER)
         signature = header(headers, SIGNATURE_HEADER)
@@ -131,8 +145,8 @@ class KeyRing:
         if key is None:
             raise SignatureRejected("unknown_key", f"signed by untrusted key {name[:40]!r}")
         try:
-            key.verify(base64.urlsafe_b64decode(signature + b"=" * (-len(signature) % 4)), value)
-        except (InvalidSignature, ValueError) as exc:
+            key.verify(value, base64.urlsafe_b64decode(signature + b"=" * (-len(signature) % 4)))
+        except (BadSignatureError, ValueError) as exc:
             raise SignatureRejected("bad_signature", f"signature does not verify under {name}") from exc
         return name
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 from pathlib import Path
 
@@ -45,6 +46,31 @@ def test_generated_keys_sign_and_verify(keys: Path) -> None:
     assert ring.verify(value, signer.headers(value)) == signer.key_id
     assert signer.key_id.startswith("ed25519:") and len(signer.key_id) == 24
     assert (os.stat(keys / "worker.key").st_mode & 0o777) == 0o600
+
+
+def test_signatures_are_those_of_any_ed25519_implementation(keys: Path) -> None:
+    """libsodium signs and checks here; workers and runtimes of releases that signed with ``cryptography``
+    (OpenSSL) interoperate both ways during a rolling upgrade: Ed25519 signatures are deterministic."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+    openssl_key = load_pem_private_key((keys / "worker.key").read_bytes(), password=None)
+    assert isinstance(openssl_key, Ed25519PrivateKey)
+    signer, ring = Signer.from_file(keys / "worker.key"), KeyRing.from_paths([keys / "worker.pub"])
+    value = _halt()
+    signature = base64.urlsafe_b64encode(openssl_key.sign(value)).rstrip(b"=")
+    assert signer.headers(value) == [("lw_key_id", signer.key_id.encode()), ("lw_signature", signature)]
+    assert ring.verify(value, [("lw_key_id", signer.key_id.encode()), ("lw_signature", signature)]) == signer.key_id
+    openssl_key.public_key().verify(base64.urlsafe_b64decode(signature + b"=="), value)  # raises if not
+
+
+@pytest.mark.parametrize("signature", [b"", b"AAAA", b"not base64 at all!", b"A" * 200])
+def test_a_malformed_signature_is_a_bad_signature(keys: Path, signature: bytes) -> None:
+    ring = KeyRing.from_paths([keys / "worker.pub"])
+    key = Signer.from_file(keys / "worker.key").key_id.encode()
+    with pytest.raises(SignatureRejected) as refused:
+        ring.verify(_halt(), [("lw_key_id", key), ("lw_signature", signature)])
+    assert refused.value.reason == "bad_signature"
 
 
 def test_a_valid_halt_is_applied(keys: Path) -> None:
