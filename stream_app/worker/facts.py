@@ -20,7 +20,9 @@ function imports it); the publisher and the keyed folds are ``worker/fleet.py``.
 from __future__ import annotations
 
 import functools
-import operator
+import itertools
+import types
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,20 +65,20 @@ class Kind:
     label: str
     fact: type[Any]
     arity: int
-    #: Fields (of ``fact``) that must be a string, and an integer, in a fact read back.
-    strings: tuple[str, ...]
-    integers: tuple[str, ...]
     state: type[Any]
     fold: Callable[[FleetThresholds, Any, Any], tuple[ScopeDecision, ...]]
     ttl_ms: Callable[[FleetThresholds], int]
 
     @functools.cached_property
-    def typed(self) -> tuple[Callable[[list[Any]], tuple[Any, ...]], tuple[type, ...]]:
-        """What a fact read back must have: the source partition, offset, ``strings`` and ``integers`` of
-        its message item (``[source partition, offset, *fields]``) as a tuple, and their types."""
-        names = list(self.fact._fields)
-        at = [0, 1, *(2 + names.index(name) for name in self.strings + self.integers)]
-        return operator.itemgetter(*at), (int, int, *(str for _ in self.strings), *(int for _ in self.integers))
+    def shapes(self) -> frozenset[tuple[type, ...]]:
+        """The types a message item (``[source partition, offset, *fields]``) may have, field by field, as
+        the fact's annotations say (``X | None``: either; a tuple: a JSON list; a bool is no int): every
+        combination, so checking an item is one set lookup (a fact has at most 6 optional fields)."""
+        per_field: list[tuple[type, ...]] = [(int,), (int,)]
+        for hint in typing.get_type_hints(self.fact).values():
+            options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+            per_field.append(tuple(list if typing.get_origin(option) is tuple else option for option in options))
+        return frozenset(itertools.product(*per_field))
 
     @functools.cached_property
     def from_fields(self) -> Callable[[list[Any]], Any]:
@@ -88,17 +90,21 @@ class Kind:
         return make
 
 
-TREES = Kind(0, "tree", "trees", "sub-agent tree", TreeFact, 12, ("root", "run_id", "event_id"),
-             ("ts_ms", "cost_micro"), TreeState, trees.fold, lambda fleet: fleet.tree_ttl_ms)
-THREADS = Kind(1, "thread", "threads", "thread", ThreadFact, 8, ("tenant", "thread_key", "run_id", "event_id"),
-               ("ts_ms",), ThreadState, threads.fold, lambda fleet: fleet.thread_ttl_ms)
-TOOLS = Kind(2, "tool", "tools", "tool", ToolFact, 12, ("tenant", "tool", "upstream", "event_id", "run_id"),
-             ("window_ms", "ts_ms", "calls", "transient", "success_ts_ms", "retry_after_ms"), ToolState, tools.fold,
-             lambda fleet: fleet.tool_ttl_ms)
+TREES = Kind(0, "tree", "trees", "sub-agent tree", TreeFact, 12, TreeState, trees.fold, lambda fleet: fleet.tree_ttl_ms)
+THREADS = Kind(1, "thread", "threads", "thread", ThreadFact, 8, ThreadState, threads.fold,
+               lambda fleet: fleet.thread_ttl_ms)
+TOOLS = Kind(2, "tool", "tools", "tool", ToolFact, 12, ToolState, tools.fold, lambda fleet: fleet.tool_ttl_ms)
 KINDS: tuple[Kind, ...] = (TREES, THREADS, TOOLS)
 KIND_OF: dict[type[Any], Kind] = {kind.fact: kind for kind in KINDS}
 KIND_OF_SCOPE: dict[str, Kind] = {kind.scope: kind for kind in KINDS}
 _FIELD_OF: tuple[bytes, ...] = tuple(f',"{kind.name}":['.encode() for kind in KINDS)
+
+
+def _names(kind: Kind) -> str:
+    """A fact's fields as a message item lists them, with their types."""
+    hints = typing.get_type_hints(kind.fact)
+    return ", ".join(["source partition: int", "offset: int",
+                      *(f"{name}: {getattr(hint, '__name__', str(hint))}" for name, hint in hints.items())])
 
 
 def scope_key(fact: Fact) -> str:
@@ -162,13 +168,14 @@ def decode_facts(value: bytes | None) -> list[tuple[Kind, int, int, Any]]:
         items = obj.get(kind.name, [])
         if type(items) is not list:
             raise InvalidEvent(kind.name, "must be a list of facts")
-        (typed, types), make, size = kind.typed, kind.from_fields, kind.arity + 2
+        shapes, make, size = kind.shapes, kind.from_fields, kind.arity + 2
         for item in items:
-            if type(item) is not list or len(item) != size:
-                raise InvalidEvent(kind.name, f"a fact must be a list of {size} fields")
-            if tuple(map(type, typed(item))) != types:
-                raise InvalidEvent(kind.name, f"a fact's source, {', '.join(kind.strings + kind.integers)} must be "
-                                              "of their types")
+            if type(item) is not list or tuple(map(type, item)) not in shapes:
+                if type(item) is not list or len(item) != size:
+                    raise InvalidEvent(kind.name, f"a fact must be a list of {size} fields")
+                raise InvalidEvent(kind.name, f"a fact's fields must be of their types ({_names(kind)})")
+            if kind is TOOLS and any(type(run) is not str for run in item[-1]):
+                raise InvalidEvent(kind.name, "a tool fact's failing runs must be strings")
             try:
                 fact = make(item[2:])
             except TypeError as exc:

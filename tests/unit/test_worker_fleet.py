@@ -207,6 +207,25 @@ async def test_bad_facts_go_to_the_dead_letters_and_the_rest_is_folded() -> None
     assert (0, b"root") in store.data
 
 
+@pytest.mark.parametrize(("field", "item"), [
+    ("trees", [0, 1, "root", "run", "e", 1, None, "5", 0, False, None, None, None, None]),  # depth: a string
+    ("trees", [0, 1, "root", "run", "e", 1, None, None, 0, 1, None, None, None, None]),  # spawn: not a bool
+    ("trees", [0, 1, "root", "run", "e", 1, 7, None, 0, False, None, None, None, None]),  # parent: a number
+    ("threads", [0, 1, "t", "k", "r", "e", 1, None, None, True]),  # failure: a bool
+    ("tools", [0, 1, "t", "x", "u", 0, "e", "r", 1, 1, 1, -1, 0, [["run"]]]),  # failing runs: not strings
+    ("tools", [0, 1, "t", "x", "u", 0, "e", "r", 1, 1, 1, -1, 0, "run"]),  # failing runs: not a list
+])
+async def test_a_fact_with_an_optional_field_of_another_type_is_dead_lettered(field: str, item: list[Any]) -> None:
+    """Every field is checked against the fact's annotations, optional ones too: a fact the folds would
+    trip over (comparing a string depth) is refused, not folded into a crash of every batch after it."""
+    effects, store, _, dead, _ = _effects()
+    await effects.process([_Record(0, 0, orjson.dumps({"v": FACTS_FORMAT, field: [item]})),
+                           _Record(0, 1, _spawns("root", 0, 1))])
+    assert [e.field for _, e in dead.sent] == [field]
+    await effects.flush()
+    assert (0, b"root") in store.data
+
+
 async def test_facts_are_published_to_the_partition_of_their_scope_key() -> None:
     producer = _Producer()
     publisher = FactsPublisher("facts", 8, producer)  # type: ignore[arg-type]
