@@ -102,9 +102,13 @@ _FIELD_OF: tuple[bytes, ...] = tuple(f',"{kind.name}":['.encode() for kind in KI
 
 def _names(kind: Kind) -> str:
     """A fact's fields as a message item lists them, with their types."""
+    def named(hint: Any) -> str:
+        if typing.get_origin(hint) is tuple:
+            return f"list of {typing.get_args(hint)[0].__name__}"
+        return getattr(hint, "__name__", str(hint))
+
     hints = typing.get_type_hints(kind.fact)
-    return ", ".join(["source partition: int", "offset: int",
-                      *(f"{name}: {getattr(hint, '__name__', str(hint))}" for name, hint in hints.items())])
+    return ", ".join(["source partition: int", "offset: int", *(f"{name}: {named(hint)}" for name, hint in hints.items())])
 
 
 def scope_key(fact: Fact) -> str:
@@ -176,9 +180,5 @@ def decode_facts(value: bytes | None) -> list[tuple[Kind, int, int, Any]]:
                 raise InvalidEvent(kind.name, f"a fact's fields must be of their types ({_names(kind)})")
             if kind is TOOLS and any(type(run) is not str for run in item[-1]):
                 raise InvalidEvent(kind.name, "a tool fact's failing runs must be strings")
-            try:
-                fact = make(item[2:])
-            except TypeError as exc:
-                raise InvalidEvent(kind.name, str(exc)) from exc
-            out.append((kind, item[0], item[1], fact))
+            out.append((kind, item[0], item[1], make(item[2:])))  # its shape checked: the fact can be made
     return out
