@@ -26,7 +26,7 @@ import asyncio
 import base64
 import logging
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -283,9 +283,6 @@ class TelemetryPublisher(StartStop):
         self._producer: AIOKafkaProducer | None = None
         self._pump: asyncio.Task[None] | None = None
         self._closing: asyncio.Future[None] | None = None
-        #: With no linger, what the pump hands over goes on the wire from the loop's next turn, not after
-        #: aiokafka's sender's three (``bus.send_now``); None: the sender's turns.
-        self._send_now: Callable[[AIOKafkaProducer], None] | None = None
 
     async def start(self) -> None:
         """Connect, and check that the topic exists (so a wrong name fails here, not on a tool call)."""
@@ -313,10 +310,6 @@ class TelemetryPublisher(StartStop):
             await producer.stop()
             raise
         self._producer = producer
-        if self.linger_ms == 0:
-            from ..bus.send_now import SendNow, supported
-
-            self._send_now = SendNow() if supported(producer) else None
         self._pump = asyncio.create_task(self._send_buffered(producer))
 
     async def stop(self) -> None:
@@ -386,8 +379,6 @@ class TelemetryPublisher(StartStop):
             self.pending += 1
             delivery.add_done_callback(self._delivered)
             self._buffer.task_done()
-            if self._send_now is not None and self._buffer.empty():
-                self._send_now(producer)
 
     def _delivered(self, delivery: asyncio.Future[RecordMetadata]) -> None:
         self.pending -= 1

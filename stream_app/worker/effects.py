@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -40,7 +41,6 @@ from faust.types import TP, TopicT
 
 from ..bus.clock import wall_clock_ms
 from ..bus.kafka import KafkaClientConfig
-from ..bus.send_now import SendNow
 from ..bus.signing import Signer
 from ..bus.wire import Headers, encode_control
 from ..core import Decision, InvalidEvent
@@ -85,11 +85,17 @@ class DecisionProducer:
     Started with the app (or on the first send), stopped once faust's consumer has stopped (the batch in
     hand at a stop publishes through it first).
 
-    ``flush_now`` puts what is queued on the wire from the event loop's next turn (``bus.send_now``):
-    aiokafka's sender takes three turns, and on a worker at 10% load each turn waits behind the fetches and
-    batches already queued: a halt's produce request reached the socket 0.73 ms (p50) after the send,
-    0.35 ms with the flush, and the halt reached the runtime 2.74 ms after it was sent instead of 3.03
-    (medians of 9 interleaved runs of the halt bench's 10% load each).
+    ``flush_now`` puts what is queued on the wire from the event loop's next turn. aiokafka's sender
+    task takes three turns to do it (its waiter's callback, its own wake-up, the produce request's task),
+    and on a worker at 10% load each turn waits behind the fetches and batches already queued: a halt's
+    produce request reached the socket 0.73 ms (p50) after the send, 0.35 ms with the flush, and the halt
+    reached the runtime 2.74 ms after it was sent instead of 3.03 (medians of 9 interleaved runs of the
+    halt bench's 10% load each). It does what one pass of the sender's loop does, with aiokafka's own
+    request task, and wakes the sender when the request is answered (retries and batches queued meanwhile
+    are the sender's again). aiokafka 0.14.0's private attributes used (``versions.PINNED``):
+    ``AIOKafkaProducer._sender`` and ``._message_accumulator``; ``Sender._in_flight``,
+    ``._muted_partitions`` and ``._send_produce_req``; ``MessageAccumulator.drain_by_nodes``,
+    ``._waiter_future``, ``.fail_all`` and ``._exception``.
 
     A producer whose sender failed refuses every send for good (aiokafka fails what it held and keeps the
     error); its next send raises ``delivery.ProducerFailed`` and the worker stops (exit status 3) instead
@@ -100,7 +106,8 @@ class DecisionProducer:
         self._kwargs = {**kafka.aiokafka_kwargs(), "acks": "all", "linger_ms": 0, "client_id": "loopwarden-decisions"}
         self._producer: AIOKafkaProducer | None = None
         self._starting = asyncio.Lock()
-        self._send_now = SendNow()
+        #: Produce requests ``flush_now`` started (held so they are not garbage-collected mid-flight).
+        self._requests: set[asyncio.Future[None]] = set()
 
     async def start(self) -> AIOKafkaProducer:
         async with self._starting:
@@ -129,8 +136,28 @@ class DecisionProducer:
 
     def flush_now(self) -> None:
         """Send what is queued now instead of after the sender's turns (see the class docstring)."""
-        if self._producer is not None:
-            self._send_now(self._producer)
+        producer = self._producer
+        if producer is None:
+            return
+        sender, accumulator = producer._sender, producer._message_accumulator
+        ready, _ = accumulator.drain_by_nodes(ignore_nodes=sender._in_flight, muted_partitions=sender._muted_partitions)
+        for node_id, batches in ready.items():
+            sender._in_flight.add(node_id)
+            sender._muted_partitions.update(batches)
+            request = asyncio.ensure_future(sender._send_produce_req(node_id, batches))
+            self._requests.add(request)
+            request.add_done_callback(functools.partial(self._answered, accumulator))
+
+    def _answered(self, accumulator: Any, request: asyncio.Future[None]) -> None:
+        self._requests.discard(request)
+        if not request.cancelled() and (error := request.exception()) is not None:
+            # what aiokafka's sender does when its own loop fails: every pending send fails with it
+            failed = KafkaError("Unexpected error during batch delivery")
+            failed.__cause__ = error
+            accumulator.fail_all(failed)
+        waiter = accumulator._waiter_future  # the sender's turn: batches queued meanwhile, retries
+        if not waiter.done():
+            waiter.set_result(None)
 
     async def stop(self) -> None:
         producer, self._producer = self._producer, None
