@@ -64,21 +64,25 @@ class Kind:
     name: str
     label: str
     fact: type[Any]
-    arity: int
     state: type[Any]
     fold: Callable[[FleetThresholds, Any, Any], tuple[ScopeDecision, ...]]
     ttl_ms: Callable[[FleetThresholds], int]
 
     @functools.cached_property
-    def shapes(self) -> frozenset[tuple[type, ...]]:
-        """The types a message item (``[source partition, offset, *fields]``) may have, field by field, as
-        the fact's annotations say (``X | None``: either; a tuple: a JSON list; a bool is no int): every
-        combination, so checking an item is one set lookup (a fact has at most 6 optional fields)."""
-        per_field: list[tuple[type, ...]] = [(int,), (int,)]
-        for hint in typing.get_type_hints(self.fact).values():
+    def item_fields(self) -> tuple[tuple[str, tuple[type, ...]], ...]:
+        """A message item's fields (``[source partition, offset, *fields]``), each with the JSON types it may
+        have as the fact's annotations say (``X | None``: either; a tuple: a list; a bool is no int)."""
+        fields: list[tuple[str, tuple[type, ...]]] = [("source partition", (int,)), ("offset", (int,))]
+        for name, hint in typing.get_type_hints(self.fact).items():
             options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-            per_field.append(tuple(list if typing.get_origin(option) is tuple else option for option in options))
-        return frozenset(itertools.product(*per_field))
+            fields.append((name, tuple(list if typing.get_origin(option) is tuple else option for option in options)))
+        return tuple(fields)
+
+    @functools.cached_property
+    def shapes(self) -> frozenset[tuple[type, ...]]:
+        """Every combination of ``item_fields``' types, so checking an item is one set lookup (a fact has at
+        most 6 optional fields)."""
+        return frozenset(itertools.product(*(options for _, options in self.item_fields)))
 
     @functools.cached_property
     def from_fields(self) -> Callable[[list[Any]], Any]:
@@ -90,10 +94,9 @@ class Kind:
         return make
 
 
-TREES = Kind(0, "tree", "trees", "sub-agent tree", TreeFact, 12, TreeState, trees.fold, lambda fleet: fleet.tree_ttl_ms)
-THREADS = Kind(1, "thread", "threads", "thread", ThreadFact, 8, ThreadState, threads.fold,
-               lambda fleet: fleet.thread_ttl_ms)
-TOOLS = Kind(2, "tool", "tools", "tool", ToolFact, 12, ToolState, tools.fold, lambda fleet: fleet.tool_ttl_ms)
+TREES = Kind(0, "tree", "trees", "sub-agent tree", TreeFact, TreeState, trees.fold, lambda fleet: fleet.tree_ttl_ms)
+THREADS = Kind(1, "thread", "threads", "thread", ThreadFact, ThreadState, threads.fold, lambda fleet: fleet.thread_ttl_ms)
+TOOLS = Kind(2, "tool", "tools", "tool", ToolFact, ToolState, tools.fold, lambda fleet: fleet.tool_ttl_ms)
 KINDS: tuple[Kind, ...] = (TREES, THREADS, TOOLS)
 KIND_OF: dict[type[Any], Kind] = {kind.fact: kind for kind in KINDS}
 KIND_OF_SCOPE: dict[str, Kind] = {kind.scope: kind for kind in KINDS}
@@ -101,14 +104,9 @@ _FIELD_OF: tuple[bytes, ...] = tuple(f',"{kind.name}":['.encode() for kind in KI
 
 
 def _names(kind: Kind) -> str:
-    """A fact's fields as a message item lists them, with their types."""
-    def named(hint: Any) -> str:
-        if typing.get_origin(hint) is tuple:
-            return f"list of {typing.get_args(hint)[0].__name__}"
-        return getattr(hint, "__name__", str(hint))
-
-    hints = typing.get_type_hints(kind.fact)
-    return ", ".join(["source partition: int", "offset: int", *(f"{name}: {named(hint)}" for name, hint in hints.items())])
+    """A message item's fields with their types, for a refusal."""
+    return ", ".join(f"{name}: {' | '.join('null' if option is type(None) else option.__name__ for option in options)}"
+                     for name, options in kind.item_fields)
 
 
 def scope_key(fact: Fact) -> str:
@@ -172,7 +170,7 @@ def decode_facts(value: bytes | None) -> list[tuple[Kind, int, int, Any]]:
         items = obj.get(kind.name, [])
         if type(items) is not list:
             raise InvalidEvent(kind.name, "must be a list of facts")
-        shapes, make, size = kind.shapes, kind.from_fields, kind.arity + 2
+        shapes, make, size = kind.shapes, kind.from_fields, len(kind.item_fields)
         for item in items:
             if type(item) is not list or tuple(map(type, item)) not in shapes:
                 if type(item) is not list or len(item) != size:
