@@ -764,10 +764,10 @@ class Page:
                 f" so most events touch a run of their own in their batch); decoding and re-encoding one stored run"
                 f" ({fold['stored_record_bytes_mean']:.0f} B) costs {fold['python_codec_us_per_run']:.1f} us in Python,"
                 " which the native engine does in Rust inside the same call (reading events and records by field"
-                " name without serde_json's sorted maps: `native/src/fields.rs`). *Recommendation*: each field is"
-                " still a `serde_json::Value` (strings and arrays allocated), and with the folds across runs on, each"
-                " event's facts build owned strings (`facts_of`, `sum_tool_facts`): borrowing from the event until a"
-                " fact is final is the next cut."]
+                " name without serde_json's sorted maps: `native/src/fields.rs`). With the folds across runs"
+                " on, a batch's facts borrow their fields from the events' calls until encoded (`batch_facts`)."
+                " *Recommendation*: each field is still a `serde_json::Value` (strings and arrays allocated):"
+                " borrowing them from the message is the next cut."]
 
     def _producer_bullet(self) -> list[str]:
         lines = []

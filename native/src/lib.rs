@@ -52,6 +52,9 @@ const ARGS_BYTES: usize = 512;
 /// Compiled masks, one per pattern text (a policy has few).
 type Masks = HashMap<String, Rc<fancy_regex::Regex>>;
 
+/// A map hashed by foldhash (its seed random per process), for the per-event lookups.
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
 /// The thresholds of one (agent, tool) pair and its field filter.
 struct CallPolicy {
     thresholds: Thresholds,
@@ -208,7 +211,7 @@ impl HashOf<'_> {
 /// the call's hashes computed (or taken as given).
 struct Resolver {
     policy: Py<PyAny>,
-    policies: HashMap<String, Rc<CallPolicy>>,
+    policies: FastMap<String, Rc<CallPolicy>>,
     policy_key: String,
     masks: Masks,
     scratch: Vec<u8>,
@@ -220,7 +223,7 @@ impl Resolver {
     fn new(policy: Py<PyAny>) -> Self {
         Resolver {
             policy,
-            policies: HashMap::new(),
+            policies: FastMap::default(),
             policy_key: String::new(),
             masks: HashMap::new(),
             scratch: Vec::with_capacity(1024),
@@ -425,70 +428,84 @@ struct Replayer {
     duplicates: u64,
     #[pyo3(get)]
     evicted: u64,
-    /// Facts of the lines `feed` folded since `take_facts`.
-    facts: Vec<FactsOf>,
+    /// Facts of the lines `feed` folded since `take_facts` (`FactsOf` as Python tuples: they outlive
+    /// the lines they borrow from).
+    facts: Vec<Py<PyAny>>,
 }
 
 /// The facts of one new event: ``(index, tree fact, thread fact, tool fact)``, each or None, at least
-/// one set.
-type FactsOf = (
+/// one set, borrowing the event's fields.
+type FactsOf<'a> = (
     usize,
-    Option<TreeFactTuple>,
-    Option<ThreadFactTuple>,
-    Option<ToolFactTuple>,
+    Option<TreeFactTuple<'a>>,
+    Option<ThreadFactTuple<'a>>,
+    Option<ToolFactTuple<'a>>,
 );
 
 /// The facts of a new call, if any (`core.fleet`: `tree_fact`, `thread_fact`, `tool_fact`).
-fn facts_of(index: usize, call: &Call, tool_class: u8) -> Option<FactsOf> {
+fn facts_of<'a>(index: usize, call: &Call<'a>, tool_class: u8) -> Option<FactsOf<'a>> {
     let tree = tree_fact(call, tool_class);
     let thread = thread_fact(call);
     let tool = tool_fact(call);
     (tree.is_some() || thread.is_some() || tool.is_some()).then_some((index, tree, thread, tool))
 }
 
+/// Whether a new call has any fact (`facts_of` is Some), without building them.
+fn has_facts(call: &Call, tool_class: u8) -> bool {
+    call.thread_key.is_some()
+        || (call.upstream.is_some() && !call.model_call)
+        || tool_class == contract::SPAWN
+        || call.root_run_id.is_some_and(|root| root != call.run_id)
+}
+
 /// `core.fleet.ToolFact` of one event as a tuple: tenant ("" when none), tool, upstream, window start,
 /// event id, run, ts_ms, calls (1), transient failures (0 or 1), success time (-1: none), retry after
 /// (ms), the failing runs.
-type ToolFactTuple = (
-    String,
-    String,
-    String,
+type ToolFactTuple<'a> = (
+    &'a str,
+    &'a str,
+    &'a str,
     i64,
-    String,
-    String,
-    i64,
-    i64,
+    &'a str,
+    &'a str,
     i64,
     i64,
     i64,
-    Vec<String>,
+    i64,
+    i64,
+    Vec<&'a str>,
 );
 
-/// A batch's facts with its tool facts summed per (source partition, key, window) into one, at the
-/// index of the contribution with the highest source offset (its event the trigger: the same whatever
-/// order the runs were folded in; `worker.fleet._summed` sums the reference's alike): a batch sends
-/// one tool fact per key and window, not one per event.
-fn sum_tool_facts(facts: Vec<FactsOf>, inputs: &[Input<'_>]) -> Vec<FactsOf> {
-    let mut out: Vec<FactsOf> = Vec::with_capacity(facts.len());
-    let mut sums: Vec<(usize, ToolFactTuple)> = Vec::new();
-    let mut at: HashMap<(i64, String, String, String, i64), usize> = HashMap::new();
-    for (index, tree, thread, tool) in facts {
+/// A batch's facts, one new event's at a time (``(index, tool class)`` in the order folded: each event
+/// known to have facts, `has_facts`), built from the events' calls with their tool facts summed per
+/// (source partition, key, window) into one, at the index of the contribution with the highest source
+/// offset (its event the trigger: the same whatever order the runs were folded in;
+/// `worker.facts.summed` sums the reference's alike): a batch sends one tool fact per key and window,
+/// not one per event. Tree and thread facts first, in the order given, then the sums in the order of
+/// their first contribution.
+fn batch_facts<'a>(marks: &[(usize, u8)], calls: &[Option<Call<'a>>], inputs: &[Input<'_>]) -> Vec<FactsOf<'a>> {
+    let mut out: Vec<FactsOf<'a>> = Vec::with_capacity(marks.len());
+    let mut sums: Vec<(usize, ToolFactTuple<'a>)> = Vec::new();
+    let mut at: FastMap<(i64, &'a str, &'a str, &'a str, i64), usize> = FastMap::default();
+    for &(index, tool_class) in marks {
+        let call = calls[index].as_ref().expect("a folded event was decoded");
+        let tree = tree_fact(call, tool_class);
+        let thread = thread_fact(call);
         if tree.is_some() || thread.is_some() {
             out.push((index, tree, thread, None));
         }
-        let Some(fact) = tool else { continue };
-        let mark = (inputs[index].partition, fact.0.clone(), fact.1.clone(), fact.2.clone(), fact.3);
-        match at.get(&mark) {
-            None => {
-                at.insert(mark, sums.len());
+        let Some(fact) = tool_fact(call) else { continue };
+        match at.entry((inputs[index].partition, fact.0, fact.1, fact.2, fact.3)) {
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                slot.insert(sums.len());
                 sums.push((index, fact));
             }
-            Some(&slot) => {
-                let (last, sum) = &mut sums[slot];
+            std::collections::hash_map::Entry::Occupied(slot) => {
+                let (last, sum) = &mut sums[*slot.get()];
                 if inputs[index].offset > inputs[*last].offset {
                     *last = index;
-                    sum.4 = fact.4.clone();
-                    sum.5 = fact.5.clone();
+                    sum.4 = fact.4;
+                    sum.5 = fact.5;
                 }
                 sum.6 = sum.6.max(fact.6);
                 sum.7 += fact.7;
@@ -525,7 +542,7 @@ fn is_transient(error_class: Option<&str>) -> bool {
 }
 
 /// The tool fact of a tool call that names its upstream (`core.fleet.tools.tool_fact`).
-fn tool_fact(call: &Call) -> Option<ToolFactTuple> {
+fn tool_fact<'a>(call: &Call<'a>) -> Option<ToolFactTuple<'a>> {
     let upstream = call.upstream?;
     if call.model_call {
         return None;
@@ -533,89 +550,87 @@ fn tool_fact(call: &Call) -> Option<ToolFactTuple> {
     let transient = call.outcome == contract::ERROR && is_transient(call.error_class);
     let ts = call.ts_ms;
     Some((
-        call.tenant.unwrap_or("").to_owned(),
-        call.tool.to_owned(),
-        upstream.to_owned(),
+        call.tenant.unwrap_or(""),
+        call.tool,
+        upstream,
         ts - ts.rem_euclid(STORM_WINDOW_MS),
-        call.event_id.to_owned(),
-        call.run_id.to_owned(),
+        call.event_id,
+        call.run_id,
         ts,
         1,
         i64::from(transient),
         if call.outcome == contract::SUCCESS { ts } else { -1 },
         call.retry_after_ms,
-        if transient { vec![call.run_id.to_owned()] } else { Vec::new() },
+        if transient { vec![call.run_id] } else { Vec::new() },
     ))
 }
 
 /// `core.fleet.TreeFact` as a tuple: root, run, event id, ts_ms, parent, declared depth, cost
 /// (micro-USD), spawn, child run, child agent, task hash, tenant.
-type TreeFactTuple = (
-    String,
-    String,
-    String,
+type TreeFactTuple<'a> = (
+    &'a str,
+    &'a str,
+    &'a str,
     i64,
-    Option<String>,
+    Option<&'a str>,
     Option<i64>,
     i64,
     bool,
-    Option<String>,
-    Option<String>,
-    Option<String>,
-    Option<String>,
+    Option<&'a str>,
+    Option<&'a str>,
+    Option<&'a str>,
+    Option<&'a str>,
 );
 
 /// The tree fact of a new call (`core.fleet.trees.tree_fact`), or None when it is in no tree.
-fn tree_fact(call: &Call, tool_class: u8) -> Option<TreeFactTuple> {
+fn tree_fact<'a>(call: &Call<'a>, tool_class: u8) -> Option<TreeFactTuple<'a>> {
     let spawn = tool_class == contract::SPAWN;
     let root = call.root_run_id.unwrap_or(call.run_id);
     if root == call.run_id && !spawn {
         return None; // a root's own call that starts no child
     }
-    let own = |v: Option<&str>| v.map(str::to_owned);
     Some((
-        root.to_owned(),
-        call.run_id.to_owned(),
-        call.event_id.to_owned(),
+        root,
+        call.run_id,
+        call.event_id,
         call.ts_ms,
-        own(call.parent_run_id),
+        call.parent_run_id,
         call.depth,
         call.cost_micro,
         spawn,
-        own(call.child_run_id.filter(|_| spawn)),
-        own(call.child_agent_id.filter(|_| spawn)),
-        own(call.task_hash.filter(|_| spawn)),
-        own(call.tenant),
+        call.child_run_id.filter(|_| spawn),
+        call.child_agent_id.filter(|_| spawn),
+        call.task_hash.filter(|_| spawn),
+        call.tenant,
     ))
 }
 
 /// `core.fleet.ThreadFact` as a tuple: tenant ("" when none), thread key, run, event id, ts_ms,
 /// trigger, caused by, the error class of a failing call.
-type ThreadFactTuple = (
-    String,
-    String,
-    String,
-    String,
+type ThreadFactTuple<'a> = (
+    &'a str,
+    &'a str,
+    &'a str,
+    &'a str,
     i64,
-    Option<String>,
-    Option<String>,
-    Option<String>,
+    Option<&'a str>,
+    Option<&'a str>,
+    Option<&'a str>,
 );
 
 /// The thread fact of a new call (`core.fleet.threads.thread_fact`), or None when its run names no
 /// thread.
-fn thread_fact(call: &Call) -> Option<ThreadFactTuple> {
+fn thread_fact<'a>(call: &Call<'a>) -> Option<ThreadFactTuple<'a>> {
     let thread_key = call.thread_key?;
-    let own = |v: Option<&str>| v.map(str::to_owned);
-    let failure = (call.outcome == contract::ERROR).then(|| call.error_class.unwrap_or("error").to_owned());
+    let failure = (call.outcome == contract::ERROR).then(|| call.error_class.unwrap_or("error"));
     Some((
-        call.tenant.unwrap_or("").to_owned(),
-        thread_key.to_owned(),
-        call.run_id.to_owned(),
-        call.event_id.to_owned(),
+        call.tenant.unwrap_or(""),
+        thread_key,
+        call.run_id,
+        call.event_id,
         call.ts_ms,
-        own(call.trigger),
-        own(call.caused_by_run_id),
+        call.trigger,
+        call.caused_by_run_id,
         failure,
     ))
 }
@@ -651,7 +666,7 @@ impl Replayer {
 
     /// The facts of the lines `feed` folded (not redeliveries) since the last call, as ``(index, tree
     /// fact or None, thread fact or None)`` in line order.
-    fn take_facts(&mut self) -> Vec<FactsOf> {
+    fn take_facts(&mut self) -> Vec<Py<PyAny>> {
         std::mem::take(&mut self.facts)
     }
 
@@ -689,7 +704,7 @@ impl Replayer {
                 let policy = self.resolver.resolve(py, call.agent_id, call.tool)?;
                 let class = call.tool_class.unwrap_or(policy.thresholds.tool_class);
                 if let Some(facts) = facts_of(index, &call, class) {
-                    self.facts.push(facts);
+                    self.facts.push(facts.into_pyobject(py)?.into_any().unbind());
                 }
             }
         }
@@ -883,8 +898,8 @@ fn key_part(part: &str) -> std::borrow::Cow<'_, str> {
     }
 }
 
-/// The items of a batch's facts (tool facts summed: `sum_tool_facts`), in the order given.
-fn fact_items(py: Python<'_>, facts: Vec<FactsOf>, inputs: &[Input<'_>]) -> PyResult<Vec<FactItem>> {
+/// The items of a batch's facts (`batch_facts`), in the order given.
+fn fact_items(py: Python<'_>, facts: Vec<FactsOf<'_>>, inputs: &[Input<'_>]) -> PyResult<Vec<FactItem>> {
     let json = |e: serde_json::Error| pyo3::exceptions::PyValueError::new_err(e.to_string());
     let mut out = Vec::with_capacity(facts.len());
     for (index, tree, thread, tool) in facts {
@@ -896,12 +911,12 @@ fn fact_items(py: Python<'_>, facts: Vec<FactsOf>, inputs: &[Input<'_>]) -> PyRe
             out.push((sp, off, 0, key, PyBytes::new(py, &item).unbind()));
         }
         if let Some(f) = thread {
-            let key = format!("thread/{}/{}", key_part(&f.0), f.1);
+            let key = format!("thread/{}/{}", key_part(f.0), f.1);
             let item = serde_json::to_vec(&(sp, off, f.0, f.1, f.2, f.3, f.4, f.5, f.6, f.7)).map_err(json)?;
             out.push((sp, off, 1, key, PyBytes::new(py, &item).unbind()));
         }
         if let Some(f) = tool {
-            let key = format!("tool/{}/{}/{}", key_part(&f.0), key_part(&f.1), f.2);
+            let key = format!("tool/{}/{}/{}", key_part(f.0), key_part(f.1), f.2);
             let item = serde_json::to_vec(&(sp, off, f.0, f.1, f.2, f.3, f.4, f.5, f.6, f.7, f.8, f.9, f.10, f.11))
                 .map_err(json)?;
             out.push((sp, off, 2, key, PyBytes::new(py, &item).unbind()));
@@ -986,7 +1001,7 @@ impl BatchFolder {
         let mut rekeys = Vec::new();
         // Runs: (partition, key, member indexes, deferred to the reference).
         let mut groups: Vec<(i64, &[u8], Vec<usize>, bool)> = Vec::new();
-        let mut group_of: HashMap<(i64, &[u8]), usize> = HashMap::new();
+        let mut group_of: FastMap<(i64, &[u8]), usize> = FastMap::default();
         let reference: HashSet<usize> = reference.into_iter().collect();
         let mut watermarks: Vec<(i64, i64)> = Vec::new();
         let mut deferred_set: Vec<bool> = vec![false; inputs.len()];
@@ -1064,7 +1079,7 @@ impl BatchFolder {
                 }
             }
         }
-        let facts = fact_items(py, sum_tool_facts(facts, &inputs), &inputs)?;
+        let facts = fact_items(py, batch_facts(&facts, &calls, &inputs), &inputs)?;
         let deferred = (0..inputs.len()).filter(|i| deferred_set[*i]).collect();
         Ok((
             out_records,
@@ -1087,7 +1102,8 @@ struct FoldedRun {
     applied: [u64; 4],
     duplicates: u64,
     mismatches: Vec<(usize, String, String)>,
-    facts: Vec<FactsOf>,
+    /// The new events with facts: (index, tool class), built once the batch is folded (`batch_facts`).
+    facts: Vec<(usize, u8)>,
 }
 
 impl BatchFolder {
@@ -1155,8 +1171,8 @@ impl BatchFolder {
             }
             if self.facts && !matches!(admission, Admission::Duplicate) {
                 let class = call.tool_class.unwrap_or(policy.thresholds.tool_class);
-                if let Some(facts) = facts_of(index, call, class) {
-                    run.facts.push(facts);
+                if has_facts(call, class) {
+                    run.facts.push((index, class));
                 }
             }
             if let Some(digest) = call.policy_digest {
@@ -1180,7 +1196,7 @@ impl BatchFolder {
 /// The index of run (partition, key) in `groups`, added at the end when first seen.
 fn group_index<'a>(
     groups: &mut Vec<(i64, &'a [u8], Vec<usize>, bool)>,
-    group_of: &mut HashMap<(i64, &'a [u8]), usize>,
+    group_of: &mut FastMap<(i64, &'a [u8]), usize>,
     partition: i64,
     key: &'a [u8],
 ) -> usize {
