@@ -298,15 +298,23 @@ class Effects:
     async def sweep(self) -> None:
         """Expire silent runs in every assigned partition (on a timer, off the per-batch path), a partition
         at a time: each partition's scan, decision and write are one turn of the state lock, so a batch
-        waits for at most one partition's scan (256 stored runs decoded), not for all of them; a partition
-        with no run that can be silent for the ttl yet takes no turn."""
+        waits for at most one partition's scan (256 stored runs decoded), not for all of them. A partition
+        with no run that can be silent for the ttl yet is not scanned, but its kept records are written all
+        the same: half a commit interval's records a turn, not a whole one's (written at the commits only,
+        the halt bench's halts at 50% load took 21 ms at the median and 89 ms at p99, not 10 and 54; at 90%
+        load, where a second's records passed ``KEEP_MAX_RECORDS`` and were written in one turn, 585 ms)."""
         passes, watermarks = self._passes, self._watermark_ms
         for partition in sorted(self._assigned() & watermarks.keys()):
-            if not passes.due(partition, watermarks[partition]):
+            due = passes.due(partition, watermarks[partition])
+            if not due and partition not in self.store.kept_partitions():
                 continue
             async with self._state_lock:
-                if partition in self._assigned():  # not revoked while the previous one was swept
+                if partition not in self._assigned():  # revoked while the previous one was swept
+                    continue
+                if due:
                     await self._sweep(partition)
+                else:
+                    await self.store.flush([partition])
 
     def _assigned(self) -> set[int]:
         topic = self.topics.telemetry.get_topic_name()

@@ -6,7 +6,7 @@ A pass over a partition starts at its first key; once complete, nothing in the p
 before its oldest key's time + the ttl (keys written since lower that bound: ``written``), so the next
 pass starts only when the partition's event time has passed it, and an idle sweep reads nothing: on a
 busy worker, where nothing is silent for the ttl, the sweep no longer decodes 256 stored records per
-partition every 0.5 s, nor flushes a partition's kept records ahead of its commit to scan them.
+partition every 0.5 s.
 
 A mark is what one pass covers (a partition, or a kind of key and a partition). Until this worker has
 completed a pass over a mark (a new assignment, a recovery: keys another worker wrote may be older), a
