@@ -869,8 +869,7 @@ impl Replayer {
 
 /// What `BatchFolder.fold` returns: new records ``(partition, key, record)``, findings ``(index,
 /// finding)``, re-keys ``(index, run_id)``, deferred record indexes (for the reference), events folded
-/// by outcome (``OUTCOMES`` order), duplicates, watermarks ``(partition, ts_ms)``, the oldest
-/// ``last_ts_ms`` of each partition's new records ``(partition, ts_ms)``, policy mismatches
+/// by outcome (``OUTCOMES`` order), duplicates, watermarks ``(partition, ts_ms)``, policy mismatches
 /// ``(index, agent_id or "", digest)``, and the facts of the new events as the facts topic's items
 /// (`FactItem`).
 type BatchOut = (
@@ -880,7 +879,6 @@ type BatchOut = (
     Vec<usize>,
     [u64; 4],
     u64,
-    Vec<(i64, i64)>,
     Vec<(i64, i64)>,
     Vec<(usize, String, String)>,
     Vec<FactItem>,
@@ -1051,7 +1049,6 @@ impl BatchFolder {
         let mut duplicates = 0u64;
         let mut mismatches = Vec::new();
         let mut facts = Vec::new();
-        let mut oldest_written: Vec<(i64, i64)> = Vec::new();
         for (partition, key, members, deferred) in groups.iter_mut() {
             let folded = if *deferred {
                 None
@@ -1068,10 +1065,6 @@ impl BatchFolder {
                     mismatches.extend(run.mismatches);
                     facts.extend(run.facts);
                     if let Some(record) = run.record {
-                        match oldest_written.iter_mut().find(|(p, _)| p == partition) {
-                            Some(entry) => entry.1 = entry.1.min(run.last_ts_ms),
-                            None => oldest_written.push((*partition, run.last_ts_ms)),
-                        }
                         out_records.push((
                             *partition,
                             PyBytes::new(py, key).unbind(),
@@ -1096,7 +1089,6 @@ impl BatchFolder {
             applied,
             duplicates,
             watermarks,
-            oldest_written,
             mismatches,
             facts,
         ))
@@ -1106,8 +1098,6 @@ impl BatchFolder {
 /// What folding one run gave.
 struct FoldedRun {
     record: Option<Vec<u8>>,
-    /// The new record's `last_ts_ms`.
-    last_ts_ms: i64,
     findings: Vec<(usize, FindingTuple)>,
     applied: [u64; 4],
     duplicates: u64,
@@ -1147,7 +1137,6 @@ impl BatchFolder {
         };
         let mut run = FoldedRun {
             record: None,
-            last_ts_ms: 0,
             findings: Vec::new(),
             applied: [0; 4],
             duplicates: 0,
@@ -1199,7 +1188,6 @@ impl BatchFolder {
             self.record.clear();
             state.write_record(run_offset, self.write_version, &mut self.record);
             run.record = Some(self.record.clone());
-            run.last_ts_ms = state.last_ts_ms;
         }
         Ok(Some(run))
     }

@@ -121,8 +121,6 @@ class BatchResult:
     duplicates: int = 0
     #: The newest event time seen per partition (what run expiry goes by).
     watermarks: dict[int, int] = field(default_factory=dict)
-    #: The oldest ``last_ts_ms`` of each partition's new records (what the sweep's bound goes by).
-    oldest_written: dict[int, int] = field(default_factory=dict)
     #: Folded events whose runtime's policy is not the worker's: (agent id or "", their digest) -> count.
     policy_mismatches: Counter[tuple[str, str]] = field(default_factory=Counter)
     #: Tree, thread and tool facts of the new events as the facts topic's items (``worker/facts.py``),
@@ -218,9 +216,6 @@ class BatchFold:
                 result.decisions.extend(evaluation.decisions)
             if applied:
                 result.records.setdefault(partition, []).append((key, encode_run(run, self.write_version)))
-                ts_ms = run.state.last_ts_ms
-                if ts_ms < result.oldest_written.get(partition, ts_ms + 1):
-                    result.oldest_written[partition] = ts_ms
         if facts:
             result.facts = fact_items(facts)
         return result
@@ -278,10 +273,10 @@ class NativeBatchFold(BatchFold):
     def fold(self, records: Sequence[InputRecord], stored: Mapping[tuple[int, bytes], bytes | None],
              now_ms: int) -> BatchResult:
         operators = [i for i, record in enumerate(records) if record.headers and is_operator(record)]
-        (new_records, findings, rekeys, deferred, applied, duplicates, watermarks, oldest_written,
+        (new_records, findings, rekeys, deferred, applied, duplicates, watermarks,
          mismatches, facts) = self._native.fold(records if isinstance(records, list) else list(records), operators,
                                                 stored)
-        result = BatchResult(duplicates=duplicates, watermarks=dict(watermarks), oldest_written=dict(oldest_written))
+        result = BatchResult(duplicates=duplicates, watermarks=dict(watermarks))
         for partition, key, record in new_records:
             result.records.setdefault(partition, []).append((key, record))
         policy = self.detector.policy
@@ -315,9 +310,6 @@ class NativeBatchFold(BatchFold):
         for partition, ts_ms in part.watermarks.items():
             if ts_ms > result.watermarks.get(partition, 0):
                 result.watermarks[partition] = ts_ms
-        for partition, ts_ms in part.oldest_written.items():
-            if ts_ms < result.oldest_written.get(partition, ts_ms + 1):
-                result.oldest_written[partition] = ts_ms
         result.policy_mismatches.update(part.policy_mismatches)
         # A tool key and window may now have an item from each engine, each summed at its own last
         # offset: in source offset order (the publisher's) both count, as their sum would.

@@ -20,9 +20,7 @@ For one batch (``Effects.process``), in this order:
 
 A batch, a flush and a sweep all read or write stored runs, awaiting in between, so they take turns.
 The sweep (a timer, off the batch path) forgets runs silent for ``run_ttl_ms`` of event time, a few
-stored runs per partition per sweep, resuming where the last one stopped; a partition none of whose runs
-can be silent for that long yet is not scanned (``expiry.SweepPasses``: the bound is the oldest run of
-the last complete pass and of every record written since, ``BatchResult.oldest_written``).
+stored runs per partition per sweep, resuming where the last one stopped.
 """
 
 from __future__ import annotations
@@ -49,7 +47,6 @@ from ..core import Decision, InvalidEvent
 from ..core.stored import last_ts_ms
 from .batch import BatchFold, is_operator
 from .delivery import ProducerFailed, Record
-from .expiry import SweepPasses
 from .metrics import WorkerMetrics
 from .store import Change, RunStore
 
@@ -229,8 +226,7 @@ class Effects:
         self._events_by_outcome = {o: metrics.events.labels(outcome=o) for o in ("success", "error", "empty", "noop")}
         self._run_ttl_ms = fold.detector.policy.defaults.run_ttl_ms
         self._watermark_ms: dict[int, int] = {}
-        #: The sweep's passes over each partition (marks: partitions).
-        self._passes = SweepPasses()
+        self._sweep_from: dict[int, bytes] = {}
         self._state_lock = asyncio.Lock()
         self._mismatches_warned: set[str] = set()
         #: Runs stored per active partition (standbys excluded), counted on recovery, then kept up to date.
@@ -277,8 +273,6 @@ class Effects:
         if facts_sent:
             await asyncio.gather(*facts_sent)
         store.keep(result.records)
-        for partition, ts_ms in result.oldest_written.items():
-            self._passes.written(partition, ts_ms, self._run_ttl_ms)
         if store.kept > KEEP_MAX_RECORDS:
             await store.flush()
         tracked = self._tracked
@@ -298,23 +292,11 @@ class Effects:
     async def sweep(self) -> None:
         """Expire silent runs in every assigned partition (on a timer, off the per-batch path), a partition
         at a time: each partition's scan, decision and write are one turn of the state lock, so a batch
-        waits for at most one partition's scan (256 stored runs decoded), not for all of them. A partition
-        with no run that can be silent for the ttl yet is not scanned, but its kept records are written all
-        the same: half a commit interval's records a turn, not a whole one's (written at the commits only,
-        the halt bench's halts at 50% load took 21 ms at the median and 89 ms at p99, not 10 and 54; at 90%
-        load, where a second's records passed ``KEEP_MAX_RECORDS`` and were written in one turn, 585 ms)."""
-        passes, watermarks = self._passes, self._watermark_ms
-        for partition in sorted(self._assigned() & watermarks.keys()):
-            due = passes.due(partition, watermarks[partition])
-            if not due and partition not in self.store.kept_partitions():
-                continue
+        waits for at most one partition's scan (256 stored runs decoded), not for all of them."""
+        for partition in sorted(self._assigned() & self._watermark_ms.keys()):
             async with self._state_lock:
-                if partition not in self._assigned():  # revoked while the previous one was swept
-                    continue
-                if due:
+                if partition in self._assigned():  # not revoked while the previous one was swept
                     await self._sweep(partition)
-                else:
-                    await self.store.flush([partition])
 
     def _assigned(self) -> set[int]:
         topic = self.topics.telemetry.get_topic_name()
@@ -322,24 +304,16 @@ class Effects:
 
     async def _sweep(self, partition: int) -> None:
         await self.store.flush([partition])  # the scan reads stored records and deletes some: the latest
-        watermark, ttl_ms = self._watermark_ms[partition], self._run_ttl_ms
-        horizon = watermark - ttl_ms
-        found, next_key = self.store.scan(partition, self._passes.resume(partition), self.evict_scan_per_sweep)
-        stale: list[Change] = []
-        oldest: int | None = None
-        for key, value in found:
-            ts_ms = last_ts_ms(value)
-            if ts_ms < horizon:
-                stale.append((key, None))
-            elif oldest is None or ts_ms < oldest:
-                oldest = ts_ms
+        horizon = self._watermark_ms[partition] - self._run_ttl_ms
+        found, self._sweep_from[partition] = self.store.scan(
+            partition, self._sweep_from.get(partition, b""), self.evict_scan_per_sweep)
+        stale: list[Change] = [(key, None) for key, value in found if last_ts_ms(value) < horizon]
         if stale:
             await self.store.write({partition: stale})
             self.metrics.evictions.inc(len(stale))
             if partition in self._tracked:
                 self._tracked[partition] -= len(stale)
             self.metrics.runs_tracked.set(sum(self._tracked.values()))
-        self._passes.scanned(partition, next_key, oldest, watermark, ttl_ms)  # its stale runs gone
 
     async def forget(self, partitions: set[int]) -> None:
         """Partitions were revoked: their runs and their lag are another worker's to count, and their
@@ -350,7 +324,6 @@ class Effects:
             if dropped := self.store.drop(partitions):
                 log.warning("%d run records of partitions %s not written before their revoke: dropped, their "
                             "events are folded again by the partitions' next owner", dropped, sorted(partitions))
-            self._passes.forget(partitions)
         for partition in partitions:
             self._tracked.pop(partition, None)
             with contextlib.suppress(KeyError):  # never reported here
@@ -383,7 +356,6 @@ class Effects:
         """Count the runs of every active partition afresh (faust calls it when recovery is complete:
         the partitions' state is then whole) and drop partitions no longer assigned."""
         async with self._state_lock:
-            self._passes.forget(self._passes.marks())  # runs another worker wrote may be older: scan again
             self._tracked = {partition: self.store.count(partition) for partition in sorted(self._assigned())}
             self.metrics.runs_tracked.set(sum(self._tracked.values()))
 

@@ -42,9 +42,9 @@ the scopes topic gets the halt (with its expiry) or, on a resume, a tombstone of
 goes to the dead-letter topic with the reason.
 
 A key with no fact for its kind's ttl of event time is forgotten by the sweep, a few per partition per
-sweep, as the runs' sweep does (``expiry.SweepPasses``: once a pass over a partition is complete, the next
-starts only when the event time has passed its oldest key's time + the ttl, keys written meanwhile
-lowering that bound, so an idle sweep decodes nothing).
+sweep, as the runs' sweep does; once a pass over a partition is complete, the next starts only when the
+event time has passed its oldest key's time + the ttl (keys written meanwhile lower that bound), so an
+idle sweep decodes nothing.
 """
 
 from __future__ import annotations
@@ -71,7 +71,6 @@ from ..core.stored import StoredRecordError
 from .batch import Verifier
 from .delivery import Record
 from .effects import DeadLetters, DecisionProducer, Topics
-from .expiry import SweepPasses
 from .facts import FACTS_FORMAT, KIND_OF_SCOPE, KINDS, TOOLS, FactItem, Kind, decode_facts, message
 from .metrics import WorkerMetrics
 from .store import Change, RunStore
@@ -152,8 +151,13 @@ class FleetEffects:
         self.scopes_topic = scopes_topic
         self._lock = asyncio.Lock()
         self._watermark_ms: dict[tuple[str, int], int] = {}
-        #: The sweep's passes (marks: (kind, partition)).
-        self._passes = SweepPasses()
+        self._sweep_from: dict[tuple[str, int], bytes] = {}
+        #: (kind, partition) -> the event time before which none of its keys can expire: the oldest
+        #: ``last_ts_ms`` of the last complete scan (and of every key written since) plus the ttl. The
+        #: sweep scans nothing until the watermark reaches it.
+        self._expires_at: dict[tuple[str, int], int] = {}
+        #: The oldest ``last_ts_ms`` kept so far by the scan under way (its pass not complete).
+        self._pass_oldest: dict[tuple[str, int], int] = {}
         self._tracked: dict[str, int] = dict.fromkeys(stores, 0)
         #: (kind, partition, key) -> (the record this worker wrote, its decoded state): most active last.
         self._decoded: OrderedDict[tuple[str, int, bytes], tuple[bytes, Any]] = OrderedDict()
@@ -227,7 +231,7 @@ class FleetEffects:
             mark = (kind.name, partition)
             if state.last_ts_ms > self._watermark_ms.get(mark, 0):
                 self._watermark_ms[mark] = state.last_ts_ms
-            self._passes.written(mark, state.last_ts_ms, kind.ttl_ms(fleet))
+            self._keep_until(mark, state.last_ts_ms, kind.ttl_ms(fleet))
         if decisions:
             await self._publish(decisions)
         decoded = self._decoded
@@ -315,10 +319,6 @@ class FleetEffects:
     async def sweep(self, partitions: set[int]) -> None:
         """Forget keys silent for their kind's ttl of event time in ``partitions`` (the facts topic's)."""
         async with self._lock:
-            due = {(name, partition) for (name, partition), watermark in self._watermark_ms.items()
-                   if partition in partitions and self._passes.due((name, partition), watermark)}
-            if not due:
-                return  # no key can be silent for its ttl yet: nothing read, nothing flushed ahead of a commit
             await self._flush()  # the sweep reads and deletes stored records: they must be the latest
             for kind in KINDS:
                 store = self.stores.get(kind.name)
@@ -328,20 +328,26 @@ class FleetEffects:
                 ttl_ms = kind.ttl_ms(self.fleet)
                 for partition in partitions:
                     mark = (kind.name, partition)
-                    if mark not in due:
-                        continue
-                    watermark = self._watermark_ms[mark]
+                    watermark = self._watermark_ms.get(mark)
+                    if watermark is None or watermark <= self._expires_at.get(mark, watermark - 1):
+                        continue  # no key can be silent for the ttl yet
                     horizon = watermark - ttl_ms
-                    found, next_key = store.scan(partition, self._passes.resume(mark), self.evict_scan_per_sweep)
+                    # a pass starts at the first key (its oldest bounds all of them), goes on where it was
+                    start = self._sweep_from.get(mark, b"") if mark in self._pass_oldest else b""
+                    found, self._sweep_from[mark] = store.scan(partition, start, self.evict_scan_per_sweep)
                     stale: list[Change] = []
-                    oldest: int | None = None
+                    oldest = self._pass_oldest.get(mark, watermark)
                     for key, value in found:
                         last_ts_ms = _decode(kind, value, key.decode(errors="replace")).last_ts_ms
                         if last_ts_ms < horizon:
                             stale.append((key, None))
-                        elif oldest is None or last_ts_ms < oldest:
+                        elif last_ts_ms < oldest:
                             oldest = last_ts_ms
-                    self._passes.scanned(mark, next_key, oldest, watermark, ttl_ms)
+                    if self._sweep_from[mark]:
+                        self._pass_oldest[mark] = oldest
+                    else:  # a pass complete: nothing expires before its oldest key's time + the ttl
+                        self._pass_oldest.pop(mark, None)
+                        self._expires_at[mark] = oldest + ttl_ms
                     if stale:
                         expired[partition] = stale
                 if expired:
@@ -349,11 +355,19 @@ class FleetEffects:
                     self._tracked[kind.name] = max(0, self._tracked[kind.name] - sum(map(len, expired.values())))
                     self.metrics.fleet_keys_tracked.labels(fold=kind.name).set(self._tracked[kind.name])
 
+    def _keep_until(self, mark: tuple[str, int], last_ts_ms: int, ttl_ms: int) -> None:
+        """A key of ``mark`` was written with ``last_ts_ms``: the sweep's bounds must not pass it."""
+        if mark in self._expires_at and last_ts_ms + ttl_ms < self._expires_at[mark]:
+            self._expires_at[mark] = last_ts_ms + ttl_ms
+        if mark in self._pass_oldest and last_ts_ms < self._pass_oldest[mark]:
+            self._pass_oldest[mark] = last_ts_ms
+
     def recount(self, name: str, partitions: set[int]) -> None:
         """Count ``name``'s stored keys in ``partitions`` (on its table's recovery)."""
         self._tracked[name] = sum(self.stores[name].count(p) for p in partitions)
-        # keys another worker wrote may be older: scan again
-        self._passes.forget([mark for mark in self._passes.marks() if mark[0] == name])  # type: ignore[index]
+        for mark in [mark for mark in self._expires_at.keys() | self._pass_oldest.keys() if mark[0] == name]:
+            self._expires_at.pop(mark, None)  # keys another worker wrote may be older: scan again
+            self._pass_oldest.pop(mark, None)
         self.metrics.fleet_keys_tracked.labels(fold=name).set(self._tracked[name])
 
 

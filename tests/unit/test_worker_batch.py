@@ -162,20 +162,6 @@ def test_watermarks_are_the_newest_event_time_per_partition() -> None:
     assert result.watermarks == partitions
 
 
-def test_oldest_written_is_the_oldest_last_ts_ms_of_each_partitions_new_records() -> None:
-    """What the runs' sweep bounds its next pass by: a record holds its run's newest event time, whatever
-    order the events came in, and a partition with no new record is not listed."""
-    worker = Worker()
-
-    def call(run_id: str, n: int, partition: int) -> RawRecord:
-        return worker.record(*encode_telemetry(_failing(run_id, n)), partition=partition)
-
-    result = worker.apply([call("run-a", 5, 0), call("run-a", 3, 0), call("run-b", 7, 0), call("run-c", 1, 1)])
-    assert result.oldest_written == {0: 1_764_000_000_005, 1: 1_764_000_000_001}
-    result = worker.apply([call("run-b", 2, 0)])  # older than run-b's record: it keeps 7
-    assert result.oldest_written == {0: 1_764_000_000_007}
-
-
 @pytest.mark.parametrize("version", range(FORMAT_VERSION + 1))
 def test_records_are_written_in_the_configured_format_version(version: int) -> None:
     worker = Worker(make_fold(Detector(), write_version=version))
@@ -355,7 +341,6 @@ def _comparable(result: BatchResult) -> dict[str, Any]:
         "applied": {k: v for k, v in result.applied.items() if v},
         "duplicates": result.duplicates,
         "watermarks": result.watermarks,
-        "oldest_written": result.oldest_written,
         "mismatches": dict(result.policy_mismatches),
         # the same facts (each run's in its order: the runs of a batch may come in another order), tool
         # facts summed per source partition, key and window as they are published (the native engine

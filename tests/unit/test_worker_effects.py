@@ -160,13 +160,12 @@ class _Decisions:
         pass
 
 
-def _calls(partition: int, run_id: str, first: int, count: int,
-           ts_ms: int = 1_764_000_000_000) -> list[ConsumerRecord[bytes, bytes]]:
-    """``count`` identical failing calls of ``run_id`` at offsets ``first``... (at ``ts_ms`` + offset)"""
+def _calls(partition: int, run_id: str, first: int, count: int) -> list[ConsumerRecord[bytes, bytes]]:
+    """``count`` identical failing calls of ``run_id`` at offsets ``first``..."""
     out = []
     for n in range(first, first + count):
         value = orjson.dumps({"schema_version": "1", "run_id": run_id, "event_id": f"{run_id}-{n}", "tool": "search",
-                              "ts_ms": ts_ms + n, "seq": n, "outcome": "error", "args": {"q": "x"},
+                              "ts_ms": 1_764_000_000_000 + n, "seq": n, "outcome": "error", "args": {"q": "x"},
                               "result": {"error": "down"}})
         out.append(ConsumerRecord(TOPIC, partition, n, 0, 0, run_id.encode(), value, None, 5, len(value), ()))
     return out
@@ -260,35 +259,3 @@ async def test_a_batch_waits_for_one_partitions_flush_not_the_whole_flush(store:
     hold.set()
     await asyncio.gather(flushing, turn)
     assert log == ["write 0", "batch", "write 1"] and runs.kept == 0
-
-
-async def test_the_runs_sweep_scans_a_partition_again_only_once_one_of_its_runs_can_be_silent(store: Any) -> None:
-    """After a complete pass over a partition, the next waits until the event time has passed its oldest run's
-    time + the ttl; a record written meanwhile with an older time lowers that bound. A busy worker's sweep
-    reads no stored run while none can expire (it still writes each partition's kept records, a turn each)."""
-    runs, data, _ = store
-    effects, _ = _folding(runs)
-    ttl_ms, start = effects._run_ttl_ms, 1_764_000_000_000
-    scans: list[int] = []
-    scan = runs.scan
-
-    def counted(partition: int, begin: bytes, limit: int) -> Any:
-        scans.append(partition)
-        return scan(partition, begin, limit)
-
-    runs.scan = counted
-    await effects.process(_calls(0, "run-a", 1, 1))
-    await effects.sweep()
-    assert scans == [0]  # the first pass: run-a (time start + 1) can go after start + 1 + the ttl
-    await effects.process(_calls(0, "run-b", 2, 1, ts_ms=start + ttl_ms - 100))  # newer: the bound stays
-    await effects.sweep()
-    assert scans == [0] and runs.kept == 0 and b"run-b" in data._dbs[0]  # not scanned; its record written
-    await effects.process(_calls(0, "run-c", 3, 1, ts_ms=start + ttl_ms + 10))  # run-a now silent for the ttl
-    await effects.sweep()
-    assert scans == [0, 0] and b"run-a" not in data._dbs[0] and b"run-b" in data._dbs[0]
-    await effects.sweep()
-    assert scans == [0, 0]  # run-b can go after start + ttl - 98 + the ttl
-    await effects.process(_calls(0, "run-d", 4, 1))  # an old run's record: silent for the ttl already
-    await effects.sweep()
-    assert scans == [0, 0, 0] and b"run-d" not in data._dbs[0]
-    assert {key for key, _ in data._dbs[0].items() if not key.startswith(b"__faust")} == {b"run-b", b"run-c"}
