@@ -450,14 +450,6 @@ fn facts_of<'a>(index: usize, call: &Call<'a>, tool_class: u8) -> Option<FactsOf
     (tree.is_some() || thread.is_some() || tool.is_some()).then_some((index, tree, thread, tool))
 }
 
-/// Whether a new call has any fact (`facts_of` is Some), without building them.
-fn has_facts(call: &Call, tool_class: u8) -> bool {
-    call.thread_key.is_some()
-        || (call.upstream.is_some() && !call.model_call)
-        || tool_class == contract::SPAWN
-        || call.root_run_id.is_some_and(|root| root != call.run_id)
-}
-
 /// `core.fleet.ToolFact` of one event as a tuple: tenant ("" when none), tool, upstream, window start,
 /// event id, run, ts_ms, calls (1), transient failures (0 or 1), success time (-1: none), retry after
 /// (ms), the failing runs.
@@ -477,7 +469,7 @@ type ToolFactTuple<'a> = (
 );
 
 /// A batch's facts, one new event's at a time (``(index, tool class)`` in the order folded: each event
-/// known to have facts, `has_facts`), built from the events' calls with their tool facts summed per
+/// known to have facts), built from the events' calls with their tool facts summed per
 /// (source partition, key, window) into one, at the index of the contribution with the highest source
 /// offset (its event the trigger: the same whatever order the runs were folded in;
 /// `worker.facts.summed` sums the reference's alike): a batch sends one tool fact per key and window,
@@ -665,7 +657,7 @@ impl Replayer {
     }
 
     /// The facts of the lines `feed` folded (not redeliveries) since the last call, as ``(index, tree
-    /// fact or None, thread fact or None)`` in line order.
+    /// fact or None, thread fact or None, tool fact or None)`` in line order.
     fn take_facts(&mut self) -> Vec<Py<PyAny>> {
         std::mem::take(&mut self.facts)
     }
@@ -1171,8 +1163,8 @@ impl BatchFolder {
             }
             if self.facts && !matches!(admission, Admission::Duplicate) {
                 let class = call.tool_class.unwrap_or(policy.thresholds.tool_class);
-                if has_facts(call, class) {
-                    run.facts.push((index, class));
+                if facts_of(index, call, class).is_some() {
+                    run.facts.push((index, class)); // built again, borrowed, once the batch is folded
                 }
             }
             if let Some(digest) = call.policy_digest {
