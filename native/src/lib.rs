@@ -450,6 +450,12 @@ fn facts_of<'a>(index: usize, call: &Call<'a>, tool_class: u8) -> Option<FactsOf
     (tree.is_some() || thread.is_some() || tool.is_some()).then_some((index, tree, thread, tool))
 }
 
+/// Whether a new call has facts (`facts_of` is Some), by the conditions the builders start with, without
+/// building them.
+fn has_facts(call: &Call, tool_class: u8) -> bool {
+    tree_root(call, tool_class).is_some() || call.thread_key.is_some() || tool_upstream(call).is_some()
+}
+
 /// `core.fleet.ToolFact` of one event as a tuple: tenant ("" when none), tool, upstream, window start,
 /// event id, run, ts_ms, calls (1), transient failures (0 or 1), success time (-1: none), retry after
 /// (ms), the failing runs.
@@ -535,10 +541,7 @@ fn is_transient(error_class: Option<&str>) -> bool {
 
 /// The tool fact of a tool call that names its upstream (`core.fleet.tools.tool_fact`).
 fn tool_fact<'a>(call: &Call<'a>) -> Option<ToolFactTuple<'a>> {
-    let upstream = call.upstream?;
-    if call.model_call {
-        return None;
-    }
+    let upstream = tool_upstream(call)?;
     let transient = call.outcome == contract::ERROR && is_transient(call.error_class);
     let ts = call.ts_ms;
     Some((
@@ -555,6 +558,18 @@ fn tool_fact<'a>(call: &Call<'a>) -> Option<ToolFactTuple<'a>> {
         call.retry_after_ms,
         if transient { vec![call.run_id] } else { Vec::new() },
     ))
+}
+
+/// The upstream of a tool call that has a tool fact: a tool call (not a model call) naming its upstream.
+fn tool_upstream<'a>(call: &Call<'a>) -> Option<&'a str> {
+    call.upstream.filter(|_| !call.model_call)
+}
+
+/// The root of the tree a call's tree fact is about, or None when it tells the tree nothing: a run
+/// outside any tree, or a root's own call that starts no child.
+fn tree_root<'a>(call: &Call<'a>, tool_class: u8) -> Option<&'a str> {
+    let root = call.root_run_id.unwrap_or(call.run_id);
+    (root != call.run_id || tool_class == contract::SPAWN).then_some(root)
 }
 
 /// `core.fleet.TreeFact` as a tuple: root, run, event id, ts_ms, parent, declared depth, cost
@@ -577,10 +592,7 @@ type TreeFactTuple<'a> = (
 /// The tree fact of a new call (`core.fleet.trees.tree_fact`), or None when it is in no tree.
 fn tree_fact<'a>(call: &Call<'a>, tool_class: u8) -> Option<TreeFactTuple<'a>> {
     let spawn = tool_class == contract::SPAWN;
-    let root = call.root_run_id.unwrap_or(call.run_id);
-    if root == call.run_id && !spawn {
-        return None; // a root's own call that starts no child
-    }
+    let root = tree_root(call, tool_class)?;
     Some((
         root,
         call.run_id,
@@ -1163,8 +1175,8 @@ impl BatchFolder {
             }
             if self.facts && !matches!(admission, Admission::Duplicate) {
                 let class = call.tool_class.unwrap_or(policy.thresholds.tool_class);
-                if facts_of(index, call, class).is_some() {
-                    run.facts.push((index, class)); // built again, borrowed, once the batch is folded
+                if has_facts(call, class) {
+                    run.facts.push((index, class)); // built, borrowed, once the batch is folded
                 }
             }
             if let Some(digest) = call.policy_digest {
