@@ -127,6 +127,9 @@ class FactsPublisher:
 
 _source_offset = operator.itemgetter(0, 1)
 
+#: A fact's source partition as its keyed state names it (``TreeState.sources``' keys are strings: JSON).
+_SOURCE_NAMES: dict[int, str] = {partition: str(partition) for partition in range(1024)}
+
 
 class FleetEffects:
     """The facts topic's agent body (see the module docstring); ``stores``: each kind's table by name."""
@@ -159,6 +162,10 @@ class FleetEffects:
         #: The oldest ``last_ts_ms`` kept so far by the scan under way (its pass not complete).
         self._pass_oldest: dict[tuple[str, int], int] = {}
         self._tracked: dict[str, int] = dict.fromkeys(stores, 0)
+        # the metrics' children, looked up once (``labels`` is a few microseconds a call, several per batch)
+        self._counted = {(name, state): metrics.fleet_facts.labels(fold=name, state=state)
+                         for name in stores for state in ("folded", "redelivered")}
+        self._tracked_gauges = {name: metrics.fleet_keys_tracked.labels(fold=name) for name in stores}
         #: (kind, partition, key) -> (the record this worker wrote, its decoded state): most active last.
         self._decoded: OrderedDict[tuple[str, int, bytes], tuple[bytes, Any]] = OrderedDict()
 
@@ -167,8 +174,8 @@ class FleetEffects:
             await self._process(records)
 
     async def _process(self, records: Sequence[Record]) -> None:
-        # The batch's facts by (kind, partition, key), in offset order.
-        by_key: dict[tuple[Kind, int, str], list[tuple[Kind, int, int, Any]]] = {}
+        # The batch's facts by (kind, partition, key), in offset order (the key as ``Kind.key_of`` gives it).
+        by_key: dict[tuple[Kind, int, Any], list[tuple[Kind, int, int, Any]]] = {}
         for record in records:
             if record.headers and header(record.headers, KIND_HEADER) == OPERATOR_KIND:
                 try:
@@ -177,7 +184,7 @@ class FleetEffects:
                     await self.dead_letters.send(record, exc)
                     continue
                 # in order with the key's facts; no source offset: a command applied twice is one decision
-                by_key.setdefault((kind, record.partition, command.key_text), []).append((kind, -1, -1, command))
+                by_key.setdefault((kind, record.partition, kind.key_of(command.key)), []).append((kind, -1, -1, command))
                 continue
             try:
                 facts = decode_facts(record.value)
@@ -186,14 +193,22 @@ class FleetEffects:
                 continue
             partition = record.partition
             for item in facts:
-                by_key.setdefault((item[0], partition, item[3].key_text), []).append(item)
+                kind = item[0]
+                grouped = (kind, partition, kind.key_of(item[3]))
+                group = by_key.get(grouped)
+                if group is None:
+                    by_key[grouped] = [item]
+                else:
+                    group.append(item)
         decisions: list[tuple[Kind, ScopeDecision]] = []
         folded: dict[str, int] = {}
         redelivered: dict[str, int] = {}
         written: list[tuple[tuple[str, int, bytes], bytes, Any]] = []
         fleet = self.fleet
-        for (kind, partition, key_text), items in by_key.items():
+        sources_named = _SOURCE_NAMES
+        for (kind, partition, _), items in by_key.items():
             store = self.stores[kind.name]
+            key_text = items[0][3].key_text  # a fact's and a command's alike
             key = (kind.name, partition, key_text.encode())
             raw = store.get(partition, key[2])  # kept for the next flush, else stored
             known = self._decoded.pop(key, None)  # put back once folded: a failed batch leaves no folded copy
@@ -213,7 +228,9 @@ class FleetEffects:
                     if kind is TOOLS and fact.action == "resume":
                         state.pause = None  # an operator lifted it: no resume or pause again of the fold's
                     continue
-                source = str(source_partition)
+                source = sources_named.get(source_partition)
+                if source is None:
+                    source = str(source_partition)
                 if offset <= sources.get(source, -1):
                     skipped += 1
                     continue
@@ -244,12 +261,14 @@ class FleetEffects:
             self.stores[name].keep(changes)  # written with the next commit
         while len(decoded) > DECODED_KEYS:
             decoded.popitem(last=False)
+        counted = self._counted
         for name, count in folded.items():
-            self.metrics.fleet_facts.labels(fold=name, state="folded").inc(count)
+            counted[name, "folded"].inc(count)
         for name, count in redelivered.items():
-            self.metrics.fleet_facts.labels(fold=name, state="redelivered").inc(count)
+            counted[name, "redelivered"].inc(count)
+        tracked = self._tracked_gauges
         for name, count in self._tracked.items():
-            self.metrics.fleet_keys_tracked.labels(fold=name).set(count)
+            tracked[name].set(count)
 
     def _operator(self, value: bytes | None, headers: Any) -> tuple[Kind, ScopeCommand]:
         """An operator's signed, recent scope command; else InvalidEvent."""
@@ -353,7 +372,7 @@ class FleetEffects:
                 if expired:
                     await store.write(expired)
                     self._tracked[kind.name] = max(0, self._tracked[kind.name] - sum(map(len, expired.values())))
-                    self.metrics.fleet_keys_tracked.labels(fold=kind.name).set(self._tracked[kind.name])
+                    self._tracked_gauges[kind.name].set(self._tracked[kind.name])
 
     def _keep_until(self, mark: tuple[str, int], last_ts_ms: int, ttl_ms: int) -> None:
         """A key of ``mark`` was written with ``last_ts_ms``: the sweep's bounds must not pass it."""
@@ -368,7 +387,7 @@ class FleetEffects:
         for mark in [mark for mark in self._expires_at.keys() | self._pass_oldest.keys() if mark[0] == name]:
             self._expires_at.pop(mark, None)  # keys another worker wrote may be older: scan again
             self._pass_oldest.pop(mark, None)
-        self.metrics.fleet_keys_tracked.labels(fold=name).set(self._tracked[name])
+        self._tracked_gauges[name].set(self._tracked[name])
 
 
 def _decode(kind: Kind, raw: bytes, key: str) -> Any:

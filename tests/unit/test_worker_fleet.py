@@ -17,9 +17,10 @@ pytest.importorskip("faust")
 from stream_app.bus.wire import encode_telemetry
 from stream_app.core import Detector, Policy
 from stream_app.core.fleet import ThreadFact, ThreadState, ToolFact, TreeFact, TreeState
+from stream_app.core.fleet.scope import ScopeCommand, key_text
 from stream_app.core.policy import FleetThresholds
 from stream_app.worker.batch import BatchFold, RawRecord
-from stream_app.worker.facts import fact_items
+from stream_app.worker.facts import KIND_OF, fact_items
 from stream_app.worker.fleet import FACTS_FORMAT, FactsPublisher, FleetEffects, decode_facts, partition_of
 from stream_app.worker.metrics import WorkerMetrics
 from stream_app.worker.store import RunStore
@@ -120,6 +121,24 @@ def _spawns(root: str, first: int, count: int, source_partition: int = 0) -> byt
     facts = [[source_partition, first + n, root, root, f"{root}-{first + n}", 1000 + first + n, None, None, 0, True,
               f"{root}-kid{first + n}", "w", f"{first + n:016d}", "acme"] for n in range(count)]
     return orjson.dumps({"v": FACTS_FORMAT, "trees": facts})
+
+
+def test_a_facts_key_as_the_agent_groups_it_is_its_scope_key_and_an_operator_commands_alike() -> None:
+    """The agent groups a batch's facts and commands by ``Kind.key_of`` (a fact's leading fields), not by
+    their key text: each kind's must name exactly the scope key, or one key's facts would be folded apart
+    (or two keys' together) and a command out of order with them."""
+    tree = TreeFact("root/1", "run-2", "e", 1, "root/1", 1, 0, False, None, None, None, "acme")
+    thread = ThreadFact("acme", "pr/7", "run-2", "e", 1, "user", None, None)
+    tool = ToolFact("acme", "search", "api.example.com", 0, "e", "run-2", 1, 1, 0, -1, 0, ())
+    for fact, other in ((tree, tree._replace(root="root/2")), (thread, thread._replace(thread_key="pr/8")),
+                        (tool, tool._replace(upstream="api2.example.com"))):
+        kind = KIND_OF[type(fact)]
+        grouped = kind.key_of(fact)
+        assert key_text(grouped if type(grouped) is tuple else (grouped,)) == fact.key_text
+        assert kind.key_of(other) != grouped and kind.key_of(fact._replace(run_id="run-3")) == grouped
+        command = ScopeCommand(kind.scope, grouped if type(grouped) is tuple else (grouped,), "halt", "op-1",
+                               "alice", "why", 5)
+        assert kind.key_of(command.key) == grouped
 
 
 async def test_a_redelivered_batch_of_facts_counts_once() -> None:
