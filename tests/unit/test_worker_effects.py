@@ -259,3 +259,101 @@ async def test_a_batch_waits_for_one_partitions_flush_not_the_whole_flush(store:
     hold.set()
     await asyncio.gather(flushing, turn)
     assert log == ["write 0", "batch", "write 1"] and runs.kept == 0
+
+
+class _Facts:
+    """The facts publisher: each send's items' (source partition, offset), acknowledged at once unless
+    ``fail``; ``log`` is shared with the changelog's writes, to see what came first."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.sent: list[list[tuple[int, int]]] = []
+        self.log = log
+        self.fail = False
+
+    async def send(self, items: list[Any]) -> list[asyncio.Future[None]]:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.fail:
+            done.set_exception(ConnectionError("broker gone"))
+        else:
+            done.set_result(None)
+            self.sent.append(sorted((item[0], item[1]) for item in items))
+            self.log.append("facts")
+        return [done]
+
+
+def _holding(store: Any, batch_max: int) -> tuple[Effects, _Facts, list[str]]:
+    """Effects folding with facts (the reference fold), full at ``batch_max`` events; the log of facts sent
+    and changelog writes."""
+    runs, _, producer = store
+    log: list[str] = []
+    facts = _Facts(log)
+    send = producer.send_batch
+
+    async def logged(records: Any, topic: str, *, partition: int) -> Any:
+        log.append(f"write {partition}")
+        return await send(records, topic, partition=partition)
+
+    producer.send_batch = logged
+    consumer = _Consumer({0, 1})
+    topics: Any = SimpleNamespace(telemetry=SimpleNamespace(get_topic_name=lambda: TOPIC),
+                                  control=SimpleNamespace(get_topic_name=lambda: "control"),
+                                  alerts=SimpleNamespace(get_topic_name=lambda: "alerts"))
+    effects = Effects(SimpleNamespace(consumer=consumer), topics, runs, BatchFold(Detector()), WorkerMetrics(),
+                      None, None, "/test", 256, _Decisions(), facts, batch_max)  # type: ignore[arg-type]
+    return effects, facts, log
+
+
+def _tool_calls(partition: int, run_id: str, first: int, count: int) -> list[ConsumerRecord[bytes, bytes]]:
+    """``count`` successful calls of ``run_id`` to a tool with an upstream (each a tool fact)."""
+    out = []
+    for n in range(first, first + count):
+        value = orjson.dumps({"schema_version": "1", "run_id": run_id, "event_id": f"{run_id}-{n}", "tool": "search",
+                              "ts_ms": 1_764_000_000_000 + n, "seq": n, "outcome": "success", "args": {"n": n}, "result": {"n": n},
+                              "upstream": "api.example.com"})
+        out.append(ConsumerRecord(TOPIC, partition, n, 0, 0, run_id.encode(), value, None, 5, len(value), ()))
+    return out
+
+
+async def test_full_batches_hold_their_facts_which_go_out_together_before_any_record_is_written(store: Any) -> None:
+    """A backlog (batches of ``batch_max`` events) publishes its facts every ``FACTS_HELD_BATCHES`` batches,
+    a batch that is not full at once with what is held, and a flush publishes what is held (acknowledged)
+    before it writes a record: no event's state is written, so no offset committed, ahead of its facts."""
+    runs, _, producer = store
+    effects, facts, log = _holding(store, batch_max=2)
+    assert effects_module.FACTS_HELD_BATCHES == 4
+    for first in (1, 3, 5):
+        await effects.process(_tool_calls(0, "run-a", first, 2))
+    assert facts.sent == [] and producer.sent == [] and runs.kept == 1
+    await effects.process(_tool_calls(0, "run-a", 7, 2))  # the 4th full batch: the four go out
+    assert facts.sent == [[(0, 2), (0, 4), (0, 6), (0, 8)]]  # a batch's tool facts summed, at its last offset
+    await effects.process(_tool_calls(0, "run-a", 9, 2))  # held
+    await effects.process(_tool_calls(1, "run-b", 1, 1))  # not full: what is held goes out with it
+    assert facts.sent[1:] == [[(0, 10), (1, 1)]]
+    await effects.process(_tool_calls(0, "run-a", 11, 2) + _tool_calls(1, "run-b", 2, 0))  # held
+    await effects.flush()
+    assert facts.sent[2:] == [[(0, 12)]]
+    assert log == ["facts", "facts", "facts", "write 0", "write 1"]
+
+
+async def test_held_facts_that_cannot_be_published_stay_held_and_no_record_is_written(store: Any) -> None:
+    runs, data, producer = store
+    effects, facts, log = _holding(store, batch_max=2)
+    await effects.process(_tool_calls(0, "run-a", 1, 2))
+    facts.fail = True
+    with pytest.raises(ConnectionError):
+        await effects.flush()
+    assert producer.sent == [] and b"run-a" not in data._dbs[0] and runs.kept == 1
+    facts.fail = False
+    await effects.flush()
+    assert facts.sent == [[(0, 2)]] and log == ["facts", "write 0"]
+
+
+async def test_a_revoked_partitions_held_facts_are_dropped_with_its_records(store: Any) -> None:
+    """Neither is written: the partition's next owner folds its events again and publishes their facts."""
+    _, _, producer = store
+    effects, facts, _ = _holding(store, batch_max=2)
+    await effects.process(_tool_calls(0, "run-a", 1, 1) + _tool_calls(1, "run-b", 1, 1))
+    assert facts.sent == []
+    await effects.forget({1})
+    await effects.flush()
+    assert facts.sent == [[(0, 1)]] and [partition for partition, _ in producer.sent] == [0]
