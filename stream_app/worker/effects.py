@@ -8,19 +8,15 @@ For one batch (``Effects.process``), in this order:
    topic keyed by run id;
 4. decisions are signed with the worker's Ed25519 key and published (CloudEvents on the control topic;
    halts and operator decisions also on the alerts topic) through a producer of their own
-   (``DecisionProducer``), and so are the batch's facts (to the facts topic: ``fleet``); the broker's
-   acknowledgement of every one is awaited *before* the new state is written, so a crash can duplicate
-   a decision (same id, deduplicated by runtimes) or a fact (skipped by its source offset) but never
-   lose one. A full batch (``batch_max`` events: the worker is behind) holds its facts for the next
-   batch, up to ``FACTS_HELD_BATCHES`` batches, and they go out with the first batch that is not full
-   or before any state write (``_release_facts``): a backlog's facts then cost a few larger messages
-   instead of one per facts partition per batch (the facts topic's produce, fetch and the keyed folds'
-   per-message and per-key work);
+   (``DecisionProducer``), and so are the batch's tree facts (to the facts topic: ``trees``); the
+   broker's acknowledgement of every one is awaited *before* the new state is written, so a crash can
+   duplicate a decision (same id, deduplicated by runtimes) or a fact (skipped by its source offset) but
+   never lose one;
 5. the runs' new records are kept for the next flush (``store.RunStore.keep``), which writes them to
    the local RocksDB and the changelog: before every commit and at a revoke or stop once the batch in
    hand is done (``flush``, one of ``delivery.install``'s ``state_writers``), before each partition's
    sweep, and at once when a batch leaves more than ``KEEP_MAX_RECORDS`` kept. The next batch folds on
-   the kept records; the facts held are published and acknowledged before any of them is written.
+   the kept records.
 
 A batch, a flush and a sweep all read or write stored runs, awaiting in between, so they take turns.
 The sweep (a timer, off the batch path) forgets runs silent for ``run_ttl_ms`` of event time, a few
@@ -51,7 +47,6 @@ from ..core import Decision, InvalidEvent
 from ..core.stored import last_ts_ms
 from .batch import BatchFold, is_operator
 from .delivery import ProducerFailed, Record
-from .facts import FactItem
 from .metrics import WorkerMetrics
 from .store import Change, RunStore
 
@@ -60,9 +55,6 @@ log = logging.getLogger(__name__)
 #: A batch that leaves more records kept than this writes them at once (memory: ~1.3 KB a run record), not
 #: with the next commit.
 KEEP_MAX_RECORDS = 20_000
-
-#: Full batches (a backlog) whose facts are held to go out together, at most (see the module docstring).
-FACTS_HELD_BATCHES = 4
 
 #: Dead-lettered values are cut to this many bytes (header ``value_bytes``: the original size), below the
 #: producer's 1 MB request limit: the telemetry topic may allow larger messages than the DLQ does.
@@ -218,17 +210,10 @@ class Effects:
 
     def __init__(self, app: object, topics: Topics, store: RunStore, fold: BatchFold, metrics: WorkerMetrics,
                  dead_letters: DeadLetters, signer: Signer | None, event_source: str,
-                 evict_scan_per_sweep: int, decisions: DecisionProducer, facts: Any = None,
-                 batch_max: int = 1000) -> None:
+                 evict_scan_per_sweep: int, decisions: DecisionProducer, facts: Any = None) -> None:
         self.app = app
-        #: Where facts go (``fleet.FactsPublisher``); None: the rules across runs are off.
+        #: Where tree facts go (``trees.FactsPublisher``); None: the rules across runs are off.
         self.facts = facts
-        #: A batch this large is full: the consumer had more buffered (``LOOPWARDEN_BATCH_MAX``).
-        self.batch_max = batch_max
-        #: Facts of processed batches not published yet (their records are kept, not written), and how
-        #: many batches they come from.
-        self._held_facts: list[FactItem] = []
-        self._held_batches = 0
         self.decisions = decisions
         self.topics = topics
         self.store = store
@@ -280,24 +265,15 @@ class Effects:
             if ts_ms > watermarks.get(partition, 0):
                 watermarks[partition] = ts_ms
 
-        facts = result.facts if self.facts is not None else []
-        held = self._held_facts
-        hold = len(records) >= self.batch_max and self._held_batches + 1 < FACTS_HELD_BATCHES
-        facts_sent = await self.facts.send([*held, *facts]) if (facts or held) and not hold else []
+        facts_sent = await self.facts.send(result.facts) if result.facts and self.facts is not None else []
         if result.decisions:
             await self._publish(result.decisions)  # its flush takes the facts along in the same request
         elif facts_sent:
             self.decisions.flush_now()
         if facts_sent:
             await asyncio.gather(*facts_sent)
-            held.clear()
-            self._held_batches = 0
-        elif facts:  # the batch's decisions are out: its facts wait for the next batch or state write
-            held.extend(facts)
-            self._held_batches += 1
         store.keep(result.records)
         if store.kept > KEEP_MAX_RECORDS:
-            await self._release_facts()
             await store.flush()
         tracked = self._tracked
         for partition, changes in result.records.items():
@@ -308,13 +284,9 @@ class Effects:
     async def flush(self) -> None:
         """Write the runs' records kept by the batches processed so far, a partition at a time, each its own
         turn of the state lock: a batch waits for one partition's write, not for all of them (at 9,000
-        events/s a commit's flush is thousands of records). The facts held go out first: the commit that
-        follows must not pass an event whose facts are not acknowledged, whatever is kept."""
-        async with self._state_lock:
-            await self._release_facts()
+        events/s a commit's flush is thousands of records)."""
         for partition in sorted(self.store.kept_partitions()):
             async with self._state_lock:
-                await self._release_facts()
                 await self.store.flush([partition])
 
     async def sweep(self) -> None:
@@ -331,7 +303,6 @@ class Effects:
         return {tp.partition for tp in self.app.consumer.assignment() if tp.topic == topic}  # type: ignore[attr-defined]
 
     async def _sweep(self, partition: int) -> None:
-        await self._release_facts()
         await self.store.flush([partition])  # the scan reads stored records and deletes some: the latest
         horizon = self._watermark_ms[partition] - self._run_ttl_ms
         found, self._sweep_from[partition] = self.store.scan(
@@ -353,8 +324,6 @@ class Effects:
             if dropped := self.store.drop(partitions):
                 log.warning("%d run records of partitions %s not written before their revoke: dropped, their "
                             "events are folded again by the partitions' next owner", dropped, sorted(partitions))
-            # their facts too (held: the records they came with were not written), made again by the next owner
-            self._held_facts = [item for item in self._held_facts if item[0] not in partitions]
         for partition in partitions:
             self._tracked.pop(partition, None)
             with contextlib.suppress(KeyError):  # never reported here
@@ -389,17 +358,6 @@ class Effects:
         async with self._state_lock:
             self._tracked = {partition: self.store.count(partition) for partition in sorted(self._assigned())}
             self.metrics.runs_tracked.set(sum(self._tracked.values()))
-
-    async def _release_facts(self) -> None:
-        """Publish the facts held and wait for their acknowledgement: before any kept record is written
-        (the records' events must not be committed ahead of their facts). If it fails they stay held."""
-        if not self._held_facts or self.facts is None:
-            return
-        sent = await self.facts.send(self._held_facts)
-        self.decisions.flush_now()
-        await asyncio.gather(*sent)
-        self._held_facts = []
-        self._held_batches = 0
 
     async def _publish(self, decisions: list[Decision]) -> None:
         """Send decisions and wait until the broker has them all."""
