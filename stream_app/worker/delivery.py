@@ -103,6 +103,8 @@ log = logging.getLogger(__name__)
 Record: TypeAlias = "ConsumerRecord[bytes, bytes]"
 #: One fetch's (or several merged) records of one input topic, by partition, each list in offset order.
 Records = dict[TP, list[Record]]
+#: A batch's offsets by partition (what acknowledging it needs; the records themselves are not kept).
+Offsets = dict[TP, list[int]]
 Handler = Callable[[Sequence[Record]], Coroutine[Any, Any, None]]
 
 #: A jump past the expected offset is taken as real only after this many seeks back to it...
@@ -470,9 +472,11 @@ class BatchConsumer(Consumer):
         self.standby = StandbyApplier(self.app)
         self._drained = asyncio.Event()
         self._stalls_reported: dict[TP, int] = {}
-        #: Processed batches (generation, records) whose state may still be kept in memory: acknowledged
-        #: once the state writers ran after them.
-        self._unwritten: list[tuple[int, Records]] = []
+        #: Processed batches (generation, their offsets by partition) whose state may still be kept in
+        #: memory: acknowledged once the state writers ran after them. Offsets, not the records: a commit
+        #: interval's records held here (40,000 at a saturated worker's rate) were most of the objects
+        #: the garbage collector traversed, and each one survived into its oldest generation.
+        self._unwritten: list[tuple[int, Offsets]] = []
         for sink in self.sinks.values():
             sink.consumer = self
             self.app.flow_control.manage_queue(sink)  # type: ignore[arg-type]  # it only calls clear()
@@ -645,23 +649,23 @@ class BatchConsumer(Consumer):
     def processed(self, generation: int, batch: Records) -> None:
         """``batch`` was processed: acknowledged now, or, if the handlers keep state past their batches,
         once the state writers ran after it (at the next commit, or a revoke's or stop's ``wait_empty``)."""
+        offsets = {tp: [record.offset for record in records] for tp, records in batch.items()}
         if self.state_writers:
-            self._unwritten.append((generation, batch))
+            self._unwritten.append((generation, offsets))
         else:
-            self.ack_batch(generation, batch)
+            self.ack_batch(generation, offsets)
 
-    def ack_batch(self, generation: int, batch: Records) -> bool:
-        """Acknowledge ``batch``'s offsets (processed) into faust's commit bookkeeping, unless the consumer
+    def ack_batch(self, generation: int, offsets: Offsets) -> bool:
+        """Acknowledge a batch's ``offsets`` (processed) into faust's commit bookkeeping, unless the consumer
         generation moved on since it was fetched. Synchronous: no await between check and ack."""
         if generation != self.app.consumer_generation_id:
             return False
         committed_offsets = self._committed_offset
-        for tp, records in batch.items():
+        for tp, tp_offsets in offsets.items():
             committed = committed_offsets[tp]
             index = self._acked_index[tp]
             acked = self._acked[tp]
-            for record in records:
-                offset = record.offset
+            for offset in tp_offsets:
                 if (committed is None or offset >= committed) and offset not in index:
                     index.add(offset)
                     acked.append(offset)
@@ -700,9 +704,9 @@ class BatchConsumer(Consumer):
             self._unwritten[:0] = done
             raise
         acknowledged: set[TP] = set()
-        for generation, batch in done:
-            if self.ack_batch(generation, batch):
-                acknowledged.update(batch)
+        for generation, offsets in done:
+            if self.ack_batch(generation, offsets):
+                acknowledged.update(offsets)
         return acknowledged
 
     async def _add_gap(self, tp: TP, offset_from: int, offset_to: int) -> None:
