@@ -92,7 +92,7 @@ class Kind:
         tool fact's failing runs become a tuple."""
         if self.fact is ToolFact:
             return lambda fields: ToolFact.of(*fields)
-        # the NamedTuple's own ``_make`` without its Python frame and length check (~a fifth of a decode)
+        # the NamedTuple's own ``_make`` without its Python frame and its length check (done by the caller)
         return functools.partial(tuple.__new__, self.fact)
 
     @functools.cached_property
@@ -192,4 +192,3 @@ def decode_facts(value: bytes | None) -> list[tuple[Kind, int, int, Any]]:
                 raise InvalidEvent(kind.name, "a tool fact's failing runs must be strings")
             out.append((kind, item[0], item[1], make(item[2:])))  # its shape checked: the fact can be made
     return out
-
