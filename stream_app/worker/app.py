@@ -115,7 +115,7 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
     decisions = DecisionProducer(settings.kafka)
     facts = FactsPublisher(settings.facts_topic, settings.partitions, decisions) if fleet_tables else None
     effects = Effects(app, topics, RunStore(app, runs, settings.changelog_topic), fold, metrics, dead_letters,
-                      signer, settings.event_source, settings.evict_scan_per_sweep, decisions, facts)
+                      signer, settings.event_source, settings.evict_scan_per_sweep, decisions, facts, fatal=fatal)
 
     @app.task  # type: ignore[untyped-decorator]  # faust's decorator is untyped
     async def start_decision_producer() -> None:

@@ -30,8 +30,8 @@ agents' topics: telemetry, OTLP) skip it:
   as the start, and faust's ``_new_offset`` commits past a single missing first message (committed 100,
   acknowledged [101, 102] commits 103).
 * a batch's offsets are acknowledged into faust's commit bookkeeping in bulk once the handler returned
-  (its decisions acknowledged by the broker, its state and changelog queued: faust flushes the producer
-  before it commits), in the generation it was fetched in; faust's commit timer does the rest. Handlers
+  (its state and changelog queued: faust flushes the producer before it commits), in the generation it
+  was fetched in; faust's commit timer does the rest. Handlers
   may keep their batches' state in memory past them (the runs and the folds across runs do, so that a
   key busy in every batch is written once a commit): their writers (``install``'s ``state_writers``)
   are awaited at the start of every commit (``_commit_tps``), before the committed offsets are worked
@@ -128,10 +128,18 @@ class ProducerFailed(LoopwardenError, RuntimeError):
     are not committed, so they are folded again."""
 
 
+class PublishFailed(LoopwardenError, RuntimeError):
+    """A decision or fact of a processed batch was not acknowledged: the producer gave up on it (its
+    retries and ``request_timeout_ms`` spent, a broker away that long). A batch does not wait for its
+    sends before the next one folds on its state (``effects.Effects``), so the state of every batch since
+    is in doubt: none of it is written and no offset committed, and the worker stops (exit status 3); its
+    restart folds those batches again from the last commit, with the same decision ids."""
+
+
 class FatalStop:
     """Stops the worker for an error it must not work around (a stored record this release cannot read,
-    ``StoredRecordError``; a producer that failed for good, ``ProducerFailed``), and remembers why
-    (``run_worker`` exits with it).
+    ``StoredRecordError``; a producer that failed for good, ``ProducerFailed``; a send of a processed
+    batch that was never acknowledged, ``PublishFailed``), and remembers why (``run_worker`` exits with it).
 
     From the first such error on, nothing more is processed or committed: the batch that met it is not
     acknowledged, every later one is dropped unacknowledged, and the agent does not crash (its
@@ -152,12 +160,17 @@ class FatalStop:
             return False
         try:
             await step
-        except (StoredRecordError, ProducerFailed) as exc:
+        except (StoredRecordError, ProducerFailed, PublishFailed) as exc:
+            self.fail(exc)
+            return False
+        return True
+
+    def fail(self, exc: BaseException) -> None:
+        """Stop the worker for ``exc`` (the first reason is the one kept and logged)."""
+        if self.reason is None:
             self.reason = exc
             log.critical("stopping the worker: %s", exc, exc_info=exc)
             self.stop()
-            return False
-        return True
 
 
 @dataclass

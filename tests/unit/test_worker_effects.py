@@ -22,6 +22,7 @@ from faust.types import TP
 from stream_app.core import Detector
 from stream_app.worker import effects as effects_module
 from stream_app.worker.batch import BatchFold
+from stream_app.worker.delivery import FatalStop, PublishFailed
 from stream_app.worker.effects import Effects
 from stream_app.worker.metrics import WorkerMetrics
 
@@ -85,7 +86,8 @@ def _effects(consumer: _Consumer, store: Any = None) -> tuple[Effects, WorkerMet
     topics: Any = SimpleNamespace(telemetry=SimpleNamespace(get_topic_name=lambda: TOPIC))
     fold: Any = SimpleNamespace(detector=Detector())
     app: Any = SimpleNamespace(consumer=consumer)
-    effects = Effects(app, topics, store, fold, metrics, None, None, "/test", 256, None)  # type: ignore[arg-type]
+    effects = Effects(app, topics, store, fold, metrics, None, None, "/test", 256, None,  # type: ignore[arg-type]
+                      fatal=FatalStop(stop=lambda: None))
     return effects, metrics
 
 
@@ -145,15 +147,21 @@ def store(tmp_path: Path) -> Iterator[Any]:
 
 
 class _Decisions:
-    """The decisions producer: every send acknowledged at once; what was sent, in order."""
+    """The decisions producer: every send acknowledged at once, or held (``held``) until the test answers
+    it; what was sent, in order."""
 
     def __init__(self) -> None:
         self.sent: list[tuple[str, bytes]] = []
+        self.hold = False
+        self.held: list[asyncio.Future[None]] = []
 
     async def send(self, topic: str, key: bytes, value: bytes | None, headers: Any) -> asyncio.Future[None]:
         self.sent.append((topic, key))
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        done.set_result(None)
+        if self.hold:
+            self.held.append(done)
+        else:
+            done.set_result(None)
         return done
 
     def flush_now(self) -> None:
@@ -171,7 +179,7 @@ def _calls(partition: int, run_id: str, first: int, count: int) -> list[Consumer
     return out
 
 
-def _folding(store: Any) -> tuple[Effects, _Decisions]:
+def _folding(store: Any, fatal: FatalStop | None = None) -> tuple[Effects, _Decisions]:
     consumer = _Consumer({0, 1})
     decisions = _Decisions()
     topics: Any = SimpleNamespace(telemetry=SimpleNamespace(get_topic_name=lambda: TOPIC),
@@ -179,8 +187,13 @@ def _folding(store: Any) -> tuple[Effects, _Decisions]:
                                   alerts=SimpleNamespace(get_topic_name=lambda: "alerts"))
     app: Any = SimpleNamespace(consumer=consumer)
     effects = Effects(app, topics, store, BatchFold(Detector(), facts=False), WorkerMetrics(), None, None, "/test",
-                      256, decisions)  # type: ignore[arg-type]
+                      256, decisions, fatal=fatal or FatalStop(stop=lambda: None))  # type: ignore[arg-type]
     return effects, decisions
+
+
+def _halts_counted(effects: Effects) -> float:
+    return sum(sample.value for metric in effects.metrics.decisions.collect() for sample in metric.samples
+               if sample.name.endswith("_total") and sample.labels["action"] == "halt")
 
 
 async def test_a_batch_folds_on_the_records_kept_by_the_last_and_a_flush_writes_each_run_once(store: Any) -> None:
@@ -197,6 +210,62 @@ async def test_a_batch_folds_on_the_records_kept_by_the_last_and_a_flush_writes_
     assert [(partition, [key for key, _ in records]) for partition, records in producer.sent] == [
         (0, [b"run-a"]), (1, [b"run-b"])]
     assert data._dbs[0][b"run-a"] == producer.sent[0][1][0][1] and runs.kept == 0
+
+
+async def test_a_batch_does_not_wait_for_its_decisions_but_no_state_is_written_before_they_are_acknowledged(
+        store: Any) -> None:
+    """The next batch folds while the last one's halts are in flight (waiting for them made every batch's
+    cycle a broker round trip longer); a flush, the commit's state write, waits for every one of them, so
+    no state is written (and no offset committed) ahead of a decision it made."""
+    runs, data, producer = store
+    effects, decisions = _folding(runs)
+    decisions.hold = True
+    await asyncio.wait_for(effects.process(_calls(0, "run-a", 1, 4)), 5)  # the 4th call halts it: not answered
+    await asyncio.wait_for(effects.process(_calls(1, "run-b", 1, 4)), 5)  # folds all the same
+    assert [key for topic, key in decisions.sent if topic == "alerts"] == [b"run-a", b"run-b"]
+    assert _halts_counted(effects) == 0  # counted once the broker has them
+    flushing = asyncio.create_task(effects.flush())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not flushing.done() and producer.sent == [] and b"run-a" not in data._dbs[0]
+    decisions.held[0].set_result(None)  # run-a's control message: its alert copy and run-b's still in flight
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not flushing.done() and producer.sent == []
+    for sent in decisions.held[1:]:
+        sent.set_result(None)
+    await asyncio.wait_for(flushing, 5)
+    assert sorted(partition for partition, _ in producer.sent) == [0, 1] and runs.kept == 0
+    assert _halts_counted(effects) == 2
+
+
+async def test_a_decision_never_acknowledged_stops_the_worker_and_no_state_is_written_after_it(store: Any) -> None:
+    """The producer gave up on a halt (a broker away past its timeout): the batches folded on its batch's
+    state may not be written, so the worker stops, and every later write of state refuses."""
+    runs, data, producer = store
+    stops: list[int] = []
+    fatal = FatalStop(stop=lambda: stops.append(1))
+    effects, decisions = _folding(runs, fatal)
+    await effects.process(_calls(0, "run-z", 1, 1))
+    await effects.flush()  # written: nothing was in doubt
+    written = len(producer.sent)
+    decisions.hold = True
+    await effects.process(_calls(0, "run-a", 1, 4))
+    await effects.process(_calls(1, "run-b", 1, 2))
+    decisions.held[0].set_exception(KafkaTimeoutError())
+    for sent in decisions.held[1:]:
+        sent.set_result(None)
+    for _ in range(5):  # the gathering future's callbacks
+        await asyncio.sleep(0)
+    assert stops == [1] and isinstance(fatal.reason, PublishFailed)
+    assert "KafkaTimeoutError" in str(fatal.reason)
+    for _ in range(2):
+        with pytest.raises(PublishFailed):
+            await effects.flush()
+    with pytest.raises(PublishFailed):
+        await effects.sweep()
+    assert len(producer.sent) == written and b"run-a" not in data._dbs[0] and b"run-b" not in data._dbs[1]
+    assert stops == [1] and _halts_counted(effects) == 0
 
 
 async def test_a_batch_leaving_too_many_records_kept_writes_them_at_once(store: Any, monkeypatch: Any) -> None:
