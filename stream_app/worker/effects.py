@@ -11,9 +11,8 @@ For one batch (``Effects.process``), in this order:
    (``DecisionProducer``), and so are the batch's facts (to the facts topic: ``facts``);
 5. the runs' new records are kept for the next flush (``store.RunStore.keep``), which writes them to
    the local RocksDB and the changelog: before every commit and at a revoke or stop once the batch in
-   hand is done (``flush``, one of ``delivery.install``'s ``state_writers``), before each partition's
-   sweep, and at once when a batch leaves more than ``KEEP_MAX_RECORDS`` kept. The next batch folds on
-   the kept records.
+   hand is done (``flush``, one of ``delivery.install``'s ``state_writers``), and at once when a batch
+   leaves more than ``KEEP_MAX_RECORDS`` kept. The next batch folds on the kept records.
 
 The broker's acknowledgement of every decision and fact is awaited *before* any state is written (and so
 before any offset is committed), so a crash can duplicate a decision (same id, deduplicated by runtimes)
@@ -29,7 +28,8 @@ restart folds them again.
 
 A batch, a flush and a sweep all read or write stored runs, awaiting in between, so they take turns.
 The sweep (a timer, off the batch path) forgets runs silent for ``run_ttl_ms`` of event time, a few
-stored runs per partition per sweep, resuming where the last one stopped.
+stored runs per partition per sweep, resuming where the last one stopped; the deletions are kept like a
+batch's records, written by the next flush.
 """
 
 from __future__ import annotations
@@ -349,27 +349,33 @@ class Effects:
 
     async def sweep(self) -> None:
         """Expire silent runs in every assigned partition (on a timer, off the per-batch path), a partition
-        at a time: each partition's scan, decision and write are one turn of the state lock, so a batch
-        waits for at most one partition's scan (256 stored runs decoded), not for all of them."""
+        at a time: each partition's scan and decision is one turn of the state lock, so a batch waits for
+        at most one partition's scan (256 stored runs decoded), not for all of them. A run is judged by its
+        latest record (kept, else stored) and its deletion is kept like any record, written by the next
+        flush: a sweep writes nothing itself (it flushed the partition's kept records first, every 0.5 s,
+        and each write waited there for the acknowledgement of the batches' sends)."""
         for partition in sorted(self._assigned() & self._watermark_ms.keys()):
-            await self._acknowledged()  # outside the lock: batches go on meanwhile
             async with self._state_lock:
                 if partition in self._assigned():  # not revoked while the previous one was swept
-                    await self._sweep(partition)
+                    self._sweep(partition)
+            await asyncio.sleep(0)  # a batch waiting for the lock takes its turn
 
     def _assigned(self) -> set[int]:
         topic = self.topics.telemetry.get_topic_name()
         return {tp.partition for tp in self.app.consumer.assignment() if tp.topic == topic}  # type: ignore[attr-defined]
 
-    async def _sweep(self, partition: int) -> None:
-        await self._acknowledged()
-        await self.store.flush([partition])  # the scan reads stored records and deletes some: the latest
+    def _sweep(self, partition: int) -> None:
         horizon = self._watermark_ms[partition] - self._run_ttl_ms
-        found, self._sweep_from[partition] = self.store.scan(
+        store = self.store
+        found, self._sweep_from[partition] = store.scan(
             partition, self._sweep_from.get(partition, b""), self.evict_scan_per_sweep)
-        stale: list[Change] = [(key, None) for key, value in found if last_ts_ms(value) < horizon]
+        stale: list[Change] = []
+        for key, stored in found:
+            latest = store.latest(partition, key, stored)
+            if latest is not None and last_ts_ms(latest) < horizon:  # None: deleted already, not written yet
+                stale.append((key, None))
         if stale:
-            await self.store.write({partition: stale})
+            store.keep({partition: stale})
             self.metrics.evictions.inc(len(stale))
             if partition in self._tracked:
                 self._tracked[partition] -= len(stale)

@@ -73,6 +73,16 @@ class RunStore:
                 return flushing[key]
         return self.read(partition, key)
 
+    def latest(self, partition: int, key: bytes, stored: bytes) -> bytes | None:
+        """``key``'s record as ``get`` would return it, given its ``stored`` one (read by ``scan``)."""
+        kept = self._kept.get(partition)
+        if kept is not None and key in kept:
+            return kept[key]
+        flushing = self._flushing.get(partition) if self._flushing else None
+        if flushing is not None and key in flushing:
+            return flushing[key]
+        return stored
+
     def read(self, partition: int, key: bytes) -> bytes | None:
         """``key``'s stored record (RocksDB), whatever is kept."""
         value: bytes | None = self._store._db_for_partition(partition).get(key)

@@ -51,33 +51,27 @@ class _Consumer:
 
 
 class _Store:
-    """Stored runs by partition; ``write`` records the order of writes and can be held."""
+    """Stored runs by partition, nothing kept but the sweep's deletions; what was scanned and kept, in order."""
 
     def __init__(self) -> None:
         self.data: dict[int, dict[bytes, bytes]] = {}
+        self.kept: dict[int, dict[bytes, bytes | None]] = {}
         self.log: list[str] = []
-        self.hold: asyncio.Event | None = None
 
     def drop(self, partitions: set[int]) -> int:
         return 0
-
-    def kept_partitions(self) -> set[int]:
-        return set()
-
-    async def flush(self, partitions: Any = None) -> None:
-        """Nothing kept here (the sweep flushes first: see the tests on the real RunStore below)."""
 
     def scan(self, partition: int, start: bytes, limit: int) -> tuple[list[tuple[bytes, bytes]], bytes]:
         self.log.append(f"scan {partition}")
         return sorted(self.data.get(partition, {}).items())[:limit], b""
 
-    async def write(self, changes: dict[int, list[tuple[bytes, bytes | None]]]) -> None:
+    def latest(self, partition: int, key: bytes, stored: bytes) -> bytes | None:
+        return self.kept.get(partition, {}).get(key, stored)
+
+    def keep(self, changes: dict[int, list[tuple[bytes, bytes | None]]]) -> None:
         for partition, items in changes.items():
-            self.log.append(f"write {partition}")
-            for key, _ in items:
-                self.data[partition].pop(key, None)
-        if self.hold is not None:
-            await self.hold.wait()
+            self.log.append(f"keep {partition}")
+            self.kept.setdefault(partition, {}).update(items)
 
 
 def _effects(consumer: _Consumer, store: Any = None) -> tuple[Effects, WorkerMetrics]:
@@ -125,19 +119,20 @@ async def test_a_batch_waits_for_one_partitions_sweep_not_the_whole_sweep() -> N
     store.data = {0: {b"run-a": old}, 1: {b"run-b": old}}
     effects, _ = _effects(consumer, store)
     effects._watermark_ms = {0: 10**10, 1: 10**10}  # both runs silent for longer than the ttl
-    store.hold = asyncio.Event()
+    await effects._state_lock.acquire()  # a batch in hand: the sweep waits for it
     sweep = asyncio.create_task(effects.sweep())
-    await asyncio.sleep(0)  # partition 0 swept, its write held
+    await asyncio.sleep(0)
 
     async def batch() -> None:
         async with effects._state_lock:  # what Effects.process takes
             store.log.append("batch")
 
-    turn = asyncio.create_task(batch())
-    store.hold.set()
+    turn = asyncio.create_task(batch())  # the next batch, waiting behind the sweep
+    await asyncio.sleep(0)
+    effects._state_lock.release()
     await asyncio.gather(sweep, turn)
-    assert store.log == ["scan 0", "write 0", "batch", "scan 1", "write 1"]
-    assert store.data == {0: {}, 1: {}}
+    assert store.log == ["scan 0", "keep 0", "batch", "scan 1", "keep 1"]
+    assert store.kept == {0: {b"run-a": None}, 1: {b"run-b": None}}
 
 
 @pytest.fixture
@@ -262,8 +257,7 @@ async def test_a_decision_never_acknowledged_stops_the_worker_and_no_state_is_wr
     for _ in range(2):
         with pytest.raises(PublishFailed):
             await effects.flush()
-    with pytest.raises(PublishFailed):
-        await effects.sweep()
+    await effects.sweep()  # writes nothing itself
     assert len(producer.sent) == written and b"run-a" not in data._dbs[0] and b"run-b" not in data._dbs[1]
     assert stops == [1] and _halts_counted(effects) == 0
 
@@ -278,19 +272,25 @@ async def test_a_batch_leaving_too_many_records_kept_writes_them_at_once(store: 
     assert runs.kept == 0 and sorted(len(records) for _, records in producer.sent) == [1, 2]
 
 
-async def test_the_sweep_writes_the_kept_records_before_it_scans(store: Any) -> None:
+async def test_the_sweep_judges_a_run_by_its_kept_record_and_keeps_its_deletion_for_the_next_flush(
+        store: Any) -> None:
     """A run whose stored record is stale but whose kept one is recent is not expired: the sweep judges the
-    latest record (scanning RocksDB before the flush, it deleted the run and counted an eviction that the
-    flush after it undid)."""
-    runs, data, _ = store
+    latest record. It writes nothing itself: the expired run reads as gone at once and is deleted from
+    RocksDB and the changelog by the next flush (the commit's)."""
+    runs, data, producer = store
     effects, _ = _folding(runs)
     await effects.process(_calls(0, "run-a", 1, 1) + _calls(0, "run-b", 1, 1))
     await effects.flush()
+    written = len(producer.sent)
     await effects.process(_calls(0, "run-b", 10**9 - 3, 1) + _calls(0, "run-z", 10**9, 1))  # kept, not written
     effects._run_ttl_ms = 10**9 - 5  # expires what is silent since call 5's time
     await effects.sweep()
     assert effects.metrics.evictions._value.get() == 1  # run-a only
-    assert b"run-a" not in data._dbs[0] and runs.get(0, b"run-a") is None
+    assert runs.get(0, b"run-a") is None and b"run-a" in data._dbs[0] and len(producer.sent) == written
+    await effects.sweep()  # judged again before its deletion is written: not counted twice
+    assert effects.metrics.evictions._value.get() == 1
+    await effects.flush()
+    assert b"run-a" not in data._dbs[0] and (b"run-a", None) in producer.sent[-1][1]
     assert data._dbs[0][b"run-b"] == runs.get(0, b"run-b") and runs.kept == 0
 
 
