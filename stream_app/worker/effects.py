@@ -245,8 +245,8 @@ class Effects:
         #: One future per processed batch with sends (decisions, facts), done once all are acknowledged;
         #: kept until done, so every writer of state waits for them (``_acknowledged``).
         self._unacked: list[asyncio.Future[Any]] = []
-        #: The first send a batch made that was never acknowledged: from then on no state is written.
-        self._unsent: BaseException | None = None
+        #: Why a batch's send was never acknowledged (the first one): from then on no state is written.
+        self._unsent: PublishFailed | None = None
         self._mismatches_warned: set[str] = set()
         #: Runs stored per active partition (standbys excluded), counted on recovery, then kept up to date.
         self._tracked: dict[int, int] = {}
@@ -323,14 +323,14 @@ class Effects:
         unacked.append(acknowledged)
 
     def _acknowledge(self, decisions: list[Decision], acknowledged: asyncio.Future[Any]) -> None:
-        error = None if acknowledged.cancelled() else acknowledged.exception()
-        if acknowledged.cancelled() or error is not None:
+        if acknowledged.cancelled() or acknowledged.exception() is not None:
             if self._unsent is None:
-                self._unsent = error or asyncio.CancelledError()
-            self.fatal.fail(PublishFailed(
-                f"a processed batch's decisions or facts were not acknowledged ({self._unsent!r}): the state of "
-                "the batches folded since is not written and their offsets are not committed; the worker stops "
-                "and its restart folds them again"))
+                cause = "cancelled" if acknowledged.cancelled() else repr(acknowledged.exception())
+                self._unsent = PublishFailed(
+                    f"a processed batch's decisions or facts were not acknowledged ({cause}): the state of the "
+                    "batches folded since is not written and their offsets are not committed; the worker stops "
+                    "and its restart folds them again")
+            self.fatal.fail(self._unsent)
             return
         now = time.time()
         for decision in decisions:
@@ -344,8 +344,7 @@ class Effects:
             await asyncio.wait(list(self._unacked))
             self._unacked = [sent for sent in self._unacked if not sent.done()]
         if self._unsent is not None:
-            raise PublishFailed(f"a processed batch's decisions or facts were not acknowledged ({self._unsent!r}): "
-                                "no state is written")
+            raise PublishFailed(*self._unsent.args)
 
     async def sweep(self) -> None:
         """Expire silent runs in every assigned partition (on a timer, off the per-batch path), a partition

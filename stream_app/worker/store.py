@@ -40,6 +40,9 @@ from faust.types import TP, TableT
 #: faust keeps its own bookkeeping (the persisted changelog offset) under this prefix in the same DB.
 FAUST_RESERVED_PREFIX = b"__faust"
 
+#: What ``RunStore._unwritten`` returns for a key with no record waiting to be written.
+_NOT_KEPT = object()
+
 Change = tuple[bytes, bytes | None]  # (key, new value or None to delete)
 
 
@@ -64,6 +67,16 @@ class RunStore:
 
     def get(self, partition: int, key: bytes) -> bytes | None:
         """``key``'s record: the one kept for the next flush, else the stored one."""
+        value = self._unwritten(partition, key)
+        return self.read(partition, key) if value is _NOT_KEPT else value  # type: ignore[return-value]
+
+    def latest(self, partition: int, key: bytes, stored: bytes) -> bytes | None:
+        """``key``'s record as ``get`` would return it, given its ``stored`` one (read by ``scan``)."""
+        value = self._unwritten(partition, key)
+        return stored if value is _NOT_KEPT else value  # type: ignore[return-value]
+
+    def _unwritten(self, partition: int, key: bytes) -> bytes | object | None:
+        """``key``'s record kept for the next flush or in the flush under way, else ``_NOT_KEPT``."""
         kept = self._kept.get(partition)
         if kept is not None and key in kept:
             return kept[key]
@@ -71,17 +84,7 @@ class RunStore:
             flushing = self._flushing.get(partition)
             if flushing is not None and key in flushing:
                 return flushing[key]
-        return self.read(partition, key)
-
-    def latest(self, partition: int, key: bytes, stored: bytes) -> bytes | None:
-        """``key``'s record as ``get`` would return it, given its ``stored`` one (read by ``scan``)."""
-        kept = self._kept.get(partition)
-        if kept is not None and key in kept:
-            return kept[key]
-        flushing = self._flushing.get(partition) if self._flushing else None
-        if flushing is not None and key in flushing:
-            return flushing[key]
-        return stored
+        return _NOT_KEPT
 
     def read(self, partition: int, key: bytes) -> bytes | None:
         """``key``'s stored record (RocksDB), whatever is kept."""
