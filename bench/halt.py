@@ -29,6 +29,7 @@ from aiokafka.structs import TopicPartition
 
 from stream_app.client import Guard, GuardedRun, KafkaClientConfig, RunHalted
 
+from .host import HostCpu
 from .loadgen import LoadGen
 from .stats import percentiles, progress
 from .workers import BenchDeployment
@@ -121,6 +122,7 @@ async def halt_latency(deployment: BenchDeployment, guard: Guard, clock: HaltClo
         await gen.go()
     injected: list[str] = []
     tasks = []
+    host = HostCpu()
     start = time.monotonic()
     try:
         while (due := start + len(injected) / inject_per_s) < start + duration_s:
@@ -128,6 +130,7 @@ async def halt_latency(deployment: BenchDeployment, guard: Guard, clock: HaltClo
             run_id = f"{prefix}-runaway-{len(injected)}"
             injected.append(run_id)
             tasks.append(asyncio.create_task(clock.runaway(guard, run_id)))
+        host_cpu = host.finish()
         await asyncio.gather(*tasks)
         deadline = time.monotonic() + 15
         while any(r not in clock.latency_ms for r in injected) and time.monotonic() < deadline:
@@ -143,6 +146,7 @@ async def halt_latency(deployment: BenchDeployment, guard: Guard, clock: HaltClo
         "injected": len(injected),
         "halted": len(samples),
         "background_produced_per_s": (final["acked"] / duration_s) if final else 0.0,
+        "host_cpu": host_cpu,
     }
     if len(samples) >= 2:
         result["latency_ms"] = percentiles(samples)

@@ -97,6 +97,16 @@ def _ms(value: float) -> str:
     return f"{value:.1f}" if value < 10 else f"{value:.0f}"
 
 
+def _host_cpu(runs: list[dict[str, Any]]) -> str:
+    """A level's host CPU (``bench.host``), medians over its runs: "1.7 of 2 (0.7 / 0.8 / 0.2 / 0.1)"."""
+    cpus = [run["host_cpu"] for run in runs if run.get("host_cpu")]
+    if not cpus:
+        return "-"
+    roles = ("worker", "broker", "load generator", "runtimes")
+    shares = " / ".join(f"{statistics.median(cpu['by_role'].get(role, 0.0) for cpu in cpus):.2f}" for role in roles)
+    return f"{statistics.median(cpu['busy_cores'] for cpu in cpus):.2f} of {cpus[0]['cores']} ({shares})"
+
+
 def _met(ok: bool) -> str:
     return "**met**" if ok else "**missed**"
 
@@ -475,15 +485,15 @@ class Page:
             "Each level's runaways start with its load: the step from idle to the load is in its p99.",
             "",
             "| load | events/s | runaways/s | halted | p50 ms | p95 ms | p99 ms | max ms | p50 / raw RTT p50 "
-            "| p99 / raw RTT p99 | inbound / outbound p50 ms |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| p99 / raw RTT p99 | inbound / outbound p50 ms | host CPU busy: cores (worker / broker / load gen / runtimes) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         )
         for lv in h["levels"]:
             med = lv["median"]
             halted = sum(r["halted"] for r in lv["runs"])
             injected = sum(r["injected"] for r in lv["runs"])
             if med is None:
-                self.add(f"| {lv['level']:.0%} | {_n(lv['load_per_s'])} | - | 0/{injected} | - | - | - | - | - | - | - |")
+                self.add(f"| {lv['level']:.0%} | {_n(lv['load_per_s'])} | - | 0/{injected} | - | - | - | - | - | - | - | - |")
                 continue
             ratio50 = f"{med['p50'] / rtt['p50']:.0f}x" if rtt else "-"
             ratio99 = f"{med['p99'] / rtt['p99']:.0f}x" if rtt else "-"
@@ -491,11 +501,15 @@ class Page:
             parts = f"{_ms(split['inbound_p50'])} / {_ms(split['outbound_p50'])}" if split else "-"
             self.add(f"| {lv['level']:.0%} | {_n(lv['load_per_s'])} | {lv['runs'][0]['inject_per_s']:.1f} | "
                      f"{halted}/{injected} | {_ms(med['p50'])} | {_ms(med['p95'])} | {_ms(med['p99'])} | "
-                     f"{_ms(med['max'])} | {ratio50} | {ratio99} | {parts} |")
+                     f"{_ms(med['max'])} | {ratio50} | {ratio99} | {parts} | {_host_cpu(lv['runs'])} |")
         self.add("", "Inbound is from the trigger produced to the worker's producer creating the halt record (its",
                  "Kafka timestamp): the SDK's producer, the broker, the worker's fetch, the batch in hand and",
                  "its fold. Outbound is from there to the runtime's callback: the worker's linger and wait for",
                  "acks, the broker, the halt listener's fetch. Both are wall-clock differences in milliseconds.",
+                 "Host CPU busy: the machine's cores in use over the injection window (from `/proc/stat`: all but",
+                 "idle and iowait) and each role's share (`/proc/PID/stat`; runtimes: the bench process with the",
+                 "guard and its halt listener), medians over the runs. Everything shares this host's cores: a",
+                 "latency measured with the host near all its cores busy includes waits for a core.",
                  "", "![halt latency vs load](bench/results/latency_vs_load.png)", "")
         if h.get("wrong_trigger"):
             self.add(f"{h['wrong_trigger']} halts named a trigger other than the 4th call.", "")
