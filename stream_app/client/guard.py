@@ -391,6 +391,13 @@ class Guard(StartStop):
         if self._fleet is not None:
             await self._fleet.stop()
 
+    async def flush(self) -> None:
+        """Wait until the telemetry of every call made so far is acknowledged by the broker (or has failed:
+        ``counters``). In process there is nothing to wait for. ``stop`` does it too; this is for a runtime
+        that goes on, or that is frozen between requests without stopping (a serverless function)."""
+        if self._fleet is not None:
+            await self._fleet.publisher.flush()
+
     def ready(self) -> bool:
         return self._fleet is None or self._fleet.ready()
 

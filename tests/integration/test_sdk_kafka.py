@@ -191,6 +191,25 @@ async def test_telemetry_arrives_keyed_by_run_with_client_side_hashes(
         assert {e.agent_id for e in events} == {"billing-agent"}
 
 
+async def test_flush_returns_once_every_call_so_far_is_on_the_broker(
+    kafka_bootstrap: str, topics: tuple[str, str]
+) -> None:
+    """A guard that goes on (not stopped) waits for its telemetry: after ``flush`` every call made so far
+    is acknowledged and readable, with the producer's linger not yet over."""
+    telemetry, _ = topics
+    config = KafkaClientConfig(kafka_bootstrap)
+    async with Guard.fleet(config, *topics, trusted_keys=trusted(), linger_ms=2_000) as guard:
+        run = guard.run("run-f", agent_id="billing-agent")
+        for amount in range(5):
+            await run.call("charge_card", Counted({"charged": 1}), {"amount": amount})
+        assert guard.counters["published"] == 0  # lingering: nothing acknowledged yet
+        await guard.flush()
+        assert guard.counters["published"] == 5 and guard.counters["publish_failed"] == 0
+        records = await read(kafka_bootstrap, telemetry, 5)
+        assert sorted(orjson.loads(r.value)["seq"] for r in records) == [0, 1, 2, 3, 4]
+    await Guard.in_process().flush()  # nothing to wait for
+
+
 async def test_halt_stops_the_run_cancels_its_task_and_notifies(
     kafka_bootstrap: str, topics: tuple[str, str], guard: Guard
 ) -> None:
