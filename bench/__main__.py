@@ -226,44 +226,39 @@ async def halt_section(deployment: BenchDeployment, guard: Guard, template: Path
     tap = asyncio.create_task(clock.tap(deployment.bootstrap, deployment.control_topic, deployment.partitions))
     try:
         levels = await _halt_levels(deployment, guard, clock, template, plan, sustained)
-        burst = await _halt_level(deployment, guard, clock, template, plan, sustained, plan.load_levels[0],
-                                  settle=False)
     finally:
         if tap.done() and tap.exception() is not None:
             progress(f"halt: the control-topic tap failed ({tap.exception()!r}); no inbound/outbound split")
         tap.cancel()
         await asyncio.gather(tap, return_exceptions=True)
-    return {"sustained_per_s": sustained, "duration_s": plan.halt_s, "levels": levels, "back_to_back": burst,
+    return {"sustained_per_s": sustained, "duration_s": plan.halt_s, "levels": levels,
             "wrong_trigger": clock.wrong_trigger}
 
 
 async def _halt_levels(deployment: BenchDeployment, guard: Guard, clock: halt.HaltClock, template: Path, plan: Plan,
                        sustained: float) -> list[dict[str, Any]]:
-    return [await _halt_level(deployment, guard, clock, template, plan, sustained, level)
-            for level in plan.load_levels]
-
-
-async def _halt_level(deployment: BenchDeployment, guard: Guard, clock: halt.HaltClock, template: Path, plan: Plan,
-                      sustained: float, level: float, settle: bool = True) -> dict[str, Any]:
-    """One load level, ``plan.repeats`` runs (``settle``: as ``HaltClock.runaway``'s)."""
-    load = level * sustained
-    inject = min(10.0, max(2.0, 0.1 * load / 4))  # runaways bring at most ~10% of the load
-    background = max(0.0, load - 4 * inject)
-    how = "" if settle else ", calls back to back"
-    runs = []
-    for repeat in range(plan.repeats):
-        result = await halt.halt_latency(deployment, guard, clock, template, background, inject, plan.halt_s,
-                                         f"h{int(level * 100)}{'' if settle else 'b'}r{repeat}", settle)
-        runs.append(result)
-        cuts = result.get("latency_ms")
-        progress(f"halt: {level:.0%} load ({load:,.0f} ev/s{how}), run {repeat + 1}/{plan.repeats}: "
-                 + (f"p50 {cuts['p50']:.0f} ms, p99 {cuts['p99']:.0f} ms, "
-                    f"{result['halted']}/{result['injected']} halted" if cuts else "no halts received"))
-    ok = [r["latency_ms"] for r in runs if "latency_ms" in r]
-    splits = [r["split_ms"] for r in runs if r.get("split_ms")]
-    return {"level": level, "load_per_s": load, "runs": runs,
-            "median": {k: statistics.median(c[k] for c in ok) for k in ("p50", "p95", "p99", "max")} if ok else None,
-            "split_median": {k: statistics.median(c[k] for c in splits) for k in splits[0]} if splits else None}
+    levels = []
+    for level in plan.load_levels:
+        load = level * sustained
+        inject = min(10.0, max(2.0, 0.1 * load / 4))  # runaways bring at most ~10% of the load
+        background = max(0.0, load - 4 * inject)
+        runs = []
+        for repeat in range(plan.repeats):
+            result = await halt.halt_latency(deployment, guard, clock, template, background, inject, plan.halt_s,
+                                             f"h{int(level * 100)}r{repeat}")
+            runs.append(result)
+            cuts = result.get("latency_ms")
+            progress(f"halt: {level:.0%} load ({load:,.0f} ev/s), run {repeat + 1}/{plan.repeats}: "
+                     + (f"p50 {cuts['p50']:.0f} ms, p99 {cuts['p99']:.0f} ms, "
+                        f"{result['halted']}/{result['injected']} halted" if cuts else "no halts received"))
+        ok = [r["latency_ms"] for r in runs if "latency_ms" in r]
+        splits = [r["split_ms"] for r in runs if r.get("split_ms")]
+        levels.append({"level": level, "load_per_s": load, "runs": runs,
+                       "median": {k: statistics.median(c[k] for c in ok) for k in ("p50", "p95", "p99", "max")}
+                       if ok else None,
+                       "split_median": {k: statistics.median(c[k] for c in splits) for k in splits[0]}
+                       if splits else None})
+    return levels
 
 
 async def overshoot_section(deployment: BenchDeployment, guard: Guard, template: Path, plan: Plan,

@@ -8,9 +8,7 @@ process.
   decision only the fleet can make costs): runaway runs (4 identical failing calls; the 4th triggers
   ``recursion``) are injected at a steady pace. Latency is from the moment the SDK has produced the
   triggering event (the 4th ``call`` returned, its telemetry queued to the producer) to the moment
-  ``Guard.on_decision`` receives the halt. The 4th call is made once the first three are acknowledged
-  (the trigger's own way through the fleet, comparable to a raw round trip); one level is measured
-  with the four calls back to back too.
+  ``Guard.on_decision`` receives the halt.
 - Overshoot, as shipped (local rules on): one agent at a time calls a failing tool at a fixed pace
   through the guard until ``RunHalted``; overshoot is the calls it made after the triggering one
   (``evidence.seq``).
@@ -26,6 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import orjson
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
@@ -76,21 +75,16 @@ class HaltClock:
         self.latency_ms[run_id] = (now - self.produced[run_id]) * 1000
         self.received_epoch_ms[run_id] = time.time() * 1000
 
-    async def runaway(self, guard: Guard, run_id: str, settle: bool = True) -> None:
-        """Four identical failing calls; the time the 4th (the trigger) was produced is kept. ``settle``:
-        the first three are acknowledged before the 4th is made, so the trigger leaves an idle producer, as
-        the raw round trip's one message does; else the four are made back to back (aiokafka keeps one
-        produce request in flight per broker: the trigger then waits for the request of the first call)."""
+    async def runaway(self, guard: Guard, run_id: str) -> None:
+        """Four identical failing calls, back to back; the time the 4th was produced is kept."""
         run = guard.run(run_id, agent_id="bench-runaway")
-        for call in range(4):
-            if call == 3 and settle:
-                await guard.flush()
+        for _ in range(4):
             await _call(run, "quarterly report")
         self.produced[run_id] = time.perf_counter()
         self.produced_epoch_ms[run_id] = time.time() * 1000
 
     async def tap(self, bootstrap: str, topic: str, partitions: int) -> None:
-        """Read the control topic from its end and keep each injected run's first record timestamp."""
+        """Read the control topic from its end and keep the timestamp of each injected run's halt record."""
         consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
                                     fetch_max_wait_ms=20)
         await consumer.start()
@@ -102,7 +96,10 @@ class HaltClock:
                 for records in (await consumer.getmany(timeout_ms=200)).values():
                     for record in records:
                         run_id = record.key.decode() if record.key else ""
-                        if run_id in self.produced_epoch_ms:
+                        # the halt's record: the 3rd call's advice comes first, in a batch of its own when
+                        # the worker folded the 3rd and 4th calls apart (until 2026-12-04 its timestamp was
+                        # taken, and the inbound half read as short as 0.5 ms)
+                        if run_id in self.produced_epoch_ms and orjson.loads(record.value or b"{}").get("action") == "halt":
                             self.sent_epoch_ms.setdefault(run_id, record.timestamp)
         finally:
             await consumer.stop()
@@ -118,9 +115,8 @@ class HaltClock:
 
 async def halt_latency(deployment: BenchDeployment, guard: Guard, clock: HaltClock, template: Path,
                        background_per_s: float, inject_per_s: float, duration_s: float,
-                       prefix: str, settle: bool = True) -> dict[str, Any]:
-    """Inject runaways at ``inject_per_s`` for ``duration_s`` over ``background_per_s`` of telemetry
-    (``settle``: as ``HaltClock.runaway``'s)."""
+                       prefix: str) -> dict[str, Any]:
+    """Inject runaways at ``inject_per_s`` for ``duration_s`` over ``background_per_s`` of telemetry."""
     await deployment.wait_idle()
     gen = None
     if background_per_s > 0:
@@ -137,7 +133,7 @@ async def halt_latency(deployment: BenchDeployment, guard: Guard, clock: HaltClo
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             run_id = f"{prefix}-runaway-{len(injected)}"
             injected.append(run_id)
-            tasks.append(asyncio.create_task(clock.runaway(guard, run_id, settle)))
+            tasks.append(asyncio.create_task(clock.runaway(guard, run_id)))
         host_cpu = host.finish()
         await asyncio.gather(*tasks)
         deadline = time.monotonic() + 15
@@ -151,7 +147,6 @@ async def halt_latency(deployment: BenchDeployment, guard: Guard, clock: HaltClo
     result: dict[str, Any] = {
         "background_per_s": background_per_s,
         "inject_per_s": inject_per_s,
-        "settle": settle,
         "injected": len(injected),
         "halted": len(samples),
         "background_produced_per_s": (final["acked"] / duration_s) if final else 0.0,

@@ -478,12 +478,7 @@ class Page:
             "A separate process produces background telemetry; meanwhile this process injects runaway runs",
             "(4 identical failing calls back to back; the 4th triggers `recursion`) at a steady pace. Latency",
             "runs from the moment the 4th `call` has returned (its telemetry queued to the SDK's producer,",
-            "linger 0) to the moment the runtime's `Guard.on_decision` callback receives the halt. The 4th call",
-            "is made once the first three calls' telemetry is acknowledged (`await guard.flush()`): the trigger",
-            "leaves an idle producer, as the raw round trip's one message does, and its latency is its own way",
-            "through the fleet. The last row makes the four calls back to back: aiokafka keeps one produce request",
-            "in flight per broker, so the trigger waits for the first call's request to be answered first (the",
-            "figure before 2026-12-04 20:30; the targets are judged on the rows above it).",
+            "linger 0) to the moment the runtime's `Guard.on_decision` callback receives the halt.",
             f"{h['duration_s']:.0f} s per run; p50/p95/p99 are medians over the runs of each run's percentiles.",
             "The worker starts with the section; before the first level, 10 s of the lowest load warm it and the",
             "broker's JVM (without them the first 10% run measured their warming: 8 ms at p50, then 6 and 5).",
@@ -493,20 +488,18 @@ class Page:
             "| p99 / raw RTT p99 | inbound / outbound p50 ms | host CPU busy: cores (worker / broker / load gen / runtimes) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         )
-        burst = h.get("back_to_back")
-        for lv in [*h["levels"], *([burst] if burst else [])]:
-            label = f"{lv['level']:.0%}" + (", calls back to back" if lv is burst else "")
+        for lv in h["levels"]:
             med = lv["median"]
             halted = sum(r["halted"] for r in lv["runs"])
             injected = sum(r["injected"] for r in lv["runs"])
             if med is None:
-                self.add(f"| {label} | {_n(lv['load_per_s'])} | - | 0/{injected} | - | - | - | - | - | - | - | - |")
+                self.add(f"| {lv['level']:.0%} | {_n(lv['load_per_s'])} | - | 0/{injected} | - | - | - | - | - | - | - | - |")
                 continue
-            ratio50 = f"{med['p50'] / rtt['p50']:.1f}x" if rtt else "-"
-            ratio99 = f"{med['p99'] / rtt['p99']:.1f}x" if rtt else "-"
+            ratio50 = f"{med['p50'] / rtt['p50']:.0f}x" if rtt else "-"
+            ratio99 = f"{med['p99'] / rtt['p99']:.0f}x" if rtt else "-"
             split = lv.get("split_median")
             parts = f"{_ms(split['inbound_p50'])} / {_ms(split['outbound_p50'])}" if split else "-"
-            self.add(f"| {label} | {_n(lv['load_per_s'])} | {lv['runs'][0]['inject_per_s']:.1f} | "
+            self.add(f"| {lv['level']:.0%} | {_n(lv['load_per_s'])} | {lv['runs'][0]['inject_per_s']:.1f} | "
                      f"{halted}/{injected} | {_ms(med['p50'])} | {_ms(med['p95'])} | {_ms(med['p99'])} | "
                      f"{_ms(med['max'])} | {ratio50} | {ratio99} | {parts} | {_host_cpu(lv['runs'])} |")
         self.add("", "Inbound is from the trigger produced to the worker's producer creating the halt record (its",
