@@ -495,8 +495,8 @@ class Page:
             if med is None:
                 self.add(f"| {lv['level']:.0%} | {_n(lv['load_per_s'])} | - | 0/{injected} | - | - | - | - | - | - | - | - |")
                 continue
-            ratio50 = f"{med['p50'] / rtt['p50']:.0f}x" if rtt else "-"
-            ratio99 = f"{med['p99'] / rtt['p99']:.0f}x" if rtt else "-"
+            ratio50 = f"{med['p50'] / rtt['p50']:.1f}x" if rtt else "-"
+            ratio99 = f"{med['p99'] / rtt['p99']:.1f}x" if rtt else "-"
             split = lv.get("split_median")
             parts = f"{_ms(split['inbound_p50'])} / {_ms(split['outbound_p50'])}" if split else "-"
             self.add(f"| {lv['level']:.0%} | {_n(lv['load_per_s'])} | {lv['runs'][0]['inject_per_s']:.1f} | "
