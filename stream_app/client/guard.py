@@ -393,8 +393,9 @@ class Guard(StartStop):
 
     async def flush(self) -> None:
         """Wait until the telemetry of every call made so far is acknowledged by the broker (or has failed:
-        ``counters``). In process there is nothing to wait for. ``stop`` does it too; this is for a runtime
-        that goes on, or that is frozen between requests without stopping (a serverless function)."""
+        ``counters``), the producer's linger included. In process there is nothing to wait for. ``stop``
+        does it too (for at most the publisher's close timeout); this is for a runtime that goes on, or
+        that is frozen between requests without stopping (a serverless function)."""
         if self._fleet is not None:
             await self._fleet.publisher.flush()
 

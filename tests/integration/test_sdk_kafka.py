@@ -194,8 +194,8 @@ async def test_telemetry_arrives_keyed_by_run_with_client_side_hashes(
 async def test_flush_returns_once_every_call_so_far_is_on_the_broker(
     kafka_bootstrap: str, topics: tuple[str, str]
 ) -> None:
-    """A guard that goes on (not stopped) waits for its telemetry: after ``flush`` every call made so far
-    is acknowledged and readable, with the producer's linger not yet over."""
+    """A guard that goes on (not stopped) waits for its telemetry: calls made while the producer lingers
+    (2 s) are not acknowledged yet; after ``flush`` every one is, and readable."""
     telemetry, _ = topics
     config = KafkaClientConfig(kafka_bootstrap)
     async with Guard.fleet(config, *topics, trusted_keys=trusted(), linger_ms=2_000) as guard:
