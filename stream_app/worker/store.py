@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import faust
@@ -57,8 +57,9 @@ class RunStore:
         self._kept: dict[int, dict[bytes, bytes | None]] = {}
         #: How many records ``_kept`` holds.
         self.kept = 0
-        #: What the flush under way is writing (``get`` reads it after ``_kept``).
-        self._flushing: dict[int, dict[bytes, bytes | None]] = {}
+        #: The task handing the last flush's (or ``write``'s) changelog records to the producer: the next
+        #: one's wait for it.
+        self._sending: asyncio.Future[None] | None = None
 
     @property
     def _store(self) -> Any:
@@ -76,14 +77,11 @@ class RunStore:
         return stored if value is _NOT_KEPT else value  # type: ignore[return-value]
 
     def _unwritten(self, partition: int, key: bytes) -> bytes | object | None:
-        """``key``'s record kept for the next flush or in the flush under way, else ``_NOT_KEPT``."""
+        """``key``'s record kept for the next flush, else ``_NOT_KEPT`` (a flush writes RocksDB before it
+        yields: what it took from ``_kept`` is readable there)."""
         kept = self._kept.get(partition)
         if kept is not None and key in kept:
             return kept[key]
-        if self._flushing:  # a flush under way: RocksDB may not have this partition's records yet
-            flushing = self._flushing.get(partition)
-            if flushing is not None and key in flushing:
-                return flushing[key]
         return _NOT_KEPT
 
     def read(self, partition: int, key: bytes) -> bytes | None:
@@ -102,28 +100,45 @@ class RunStore:
                 self.kept += len(by_key) - before
 
     async def flush(self, partitions: Iterable[int] | None = None) -> None:
-        """Write what ``keep`` holds (of ``partitions`` only, if given). Records kept while it writes wait
-        for the next flush; if the write fails, all it held is kept again (under any newer record of the
-        same key; written twice is harmless). One flush at a time: its callers take turns under their
-        state lock."""
+        """Write what ``keep`` holds (of ``partitions`` only, if given): ``write_kept``, its changelog records
+        handed to the producer before this returns."""
+        await self.write_kept(partitions)
+
+    def write_kept(self, partitions: Iterable[int] | None = None) -> asyncio.Future[None]:
+        """Write what ``keep`` holds (of ``partitions`` only, if given) to RocksDB now, and hand its changelog
+        records to the producer in a task of its own; returns that task (done once they are handed over, not
+        acknowledged: faust flushes the producer before it commits).
+
+        The caller's state lock need not be held while the task waits: aiokafka takes a partition's next
+        record batch only once its previous one went out (one request in flight per broker), so a flush
+        of a few hundred records could hold the lock for tens of milliseconds while the broker answered,
+        and every batch waited. The local write is done before this returns, so a read after it finds the
+        records in RocksDB. Each flush's records go to the producer after the previous flush's (or ``write``'s):
+        a newer record of a key never goes ahead of an older one in the changelog. Records kept meanwhile wait
+        for the next flush. If the write fails, all it held is kept again (under any newer record of the
+        same key; written twice is harmless)."""
         if partitions is None:
             pending, self._kept = self._kept, {}
         else:
             pending = {p: self._kept.pop(p) for p in partitions if p in self._kept}
         if not pending:
-            return
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
         self.kept -= sum(map(len, pending.values()))
-        self._flushing = pending
         try:
-            await self.write({partition: list(items.items()) for partition, items in pending.items()})
+            return self._write({partition: list(items.items()) for partition, items in pending.items()},
+                               functools.partial(self._keep_again, pending))
         except BaseException:
-            for partition, items in pending.items():
-                newer = self._kept.get(partition, {})
-                self._kept[partition] = {**items, **newer}
-                self.kept += len(self._kept[partition]) - len(newer)
+            self._keep_again(pending)
             raise
-        finally:
-            self._flushing = {}
+
+    def _keep_again(self, pending: dict[int, dict[bytes, bytes | None]]) -> None:
+        """A flush of ``pending`` failed: keep its records again, under any newer record of the same key."""
+        for partition, items in pending.items():
+            newer = self._kept.get(partition, {})
+            self._kept[partition] = {**items, **newer}
+            self.kept += len(self._kept[partition]) - len(newer)
 
     def kept_partitions(self) -> set[int]:
         """The partitions with records kept for the next flush."""
@@ -136,12 +151,19 @@ class RunStore:
         return dropped
 
     async def write(self, changes: Mapping[int, Sequence[Change]]) -> None:
-        """Apply ``changes`` (by partition) locally and queue their changelog records; returns once the
-        records are handed to the producer (not acknowledged: faust flushes the producer before it
-        commits)."""
+        """Apply ``changes`` (by partition) locally and hand their changelog records to the producer, after
+        any flush's before them; returns once they are handed over (not acknowledged)."""
+        await self._write(changes)
+
+    def _write(self, changes: Mapping[int, Sequence[Change]],
+               on_failure: Callable[[], None] | None = None) -> asyncio.Future[None]:
+        """Apply ``changes`` to RocksDB now and build their changelog batches (one record per change, in
+        the same order); the task that sends them, after the previous one's (``on_failure`` runs if it
+        fails)."""
         store = self._store
         # faust's producer is aiokafka's underneath; faust's flush before a commit flushes it.
         producer = self.app.producer._ensure_producer()  # type: ignore[attr-defined]
+        batches: list[tuple[int, Any, int]] = []  # (partition, aiokafka batch, index of its last record)
         for partition, items in changes.items():
             if not items:
                 continue
@@ -155,13 +177,30 @@ class RunStore:
             records = producer.create_batch()
             count = 0
             for key, value in items:
-                if records.append(key=key, value=value, timestamp=None) is None:  # full: send it, start another
-                    await producer.send_batch(records, self.changelog_topic, partition=partition)
+                if records.append(key=key, value=value, timestamp=None) is None:  # full: another one
+                    batches.append((partition, records, -1))
                     records, count = producer.create_batch(), 0
                     records.append(key=key, value=value, timestamp=None)  # the first record always fits
                 count += 1
-            sent: asyncio.Future[Any] = await producer.send_batch(records, self.changelog_topic, partition=partition)
-            sent.add_done_callback(functools.partial(self._persist_offset, count - 1))
+            batches.append((partition, records, count - 1))
+        sending = asyncio.ensure_future(self._send(producer, batches, self._sending, on_failure))
+        self._sending = sending
+        return sending
+
+    async def _send(self, producer: Any, batches: list[tuple[int, Any, int]], previous: asyncio.Future[None] | None,
+                    on_failure: Callable[[], None] | None) -> None:
+        try:
+            if previous is not None and not previous.done():
+                await asyncio.wait([previous])  # in order after it, whatever became of it
+            for partition, records, last in batches:
+                sent: asyncio.Future[Any] = await producer.send_batch(records, self.changelog_topic,
+                                                                      partition=partition)
+                if last >= 0:  # a partition's last batch: recovery may resume after its last record
+                    sent.add_done_callback(functools.partial(self._persist_offset, last))
+        except BaseException:
+            if on_failure is not None:
+                on_failure()
+            raise
 
     def _persist_offset(self, last: int, sent: asyncio.Future[Any]) -> None:
         """``sent``'s records are acknowledged: recovery may resume after its record ``last`` (the batch's

@@ -328,3 +328,27 @@ async def test_a_batch_waits_for_one_partitions_flush_not_the_whole_flush(store:
     hold.set()
     await asyncio.gather(flushing, turn)
     assert log == ["write 0", "batch", "write 1"] and runs.kept == 0
+
+
+async def test_a_batch_takes_the_state_lock_while_a_flushs_changelog_waits_for_the_producer(store: Any) -> None:
+    """aiokafka takes a partition's next changelog batch only once its previous one went out: the flush
+    waits for that with the state lock released, so a batch folds meanwhile (it held the lock for up to
+    25 ms at 50% load); the flush goes on to the next partition once the producer has the records."""
+    runs, data, producer = store
+    effects, _ = _folding(runs)
+    await effects.process(_calls(0, "run-a", 1, 1) + _calls(1, "run-b", 1, 1))
+    hold = producer.hold()
+    flushing = asyncio.create_task(effects.flush())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert data._dbs[0][b"run-a"] and producer.sent == []  # written locally; the changelog waits
+
+    async def batch() -> None:
+        async with effects._state_lock:  # what Effects.process takes
+            pass
+
+    await asyncio.wait_for(batch(), 1)
+    assert not flushing.done() and b"run-b" not in data._dbs[1]  # partition 1 after partition 0's changelog
+    hold.set()
+    await asyncio.wait_for(flushing, 5)
+    assert [partition for partition, _ in producer.sent] == [0, 1] and data._dbs[1][b"run-b"]

@@ -41,7 +41,7 @@ class _Store(RunStore):
     for the next flush is RunStore's own (``keep``, ``get``, ``flush``, ``drop``)."""
 
     def __init__(self) -> None:
-        self._kept, self._flushing = {}, {}
+        self._kept, self._sending = {}, None
         self.kept = 0
         self.data: dict[tuple[int, bytes], bytes] = {}
         self.scanned = 0
@@ -59,13 +59,17 @@ class _Store(RunStore):
     def read(self, partition: int, key: bytes) -> bytes | None:
         return self.data.get((partition, key))
 
-    async def write(self, changes: Mapping[int, Sequence[tuple[bytes, bytes | None]]]) -> None:
+    def _write(self, changes: Mapping[int, Sequence[tuple[bytes, bytes | None]]],
+               on_failure: Any = None) -> asyncio.Future[None]:
         for partition, items in changes.items():
             for key, value in items:
                 if value is None:
                     self.data.pop((partition, key), None)
                 else:
                     self.data[(partition, key)] = value
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
 
 
 class _Topic:
@@ -179,13 +183,13 @@ async def test_a_keys_record_is_written_with_the_next_commit_once_however_many_b
     batch folds on them, and ``flush`` (awaited by every commit) writes each key's latest once."""
     effects, store, producer, _, _ = _effects(max_tree_runs=10)
     writes: list[dict[int, list[tuple[bytes, bytes | None]]]] = []
-    write = store.write
+    write = store._write
 
-    async def counted(changes: dict[int, list[tuple[bytes, bytes | None]]]) -> None:
+    def counted(changes: dict[int, list[tuple[bytes, bytes | None]]], on_failure: Any = None) -> Any:
         writes.append(changes)
-        await write(changes)
+        return write(changes, on_failure)
 
-    store.write = counted  # type: ignore[method-assign]
+    store._write = counted  # type: ignore[method-assign]
     await effects.process([_Record(0, 0, _spawns("root", 0, 4))])
     await effects.process([_Record(0, 1, _spawns("root", 4, 2))])  # the root and 6 children: over half of 10
     assert store.data == {} and writes == []

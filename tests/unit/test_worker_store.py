@@ -63,6 +63,22 @@ class _Producer:
         self.send_batch = held  # type: ignore[method-assign]
         return event
 
+    def hold_first(self) -> asyncio.Event:
+        """The next ``send_batch`` waits for the event returned; the ones after it do not."""
+        event = asyncio.Event()
+        send = self.send_batch
+        calls = 0
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                await event.wait()
+            return await send(*args, **kwargs)
+
+        self.send_batch = held  # type: ignore[method-assign]
+        return event
+
     def create_batch(self) -> Any:
         return BatchBuilder(16384, 0)
 
@@ -164,17 +180,57 @@ async def test_a_flush_of_some_partitions_leaves_the_others_kept(store: Any) -> 
     assert b"run-a" not in data._dbs[0] and runs.get(0, b"run-a") == b"a1"
 
 
-async def test_a_read_while_a_flush_writes_gets_the_record_being_written(store: Any) -> None:
-    """The flush writes RocksDB a partition at a time, awaiting each one's changelog batch: while partition
-    0's is held, partition 1's records are in neither RocksDB nor what is kept."""
+async def test_a_flush_writes_rocksdb_before_it_waits_for_the_producer(store: Any) -> None:
+    """Every partition's records are in RocksDB when ``write_kept`` returns; their changelog batches go to
+    the producer in a task of its own, so a caller may release its state lock while the producer waits."""
     runs, data, producer = store
     data._dbs[1][b"run-b"] = b"b0"
     runs.keep({0: [(b"run-a", b"a1")], 1: [(b"run-b", b"b1")]})
     hold = producer.hold()
-    flushing = asyncio.create_task(runs.flush())
-    await asyncio.sleep(0)
-    assert data._dbs[1][b"run-b"] == b"b0" and runs.kept == 0  # partition 1 not written yet
+    sending = runs.write_kept()
+    assert data._dbs[0][b"run-a"] == b"a1" and data._dbs[1][b"run-b"] == b"b1" and runs.kept == 0
     assert runs.get(1, b"run-b") == b"b1" and runs.get(0, b"run-a") == b"a1"
+    await asyncio.sleep(0)
+    assert not sending.done() and producer.sent == []  # the producer holds the changelog
     hold.set()
-    await flushing
-    assert data._dbs[1][b"run-b"] == b"b1" and runs.get(1, b"run-b") == b"b1"
+    await sending
+    assert producer.sent == [(0, [(b"run-a", b"a1")]), (1, [(b"run-b", b"b1")])]
+
+
+async def test_a_later_flush_hands_its_changelog_over_after_the_earlier_one(store: Any) -> None:
+    """A flush whose changelog waits for the producer, then a newer record of the same key flushed (or
+    written, as a fold's sweep does): the changelog gets the older record first, so recovery ends on the
+    newer one."""
+    runs, data, producer = store
+    runs.keep({0: [(b"run-a", b"a1")]})
+    hold = producer.hold_first()  # the first flush's batch waits; a later one would not
+    first = runs.write_kept()
+    runs.keep({0: [(b"run-a", b"a2")]})
+    second = runs.write_kept()
+    third = asyncio.create_task(runs.write({0: [(b"run-a", None)]}))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert producer.sent == []  # the later ones wait for the first
+    hold.set()
+    await asyncio.gather(first, second, third)
+    assert producer.sent == [(0, [(b"run-a", b"a1")]), (0, [(b"run-a", b"a2")]), (0, [(b"run-a", None)])]
+    assert b"run-a" not in data._dbs[0]
+
+
+async def test_a_flush_whose_changelog_fails_keeps_its_records_again(store: Any) -> None:
+    """RocksDB was written, the changelog was not: the records are kept again (under newer ones), so the
+    next flush writes both again."""
+    runs, data, producer = store
+    runs.keep({0: [(b"run-a", b"a1"), (b"run-b", b"b1")]})
+    hold = producer.hold()
+    sending = runs.write_kept()
+    assert data._dbs[0][b"run-a"] == b"a1"
+    runs.keep({0: [(b"run-a", b"a2")]})
+    producer.fail = True
+    hold.set()
+    with pytest.raises(ConnectionError):
+        await sending
+    assert runs.kept == 2 and runs.get(0, b"run-a") == b"a2" and runs.get(0, b"run-b") == b"b1"
+    producer.fail = False
+    await runs.flush()
+    assert producer.sent == [(0, [(b"run-a", b"a2"), (b"run-b", b"b1")])]
