@@ -40,9 +40,6 @@ from faust.types import TP, TableT
 #: faust keeps its own bookkeeping (the persisted changelog offset) under this prefix in the same DB.
 FAUST_RESERVED_PREFIX = b"__faust"
 
-#: What ``RunStore._unwritten`` returns for a key with no record waiting to be written.
-_NOT_KEPT = object()
-
 Change = tuple[bytes, bytes | None]  # (key, new value or None to delete)
 
 
@@ -67,22 +64,15 @@ class RunStore:
         return self.table.data
 
     def get(self, partition: int, key: bytes) -> bytes | None:
-        """``key``'s record: the one kept for the next flush, else the stored one."""
-        value = self._unwritten(partition, key)
-        return self.read(partition, key) if value is _NOT_KEPT else value  # type: ignore[return-value]
+        """``key``'s record: the one kept for the next flush, else the stored one (a flush writes RocksDB
+        before it yields: what it took from the kept records is readable there)."""
+        kept = self._kept.get(partition)
+        return kept[key] if kept is not None and key in kept else self.read(partition, key)
 
     def latest(self, partition: int, key: bytes, stored: bytes) -> bytes | None:
         """``key``'s record as ``get`` would return it, given its ``stored`` one (read by ``scan``)."""
-        value = self._unwritten(partition, key)
-        return stored if value is _NOT_KEPT else value  # type: ignore[return-value]
-
-    def _unwritten(self, partition: int, key: bytes) -> bytes | object | None:
-        """``key``'s record kept for the next flush, else ``_NOT_KEPT`` (a flush writes RocksDB before it
-        yields: what it took from ``_kept`` is readable there)."""
         kept = self._kept.get(partition)
-        if kept is not None and key in kept:
-            return kept[key]
-        return _NOT_KEPT
+        return kept[key] if kept is not None and key in kept else stored
 
     def read(self, partition: int, key: bytes) -> bytes | None:
         """``key``'s stored record (RocksDB), whatever is kept."""

@@ -51,20 +51,8 @@ class _Producer:
         self.sent: list[tuple[int, list[tuple[bytes, bytes | None]]]] = []
         self.fail = False
 
-    def hold(self) -> asyncio.Event:
-        """From now on every ``send_batch`` waits for the event returned."""
-        event = asyncio.Event()
-        send = self.send_batch
-
-        async def held(*args: Any, **kwargs: Any) -> Any:
-            await event.wait()
-            return await send(*args, **kwargs)
-
-        self.send_batch = held  # type: ignore[method-assign]
-        return event
-
-    def hold_first(self) -> asyncio.Event:
-        """The next ``send_batch`` waits for the event returned; the ones after it do not."""
+    def hold(self, first_only: bool = False) -> asyncio.Event:
+        """From now on every ``send_batch`` (``first_only``: the next one only) waits for the event returned."""
         event = asyncio.Event()
         send = self.send_batch
         calls = 0
@@ -72,7 +60,7 @@ class _Producer:
         async def held(*args: Any, **kwargs: Any) -> Any:
             nonlocal calls
             calls += 1
-            if calls == 1:
+            if calls == 1 or not first_only:
                 await event.wait()
             return await send(*args, **kwargs)
 
@@ -203,7 +191,7 @@ async def test_a_later_flush_hands_its_changelog_over_after_the_earlier_one(stor
     newer one."""
     runs, data, producer = store
     runs.keep({0: [(b"run-a", b"a1")]})
-    hold = producer.hold_first()  # the first flush's batch waits; a later one would not
+    hold = producer.hold(first_only=True)  # the first flush's batch waits; a later one would not
     first = runs.write_kept()
     runs.keep({0: [(b"run-a", b"a2")]})
     second = runs.write_kept()
