@@ -47,7 +47,8 @@ from .store import RunStore
 log = logging.getLogger(__name__)
 
 RUNS_TABLE = "runs"
-#: How often stored runs are checked for expiry (a timer, off the per-batch path).
+#: How often each stored run's partition (and the keys of the folds across runs) is checked for expiry (timers,
+#: off the per-batch path).
 SWEEP_INTERVAL_S = 0.5
 #: How often the input partitions' end offsets are read for loopwarden_consumer_lag.
 LAG_INTERVAL_S = 0.5
@@ -173,10 +174,14 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
 
         async def expire_silent_runs() -> None:
             await fatal.run(effects.sweep())
-            if fleet_effects is not None:
+
+        # one partition per tick: each one every interval when this worker owns them all
+        app.timer(SWEEP_INTERVAL_S / settings.partitions)(expire_silent_runs)
+        if fleet_effects is not None:
+            async def expire_silent_keys() -> None:
                 await fatal.run(fleet_effects.sweep(facts_partitions()))
 
-        app.timer(SWEEP_INTERVAL_S)(expire_silent_runs)
+            app.timer(SWEEP_INTERVAL_S)(expire_silent_keys)
 
     async def report_lag() -> None:
         await effects.report_lag()

@@ -112,27 +112,30 @@ async def test_the_lag_gauge_is_the_end_offset_minus_the_next_offset_to_process(
     assert _lag(metrics) == {"1": 0, "2": 9}
 
 
-async def test_a_batch_waits_for_one_partitions_sweep_not_the_whole_sweep() -> None:
-    consumer = _Consumer({0, 1})
+async def test_each_sweep_scans_the_next_partition_in_turn_after_the_batch_in_hand() -> None:
+    """One partition per sweep (the timer ticks once per partition per interval): the event loop never runs
+    the scans of every partition back to back while batches wait; a revoked partition is skipped."""
+    consumer = _Consumer({0, 1, 2})
     store = _Store()
     old = orjson.dumps({"v": 1, "last_ts_ms": 0})
-    store.data = {0: {b"run-a": old}, 1: {b"run-b": old}}
+    store.data = {0: {b"run-a": old}, 1: {b"run-b": old}, 2: {b"run-c": old}}
     effects, _ = _effects(consumer, store)
-    effects._watermark_ms = {0: 10**10, 1: 10**10}  # both runs silent for longer than the ttl
+    effects._watermark_ms = {0: 10**10, 1: 10**10, 2: 10**10}  # every run silent for longer than the ttl
     await effects._state_lock.acquire()  # a batch in hand: the sweep waits for it
     sweep = asyncio.create_task(effects.sweep())
     await asyncio.sleep(0)
-
-    async def batch() -> None:
-        async with effects._state_lock:  # what Effects.process takes
-            store.log.append("batch")
-
-    turn = asyncio.create_task(batch())  # the next batch, waiting behind the sweep
-    await asyncio.sleep(0)
+    store.log.append("batch done")
     effects._state_lock.release()
-    await asyncio.gather(sweep, turn)
-    assert store.log == ["scan 0", "keep 0", "batch", "scan 1", "keep 1"]
-    assert store.kept == {0: {b"run-a": None}, 1: {b"run-b": None}}
+    await sweep
+    assert store.log == ["batch done", "scan 0", "keep 0"]
+    await effects.sweep()
+    consumer.partitions.discard(2)  # revoked: the turn goes back to partition 0 (its run deleted already)
+    await effects.sweep()
+    consumer.partitions.add(2)
+    await effects.sweep()
+    await effects.sweep()
+    assert store.log[3:] == ["scan 1", "keep 1", "scan 0", "scan 1", "scan 2", "keep 2"]
+    assert store.kept == {0: {b"run-a": None}, 1: {b"run-b": None}, 2: {b"run-c": None}}
 
 
 @pytest.fixture
