@@ -117,9 +117,6 @@ IN_FLIGHT_WAIT_S = 60.0
 #: it looks again at which partitions are active: faust waits up to a second, and a partition the sink
 #: released meanwhile waited with it (one worker on a backlog idled up to 0.8 s every few batches).
 BUFFERED_POLL_S = 0.01
-#: Turns of the event loop an agent gives before it handles a batch, so that the consumer's next fetch is on
-#: the wire while the batch folds (``drain``).
-FETCH_AHEAD_TURNS = 2
 #: An input partition with records waiting and nothing admitted for this long is reported as stalled.
 STALL_S = 15.0
 
@@ -760,14 +757,6 @@ async def drain(app: faust.App, sink: BatchSink, fatal: FatalStop, handle: Handl
     stale_batches = 0
     while True:
         generation, batch = await sink.next()
-        # Taking these records from aiokafka's buffer woke its fetcher, which makes the next fetch a task of its
-        # own: a task that runs once this one yields. Folded at once, the batch held that fetch back until it
-        # was done, so fetch and fold took turns instead of overlapping. At the halt bench's 50% load (25,685
-        # events/s) 45 of 1,942 batches had a fetch under way, 926 of 2,142 with the yield (the others: a fetch
-        # of partitions with nothing new was parked at the broker, one per broker at a time); halts (2 x 2
-        # interleaved runs, the first 8 s of each level left out) p50 8.7 -> 7.3 ms, p95 31 -> 20, p99 44 -> 30.
-        for _ in range(FETCH_AHEAD_TURNS):
-            await asyncio.sleep(0)
         admitted: Records = {}
         try:
             if fatal.reason is not None:

@@ -698,35 +698,6 @@ async def test_pending_fetches_are_merged_up_to_batch_max(tmp_path) -> None:
     assert h.sink.pending() == BATCH_MAX
 
 
-async def test_the_next_fetch_is_sent_before_the_batch_is_handled(tmp_path) -> None:
-    """As aiokafka's fetcher does: taking records wakes its routine, which makes the next fetch a task of
-    its own. That task must run (the request leave) before the batch folds, or fetch and fold take turns."""
-    h = await Harness(tmp_path, "fetch-ahead").seeded()
-    order: list[str] = []
-    consumed = asyncio.get_running_loop().create_future()
-    fetches: list[asyncio.Future[None]] = []
-
-    async def send_fetch() -> None:
-        order.append("fetch sent")
-
-    async def fetcher_routine() -> None:
-        await consumed  # aiokafka's _wait_consume_future
-        fetches.append(asyncio.ensure_future(send_fetch()))
-
-    async def handle(records: Sequence[ConsumerRecord[bytes, bytes]]) -> None:
-        order.append("batch handled")
-
-    routine = asyncio.create_task(fetcher_routine())
-    drain = asyncio.create_task(delivery.drain(h.app, h.sink, h.fatal, handle, h.stale.append))
-    await h.settle()
-    consumed.set_result(None)  # the consumer took the records (getmany) ...
-    h.sink.offer(1, _records(100))  # ... and hands them over
-    await h.settle()
-    assert order == ["fetch sent", "batch handled"]
-    await _stopped(drain)
-    await asyncio.gather(routine, *fetches)
-
-
 async def test_a_failed_batch_is_fetched_again(tmp_path) -> None:
     """The handler raised (the agent crashes; its supervisor restarts it): the sequencer expects the
     batch's first offset again and the consumer is sought there."""
