@@ -59,8 +59,7 @@ def machine() -> dict[str, Any]:
                                   "LOOPWARDEN_EVICT_SCAN_PER_SWEEP")}
     return {
         "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M"),
-        "commit": _git("rev-parse", "--short", "HEAD") + (" (with uncommitted changes)"
-                                                          if _git("status", "--porcelain") else ""),
+        "commit": _git("rev-parse", "--short", "HEAD") + (" (with uncommitted changes)" if _dirty() else ""),
         "cpu": cpu,
         "cores": os.cpu_count(),
         "memory_gib": round(mem_kb / 2**20, 1),
@@ -78,6 +77,15 @@ def _read(path: str) -> str:
         return Path(path).read_text()
     except OSError:
         return ""
+
+
+#: What a bench run writes itself: changed by the runs before it, no sign of code measured uncommitted.
+BENCH_OUTPUTS = ("BENCHMARKS.md", "bench/results")
+
+
+def _dirty() -> bool:
+    """Whether the checkout differs from HEAD outside the bench's own outputs."""
+    return bool(_git("status", "--porcelain", "--", ".", *(f":(exclude){path}" for path in BENCH_OUTPUTS)))
 
 
 def _git(*args: str) -> str:
