@@ -359,9 +359,8 @@ class Effects:
         that brings the next batch needs turns of the event loop of its own, so the batches waited out the
         whole sweep. At the halt bench's 50% load then (16,825 events/s), a sweep of one partition per tick
         took halts over 20 ms from 19 to 3 of 480, p99 31.1 to 19.0 ms (6 interleaved 8-s runs each,
-        pooled). A run is judged by
-        its latest record (kept, else stored) and its deletion is kept like any record, written by the next
-        flush: a sweep writes nothing itself."""
+        pooled). A run is judged by its latest record (kept, else stored) and its deletion is kept like any
+        record, written by the next flush: a sweep writes nothing itself."""
         partitions = sorted(self._assigned() & self._watermark_ms.keys())
         if not partitions:
             return
