@@ -583,14 +583,20 @@ class Page:
         if not self.settings:
             return
         tried = self.settings["tried"]
-        base = self._defaults()[0]
+        base = self._settings_defaults()[0]
         rounds = len(tried[0].get("probes", [None]))
+        if self._settings_same_run():
+            whose = "every default probe of the run, the fleet section's included"
+        else:  # carried over: the fleet section above is another run's, on another hour's machine
+            measured = self.settings.get("measured", {})
+            whose = (f"this section's own default probes (measured at {measured.get('commit', '?')}, "
+                     f"{measured.get('date_utc', '?')} UTC; the fleet section above is another run's)")
         self.add(
             "## Worker settings tried",
             "",
             "Command: `python -m bench --skip-core --only fleet,settings`. One worker, saturation probe as above,",
             f"each setting on a fresh deployment, in {rounds} interleaved rounds of the same run. The baseline",
-            f"is the mean of every default probe of the run, the fleet section's included: {_n(base)} events/s.",
+            f"is the mean of {whose}: {_n(base)} events/s.",
             "",
             "| setting | events/s saturated (median; each probe) | vs default | worker CPU per event |",
             "|---|---|---|---|",
@@ -599,7 +605,8 @@ class Page:
             each = ", ".join(_n(p["applied_per_s"]) for p in t.get("probes", []))
             self.add(f"| {t['label']} | {_n(t['applied_per_s'])} ({each}) | {t['applied_per_s'] / base:.2f}x | "
                      f"{_n(t['worker_cpu_us_per_event'])} us |")
-        self.add("", f"The default's probes spread {self._noise():.0%} either side of their mean: differences",
+        self.add("", f"The default's probes spread {self._noise(self._settings_probes()):.0%} either side of their "
+                 "mean: differences",
                  "smaller than that are not shown to be real by this run.", "")
 
 
@@ -678,9 +685,22 @@ class Page:
                      f"p50 {_ms(t['p50_ms'])} ms, p95 {_ms(t['p95_ms'])} ms, max {_ms(t['max_ms'])} ms (target p95 <= 1 s: "
                      f"{_met(t['p95_ms'] <= 1000)}).", "")
 
-    def _defaults(self) -> tuple[float, float]:
-        """Mean saturated events/s and worker CPU us per event of one default worker, over every probe."""
-        probes = self._default_probes()
+    def _settings_same_run(self) -> bool:
+        fleet = self.fleet or {}
+        return not fleet or (self.settings or {}).get("measured") == fleet.get("measured")
+
+    def _settings_probes(self) -> list[dict[str, Any]]:
+        """What the tried settings are compared with: every default probe when the settings section was
+        measured in the fleet section's run, else (carried over from another run) its own default probes
+        only: a ratio of two runs' figures compares two hours of this shared machine, not two settings (a
+        carried section read 0.62x the default for the default itself)."""
+        if self._settings_same_run():
+            return self._default_probes()
+        return [p for t in (self.settings or {}).get("tried", []) if t["label"] == "default" for p in t.get("probes", [t])]
+
+    def _settings_defaults(self) -> tuple[float, float]:
+        """Mean saturated events/s and worker CPU us per event of the probes the settings compare with."""
+        probes = self._settings_probes()
         return (float(statistics.mean(p["applied_per_s"] for p in probes)),
                 float(statistics.mean(p["worker_cpu_us_per_event"] for p in probes)))
 
@@ -694,9 +714,10 @@ class Page:
                   for p in t.get("probes", [t])] if same_run or not fleet else []
         return probes + ([fleet["1w"]["probe"]] if fleet else [])
 
-    def _noise(self) -> float:
-        """Half the range of the default's saturated rates, as a share of their mean."""
-        rates = [p["applied_per_s"] for p in self._default_probes()]
+    def _noise(self, probes: list[dict[str, Any]] | None = None) -> float:
+        """Half the range of the default's saturated rates (``probes``, else every default probe of the fleet
+        section's run), as a share of their mean."""
+        rates = [p["applied_per_s"] for p in (self._default_probes() if probes is None else probes)]
         return (max(rates) - min(rates)) / 2 / statistics.mean(rates) if rates else 0.0
 
     def _setting(self, prefix: str) -> str:
@@ -704,9 +725,9 @@ class Page:
         hit = next((t for t in (self.settings or {}).get("tried", []) if t["label"].startswith(prefix)), None)
         if hit is None:
             return ""
-        rate, cpu = self._defaults()
+        rate, cpu = self._settings_defaults()
         ratio = hit["applied_per_s"] / rate
-        noise = " (within this machine's run-to-run noise)" if abs(ratio - 1) <= self._noise() else ""
+        noise = " (within this machine's run-to-run noise)" if abs(ratio - 1) <= self._noise(self._settings_probes()) else ""
         return (f"{ratio:.2f}x the default's saturated events/s{noise} and "
                 f"{hit['worker_cpu_us_per_event'] / cpu:.2f}x its worker CPU per event")
 

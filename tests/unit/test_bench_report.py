@@ -31,3 +31,43 @@ def test_the_bench_outputs_do_not_make_a_checkout_uncommitted(tmp_path: Path, mo
     assert not report._dirty()
     (tmp_path / "bench/stats.py").write_text("b\n")  # code: the figures are of uncommitted changes
     assert report._dirty()
+
+
+def _probe(rate: float, cpu_us: float) -> dict[str, float]:
+    return {"applied_per_s": rate, "worker_cpu_us_per_event": cpu_us}
+
+
+def _settings(measured: dict[str, str]) -> dict[str, object]:
+    return {"measured": measured, "tried": [
+        {"label": "default", "applied_per_s": 40_000, "worker_cpu_us_per_event": 25,
+         "probes": [_probe(39_000, 25), _probe(41_000, 25)]},
+        {"label": "producer linger 10 ms: PRODUCER_LINGER_MS=10", "applied_per_s": 42_000,
+         "worker_cpu_us_per_event": 23, "probes": [_probe(42_000, 23)]}]}
+
+
+def _page(tmp_path: Path, fleet_measured: dict[str, str], settings_measured: dict[str, str]) -> report.Page:
+    page = report.Page(tmp_path)
+    page.fleet = {"measured": fleet_measured, "1w": {"probe": _probe(64_000, 15)}}
+    page.settings = _settings(settings_measured)
+    return page
+
+
+def test_a_carried_over_settings_section_is_compared_with_its_own_default_probes(tmp_path: Path) -> None:
+    """A settings section from another run than the fleet section's: its default reads 1.00x, not
+    40,000 / 64,000 (an hour of the shared machine against another)."""
+    page = _page(tmp_path, {"commit": "b", "date_utc": "2026-12-04 22:40"}, {"commit": "a", "date_utc": "2026-12-04 04:02"})
+    page.settings_section()
+    text = "\n".join(page.lines)
+    assert "| default | 40,000 (39,000, 41,000) | 1.00x |" in text
+    assert "| 1.05x |" in text  # the linger probe: 42,000 / 40,000
+    assert "own default probes (measured at a, 2026-12-04 04:02 UTC" in text
+    assert page._setting("producer linger 10 ms").startswith("1.05x the default's saturated events/s")
+
+
+def test_a_settings_section_of_the_fleet_run_is_compared_with_every_default_probe(tmp_path: Path) -> None:
+    same = {"commit": "a", "date_utc": "2026-12-04 04:02"}
+    page = _page(tmp_path, same, same)
+    page.settings_section()
+    text = "\n".join(page.lines)
+    assert "| default | 40,000 (39,000, 41,000) | 0.83x |" in text  # 40,000 / mean(39,000, 41,000, 64,000)
+    assert "the fleet section's included: 48,000 events/s" in text
