@@ -252,6 +252,10 @@ class Effects:
         self._mismatches_warned: set[str] = set()
         #: Runs stored per active partition (standbys excluded), counted on recovery, then kept up to date.
         self._tracked: dict[int, int] = {}
+        #: Runs the sweep expired per partition whose deletions are kept, not yet written: counted in
+        #: ``loopwarden_evicted_runs_total`` once written (a revoke drops them, and the partition's next owner
+        #: expires and counts the same runs).
+        self._evicted_kept: dict[int, int] = {}
 
     async def process(self, batch: Sequence[Record]) -> None:
         async with self._state_lock:
@@ -296,7 +300,9 @@ class Effects:
         store.keep(result.records)
         if store.kept > KEEP_MAX_RECORDS:
             await self._acknowledged()
-            await store.flush()
+            sending = store.write_kept()
+            self._count_evicted(list(self._evicted_kept))
+            await sending
         tracked = self._tracked
         for partition, changes in result.records.items():
             if partition in tracked:
@@ -314,7 +320,14 @@ class Effects:
             async with self._state_lock:
                 await self._acknowledged()  # a batch that ran in between
                 sending = self.store.write_kept([partition])
+                self._count_evicted([partition])
             await sending
+
+    def _count_evicted(self, partitions: list[int]) -> None:
+        """The kept records of ``partitions`` were written: count the runs the sweep expired among them."""
+        evicted = sum(self._evicted_kept.pop(partition, 0) for partition in partitions)
+        if evicted:
+            self.metrics.evictions.inc(evicted)
 
     def _in_flight(self, sends: list[asyncio.Future[Any]], decisions: list[Decision]) -> None:
         """A processed batch's ``sends`` (its ``decisions``' and facts') are on their way: remembered until
@@ -386,7 +399,7 @@ class Effects:
                 stale.append((key, None))
         if stale:
             store.keep({partition: stale})
-            self.metrics.evictions.inc(len(stale))
+            self._evicted_kept[partition] = self._evicted_kept.get(partition, 0) + len(stale)
             if partition in self._tracked:
                 self._tracked[partition] -= len(stale)
             self.metrics.runs_tracked.set(sum(self._tracked.values()))
@@ -402,6 +415,7 @@ class Effects:
                             "events are folded again by the partitions' next owner", dropped, sorted(partitions))
         for partition in partitions:
             self._tracked.pop(partition, None)
+            self._evicted_kept.pop(partition, None)  # not written here: its next owner counts them
             with contextlib.suppress(KeyError):  # never reported here
                 self.metrics.consumer_lag.remove(str(partition))
         self.metrics.runs_tracked.set(sum(self._tracked.values()))

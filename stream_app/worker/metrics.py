@@ -31,7 +31,8 @@ class WorkerMetrics:
                                  "rebalance, or held back behind a gap in the offsets delivered.",
                                  ["reason"], registry=r)
         self.evictions = Counter("loopwarden_evicted_runs_total",
-                                 "Runs forgotten after run_ttl_ms of event-time silence.", registry=r)
+                                 "Runs forgotten after run_ttl_ms of event-time silence (counted once their deletion is "
+                                 "written).", registry=r)
         self.decision_latency = Histogram(
             "loopwarden_decision_latency_seconds",
             "From the triggering call's ts_ms to its decision being published (wall clock).",

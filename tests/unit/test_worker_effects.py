@@ -288,13 +288,46 @@ async def test_the_sweep_judges_a_run_by_its_kept_record_and_keeps_its_deletion_
     await effects.process(_calls(0, "run-b", 10**9 - 3, 1) + _calls(0, "run-z", 10**9, 1))  # kept, not written
     effects._run_ttl_ms = 10**9 - 5  # expires what is silent since call 5's time
     await effects.sweep()
-    assert effects.metrics.evictions._value.get() == 1  # run-a only
     assert runs.get(0, b"run-a") is None and b"run-a" in data._dbs[0] and len(producer.sent) == written
+    assert effects.metrics.evictions._value.get() == 0  # counted once its deletion is written
     await effects.sweep()  # judged again before its deletion is written: not counted twice
-    assert effects.metrics.evictions._value.get() == 1
     await effects.flush()
     assert b"run-a" not in data._dbs[0] and (b"run-a", None) in producer.sent[-1][1]
+    assert effects.metrics.evictions._value.get() == 1  # run-a only
     assert data._dbs[0][b"run-b"] == runs.get(0, b"run-b") and runs.kept == 0
+
+
+async def test_runs_expired_in_a_partition_revoked_before_their_deletion_was_written_are_not_counted(
+        store: Any) -> None:
+    """The deletions are dropped with the revoke: the partition's next owner expires the same runs and counts
+    them (counted at the sweep, a run was counted by both workers)."""
+    runs, _, _ = store
+    effects, _ = _folding(runs)
+    await effects.process(_calls(0, "run-a", 1, 1) + _calls(1, "run-b", 1, 1))
+    await effects.flush()
+    await effects.process(_calls(0, "run-y", 10**9, 1) + _calls(1, "run-z", 10**9, 1))
+    effects._run_ttl_ms = 10**9 - 5
+    await effects.sweep()
+    await effects.sweep()  # both partitions swept: run-a and run-b expired, their deletions kept
+    assert runs.get(0, b"run-a") is None and runs.get(1, b"run-b") is None
+    await effects.forget({1})
+    await effects.flush()
+    assert effects.metrics.evictions._value.get() == 1  # run-a: written; run-b: its partition's next owner's
+
+
+async def test_a_batch_leaving_too_many_records_kept_counts_the_expired_runs_it_writes(store: Any,
+                                                                                      monkeypatch: Any) -> None:
+    runs, data, _ = store
+    effects, _ = _folding(runs)
+    await effects.process(_calls(0, "run-a", 1, 1))
+    await effects.flush()
+    effects._run_ttl_ms = 10**9 - 5
+    await effects.process(_calls(0, "run-y", 10**9, 1))
+    await effects.sweep()
+    assert effects.metrics.evictions._value.get() == 0
+    monkeypatch.setattr(effects_module, "KEEP_MAX_RECORDS", 1)
+    await effects.process(_calls(0, "run-z", 10**9, 1))  # three kept: written at once
+    assert b"run-a" not in data._dbs[0] and effects.metrics.evictions._value.get() == 1
 
 
 async def test_a_revoked_partitions_kept_records_are_dropped_with_a_warning(store: Any, caplog: Any) -> None:
