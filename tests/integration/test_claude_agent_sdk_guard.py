@@ -40,6 +40,7 @@ class Agent:
     def __init__(self, hooks: dict[str, list[HookMatcher]], session_id: str = SESSION) -> None:
         self.hooks = hooks
         self.session_id = session_id
+        self.agent: tuple[str, str] | None = None  # (agent_id, agent_type) of the sub-agent calling, if any
         self.ran = 0
         self.ids = (f"toolu_{n:024d}" for n in itertools.count())
 
@@ -55,6 +56,8 @@ class Agent:
         tool_use_id = next(self.ids)
         call = {**base("PreToolUse", self.session_id), "tool_name": tool, "tool_input": tool_input,
                 "tool_use_id": tool_use_id}
+        if self.agent is not None:
+            call["agent_id"], call["agent_type"] = self.agent
         before = await self.callback("PreToolUse")(call, tool_use_id, NO_SIGNAL)
         if before.get("hookSpecificOutput", {}).get("permissionDecision") == "deny":
             return before, None
@@ -87,7 +90,8 @@ def readme() -> dict[str, Any]:
 
 
 def test_readme_registers_the_hooks_in_real_options() -> None:
-    """The README's options are the SDK's ClaudeAgentOptions, with the guard's three callbacks on every tool."""
+    """The README's options are the SDK's ClaudeAgentOptions, with the guard's three tool callbacks on
+    every tool and its sub-agent start callback."""
     namespace = readme()
     options, hooks = namespace["options"], namespace["hooks"]
     assert isinstance(options, ClaudeAgentOptions)
@@ -95,6 +99,7 @@ def test_readme_registers_the_hooks_in_real_options() -> None:
         "PreToolUse": [(None, [hooks.pre_tool_use])],
         "PostToolUse": [(None, [hooks.post_tool_use])],
         "PostToolUseFailure": [(None, [hooks.post_tool_use_failure])],
+        "SubagentStart": [(None, [hooks.subagent_start])],
     }
 
 
@@ -270,7 +275,7 @@ async def test_the_sdk_carries_the_stop_to_the_cli() -> None:
     once the run is halted the CLI receives ``continue: false`` with the stop reason and the denial."""
     cli = ScriptedCLI()
     async with ClaudeSDKClient(readme()["options"], transport=cli):
-        assert set(cli.callback_ids) == {"PreToolUse", "PostToolUse", "PostToolUseFailure"}
+        assert set(cli.callback_ids) == {"PreToolUse", "PostToolUse", "PostToolUseFailure", "SubagentStart"}
         answers = []
         for n in range(5):
             call = {**base("PreToolUse", SESSION), "tool_name": "Grep", "tool_input": {"pattern": "TODO"},
@@ -313,3 +318,39 @@ async def test_fleet_halt_reaches_the_agent(kafka_bootstrap: str, tmp_path: Path
     assert {r.key for r in records} == {SESSION.encode()}
     assert [(e["tool"], e["outcome"], e["agent_id"], e["attrs"]["tool_call_id"], e["latency_ms"])
             for e in telemetry] == [("Bash", "error", "coding-agent", f"toolu_{n:024d}", 12) for n in range(4)]
+
+
+@pytest.mark.integration
+async def test_fleet_a_runaway_chain_of_sub_agents_is_halted_by_the_workers_tree_fold(
+        kafka_bootstrap: str, tmp_path: Path) -> None:
+    """Sub-agents spawning sub-agents through the README's hooks, published to a real worker with the
+    rules across runs: each sub-agent is its own run in the session's tree, so the worker's tree fold sees
+    the spawn by the depth-5 sub-agent (a run at depth 6) and halts the tree by the same decision the
+    runtime's own fold made (same id, same triggering spawn)."""
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=2, settings={"fleet_rules": True})
+    await asyncio.to_thread(fleet.start_worker)
+    try:
+        async with Guard.fleet(KafkaClientConfig(kafka_bootstrap), fleet.telemetry_topic, fleet.control_topic,
+                               trusted_keys=fleet.trusted_keys()) as guard:
+            local: list[dict[str, Any]] = []
+            guard.on_decision(local.append)
+            hooks = ClaudeAgentGuard(guard, agent_id="coding-agent")
+            options = {"PreToolUse": [HookMatcher(hooks=[hooks.pre_tool_use])],
+                       "PostToolUse": [HookMatcher(hooks=[hooks.post_tool_use])],
+                       "SubagentStart": [HookMatcher(hooks=[hooks.subagent_start])]}
+            agent = Agent(options)
+            start = agent.callback("SubagentStart")
+            for level in range(6):
+                await agent.call("Agent", {"prompt": f"Split the work, level {level}."}, "done")
+                await start({**base("SubagentStart", SESSION), "agent_id": f"a-{level + 1}",
+                             "agent_type": "general-purpose"}, None, NO_SIGNAL)
+                agent.agent = (f"a-{level + 1}", "general-purpose")
+        control = await consume(kafka_bootstrap, fleet.control_topic, 1, settle=1.0)
+    finally:
+        await asyncio.to_thread(fleet.stop)
+
+    [fleet_halt] = [m for m in map(orjson.loads, (r.value for r in control)) if m.get("scope") == "tree"]
+    [local_halt] = [d for d in local if d.get("scope") == "tree"]
+    assert (fleet_halt["scope"], fleet_halt["verdict"], fleet_halt["root_run_id"]) == ("tree", "tree_depth", SESSION)
+    assert fleet_halt["decision_id"] == local_halt["decision_id"]
+    assert fleet_halt["trigger_event_id"] == local_halt["trigger_event_id"]

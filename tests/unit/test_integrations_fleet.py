@@ -285,16 +285,31 @@ async def test_openai_run_hooks_end_the_run_on_a_paused_tool() -> None:
 
 # --- Claude Agent SDK -------------------------------------------------------------------------------------
 
-def pre(tool: str, tool_input: dict[str, Any], n: int = 1) -> dict[str, Any]:
-    return {"session_id": SESSION, "transcript_path": f"/home/dev/.claude/projects/app/{SESSION}.jsonl",
+def pre(tool: str, tool_input: dict[str, Any], n: int = 1, agent: tuple[str, str] | None = None) -> dict[str, Any]:
+    """A ``PreToolUse`` input; ``agent``: (agent_id, agent_type) of the sub-agent making the call."""
+    call = {"session_id": SESSION, "transcript_path": f"/home/dev/.claude/projects/app/{SESSION}.jsonl",
             "cwd": "/home/dev/app", "hook_event_name": "PreToolUse", "tool_name": tool, "tool_input": tool_input,
             "tool_use_id": f"toolu_{n:024d}"}
+    if agent is not None:
+        call["agent_id"], call["agent_type"] = agent
+    return call
+
+
+def use_id(n: int) -> str:
+    return f"toolu_{n:024d}"
+
+
+async def subagent_starts(hooks: claude_agent_sdk.ClaudeAgentGuard, agent_id: str, agent_type: str) -> None:
+    start: Any = {"session_id": SESSION, "transcript_path": f"/home/dev/.claude/projects/app/{SESSION}.jsonl",
+                  "cwd": "/home/dev/app", "hook_event_name": "SubagentStart", "agent_id": agent_id,
+                  "agent_type": agent_type}
+    assert await hooks.subagent_start(start, None, {"signal": None}) == {}
 
 
 async def claude_call(hooks: claude_agent_sdk.ClaudeAgentGuard, tool: str, tool_input: dict[str, Any],
-                      n: int = 1) -> tuple[Any, Any]:
+                      n: int = 1, agent: tuple[str, str] | None = None) -> tuple[Any, Any]:
     """(PreToolUse output, PostToolUse output or None when denied) of one call answering "done"."""
-    call: Any = pre(tool, tool_input, n)
+    call: Any = pre(tool, tool_input, n, agent)
     no_signal: Any = {"signal": None}
     before: Any = await hooks.pre_tool_use(call, call["tool_use_id"], no_signal)
     if before.get("hookSpecificOutput", {}).get("permissionDecision") == "deny":
@@ -315,13 +330,101 @@ async def test_claude_the_agent_tool_is_a_spawn_of_its_subagent_type_with_its_pr
     await claude_call(hooks, "Read", {"file_path": "/home/dev/app/README.md"}, 3)
 
     assert fields(telemetry, "run_id", "tool", "tool_class", "agent_id", "child_agent_id", "task_hash",
-                  "root_run_id") == [
+                  "root_run_id", "child_run_id") == [
         (SESSION, tool, "spawn", "coding-agent", "Explore",
-         guard.builder.args_hash("coding-agent", tool, {"task": prompt}), SESSION),
+         guard.builder.args_hash("coding-agent", tool, {"task": prompt}), SESSION, f"{SESSION}/{use_id(1)}"),
         (SESSION, tool, "spawn", "coding-agent", None,
-         guard.builder.args_hash("coding-agent", tool, {"task": "Plan the fix"}), SESSION),
-        (SESSION, "Read", None, "coding-agent", None, None, SESSION),
+         guard.builder.args_hash("coding-agent", tool, {"task": "Plan the fix"}), SESSION, f"{SESSION}/{use_id(2)}"),
+        (SESSION, "Read", None, "coding-agent", None, None, SESSION, None),
     ]
+
+
+async def test_claude_a_sub_agents_calls_are_its_own_run_a_child_of_the_run_that_spawned_it() -> None:
+    """Each sub-agent is the run its spawn named, paired by ``SubagentStart`` (or, unregistered, by its
+    first call) with the oldest unpaired spawn of its type: parallel spawns of two types, then a
+    sub-agent spawning its own; a sub-agent no spawn was seen for is a child of the session."""
+    guard = Guard.in_process()
+    telemetry = telemetry_of(guard)
+    hooks = claude_agent_sdk.ClaudeAgentGuard(guard, agent_id="coding-agent")
+    explore, plan = ("a-explore", "Explore"), ("a-plan", "Plan")
+
+    await claude_call(hooks, "Agent", {"prompt": "Map the repo.", "subagent_type": "Plan"}, 1)
+    await claude_call(hooks, "Agent", {"prompt": "Find flaky tests.", "subagent_type": "Explore"}, 2)
+    await subagent_starts(hooks, *explore)  # starts first, but pairs with the Explore spawn
+    await claude_call(hooks, "Grep", {"pattern": "flaky"}, 3, agent=explore)
+    await claude_call(hooks, "Read", {"file_path": "/home/dev/app/setup.cfg"}, 4, agent=plan)  # no SubagentStart
+    await claude_call(hooks, "Agent", {"prompt": "Rerun test_io 20 times."}, 5, agent=explore)
+    await claude_call(hooks, "Bash", {"command": "pytest -k io --count 20"}, 6, agent=("a-rerun", "general-purpose"))
+    await claude_call(hooks, "Read", {"file_path": "/etc/hosts"}, 7, agent=("a-stray", "general-purpose"))
+
+    plan_run, explore_run, rerun = (f"{SESSION}/{use_id(n)}" for n in (1, 2, 5))
+    assert fields(telemetry, "tool", "run_id", "parent_run_id", "root_run_id", "depth", "child_run_id") == [
+        ("Agent", SESSION, None, SESSION, None, plan_run),
+        ("Agent", SESSION, None, SESSION, None, explore_run),
+        ("Grep", explore_run, SESSION, SESSION, 1, None),
+        ("Read", plan_run, SESSION, SESSION, 1, None),
+        ("Agent", explore_run, SESSION, SESSION, 1, rerun),
+        ("Bash", rerun, explore_run, SESSION, 2, None),
+        ("Read", f"{SESSION}/a-stray", SESSION, SESSION, 1, None),
+    ]
+
+
+async def test_claude_a_fan_out_of_sub_agents_alerts_at_half_and_halts_the_tree_past_100_runs() -> None:
+    """The session spawns 10 leads and each lead 10 workers, all distinct tasks (no tree_recursion, and
+    no run near its own iteration ceiling): the 50th spawn takes the tree past half of ``max_tree_runs``
+    (an alert), the 100th past 100 runs (``tree_fanout``); the post hook of that spawn stops the lead,
+    the next spawn is denied and stops its lead, and any sub-agent's next call is denied."""
+    guard = Guard.in_process()
+    decisions: list[dict[str, Any]] = []
+    guard.on_decision(decisions.append)
+    telemetry = telemetry_of(guard)
+    hooks = claude_agent_sdk.ClaudeAgentGuard(guard, agent_id="coding-agent")
+
+    outputs = []
+    for lead in range(1, 11):
+        outputs.append(await claude_call(hooks, "Agent", {"prompt": f"Triage area {lead}."}, lead))
+        await subagent_starts(hooks, f"lead-{lead}", "general-purpose")
+    for lead in range(1, 11):
+        for worker in range(1, 11):
+            n = 100 + 10 * lead + worker
+            outputs.append(await claude_call(hooks, "Agent", {"prompt": f"Review issue #{lead}-{worker}."}, n,
+                                             agent=(f"lead-{lead}", "general-purpose")))
+            await subagent_starts(hooks, f"worker-{lead}-{worker}", "general-purpose")
+    denied, _ = await claude_call(hooks, "Read", {"file_path": "/home/dev/app/x.py"}, 999,
+                                  agent=("worker-2-7", "general-purpose"))
+
+    spawns = [e["event_id"] for e in telemetry if e["tool"] == "Agent"]
+    assert len(spawns) == 100
+    assert [(d["verdict"], d["action"], d["scope"], d["root_run_id"], d["trigger_event_id"], d["evidence"]["runs"])
+            for d in decisions] == [
+        ("tree_fanout", "alert", "tree", SESSION, spawns[49], 51),
+        ("tree_fanout", "halt", "tree", SESSION, spawns[99], 101),
+    ]
+    assert all(before == {} for before, _ in outputs[:100])
+    assert outputs[99][1]["continue_"] is False and "tree_fanout" in outputs[99][1]["stopReason"]
+    assert outputs[100][0]["continue_"] is False and outputs[100][1] is None
+    assert denied["continue_"] is False and "tree_fanout" in denied["stopReason"]
+
+
+async def test_claude_sub_agents_nesting_past_max_tree_depth_halt_the_tree_at_the_spawn() -> None:
+    """Each sub-agent spawns the next: the spawn by the depth-5 sub-agent would create a run at depth 6
+    (``max_tree_depth`` 5): ``tree_depth`` at that call, and the sub-agents' next calls are denied."""
+    guard = Guard.in_process()
+    decisions: list[dict[str, Any]] = []
+    guard.on_decision(decisions.append)
+    hooks = claude_agent_sdk.ClaudeAgentGuard(guard, agent_id="coding-agent")
+
+    agent = None
+    for level in range(6):  # spawned by the session (depth 0), then by sub-agents at depths 1-5
+        await claude_call(hooks, "Agent", {"prompt": f"Split the work, level {level}."}, level + 1, agent=agent)
+        agent = (f"a-{level + 1}", "general-purpose")
+        await subagent_starts(hooks, *agent)
+    denied, _ = await claude_call(hooks, "Read", {"file_path": "/home/dev/app/x.py"}, 99, agent=("a-3", "general-purpose"))
+
+    [tree] = [d for d in decisions if d.get("scope") == "tree"]
+    assert (tree["verdict"], tree["action"], tree["root_run_id"]) == ("tree_depth", "halt", SESSION)
+    assert tree["evidence"]["depth"] == 6
+    assert denied["continue_"] is False and "tree_depth" in denied["stopReason"]
 
 
 async def test_claude_the_same_task_delegated_again_and_again_halts_the_tree() -> None:
