@@ -56,6 +56,7 @@ import logging
 import os
 import random
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
@@ -74,7 +75,7 @@ from ..core import (
     decode_event,
 )
 from ..core.contract import MAX_ID_LENGTH, MAX_RETRY_BUDGET, TOOL_CLASSES, TRIGGERS
-from ..core.fleet import ThreadFold, ToolFold, TreeFold, thread_fact, tool_fact, tree_fact
+from ..core.fleet import ThreadFold, ToolFold, TreeFact, TreeFold, thread_fact, tool_fact, tree_fact
 from .errors import InvalidCall, RunHalted, ThreadHalted, ToolPaused, TreeHalted, UsageError
 from .lifecycle import StartStop
 from .listener import ControlBoard, DecisionCallback, HaltListener, read_scopes
@@ -175,6 +176,8 @@ class _LocalRules:
         self.tools = ToolFold(policy.fleet)
         self.policy = policy
         self.board = board
+        #: Spawn events whose tree fact was folded as they began, by event id (the most recent).
+        self._begun_spawns: OrderedDict[str, bool] = OrderedDict()
         board.follow_fleet(self.follow)
 
     def fold(self, event: dict[str, Any]) -> None:
@@ -185,9 +188,12 @@ class _LocalRules:
         if not evaluation.duplicate:
             tool_class = decoded.tool_class or self.policy.resolve(decoded.agent_id, decoded.tool).thresholds.tool_class
             fact = tree_fact(decoded, tool_class)
+            if fact is not None and self._begun_spawns.pop(decoded.event_id, False):
+                # Folded as the spawn began; what it cost is known only now.
+                fact = fact._replace(spawn=False, child_run_id=None, child_agent_id=None,
+                                     task_hash=None) if fact.cost_micro else None
             if fact is not None:
-                for tree_decision in self.trees.observe(fact):
-                    self.board.apply(tree_decision.to_control(), source="local")
+                self._observe_tree(fact)
             thread = thread_fact(decoded)
             if thread is not None:
                 for thread_decision in self.threads.observe(thread):
@@ -196,6 +202,25 @@ class _LocalRules:
             if tool is not None:
                 for tool_decision in self.tools.observe(tool):
                     self.board.apply(tool_decision.to_control(), source="local")
+
+    def spawn_begins(self, run_id: str, tenant: str | None, spec: _CallSpec, ts_ms: int) -> None:
+        """Fold the tree fact of a spawn-class call as it begins, as ``tree_fact`` gives it for the event
+        the call will report (at no cost yet); that event (same id) then adds only its cost."""
+        tool_class = spec.tool_class or self.policy.resolve(spec.agent_id, spec.tool).thresholds.tool_class
+        if tool_class != "spawn" or spec.event_id is None:
+            return
+        fields = spec.fleet or {}
+        self._begun_spawns[spec.event_id] = True
+        if len(self._begun_spawns) > _MAX_RUNS:
+            self._begun_spawns.popitem(last=False)
+        self._observe_tree(TreeFact(
+            fields.get("root_run_id") or run_id, run_id, spec.event_id, ts_ms, fields.get("parent_run_id"),
+            fields.get("depth"), 0, True, fields.get("child_run_id"), fields.get("child_agent_id"),
+            fields.get("task_hash"), tenant))
+
+    def _observe_tree(self, fact: TreeFact) -> None:
+        for tree_decision in self.trees.observe(fact):
+            self.board.apply(tree_decision.to_control(), source="local")
 
     def would_stop(self, event: dict[str, Any]) -> bool:
         """Whether recording ``event`` would suppress or halt, judged on a scratch copy of the run."""
@@ -735,6 +760,7 @@ class GuardedRun:
             target,
             fleet_fields,
             agent,
+            uuid.uuid4().hex if spawn is not None else None,
         )
         thresholds = self._builder.policy.resolve(agent, tool).thresholds
         side_effecting = side_effect if side_effect is not None else thresholds.side_effect
@@ -754,6 +780,11 @@ class GuardedRun:
                     extra={"run_id": self.run_id, "tool": tool},
                 )
                 return PendingCall(spec, side_effecting, thresholds.side_effect_window_ms, earlier)
+        if spawn is not None and self._local is not None:
+            # The child starts while this call runs (an agent tool returns when its sub-agent is done):
+            # its tree learns of it now, so a spawn too deep, or one too many, halts the tree before the
+            # child's first call. The event reported as the call ends has the same id and is not folded again.
+            self._local.spawn_begins(self.run_id, self.tenant, spec, now_ms)
         return PendingCall(spec, side_effecting, thresholds.side_effect_window_ms, None)
 
     async def finish(self, pending: PendingCall, result: Any = None, *, error: Exception | None = None,
@@ -833,6 +864,7 @@ class GuardedRun:
                 cost_usd=None if repeat else done.cost_usd,
                 fleet=spec.fleet if done.retry_after_ms is None or repeat
                 else {**(spec.fleet or {}), "retry_after_ms": done.retry_after_ms},
+                event_id=None if repeat else spec.event_id,
             ),
             args_hash=spec.args_hash,
         )
@@ -900,6 +932,8 @@ class _CallSpec:
     fleet: Mapping[str, Any] | None = None
     #: The agent making the call (None: the run's).
     agent_id: str | None = None
+    #: The event's id, chosen as a spawn begins (its tree fact is folded then); None: chosen as it ends.
+    event_id: str | None = None
 
     @property
     def key(self) -> tuple[str, str]:

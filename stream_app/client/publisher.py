@@ -90,6 +90,8 @@ class FinishedCall:
     #: ``thread_key``, ``trigger``, ``caused_by_run_id``) and a spawn's (``child_run_id``,
     #: ``child_agent_id``, ``task_hash``), already checked.
     fleet: Mapping[str, Any] | None = None
+    #: The event's id if chosen before the call ended (a spawn, folded into its tree as it starts), else new.
+    event_id: str | None = None
 
 
 class TelemetryBuilder:
@@ -122,7 +124,8 @@ class TelemetryBuilder:
         event: dict[str, Any] = {
             "schema_version": "1",
             "run_id": call.run_id,
-            "event_id": uuid.uuid4().hex,  # unique across processes: a restarted run is never deduplicated
+            # unique across processes: a restarted run is never deduplicated
+            "event_id": call.event_id or uuid.uuid4().hex,
             "tool": call.tool,
             "ts_ms": call.ts_ms,
             "outcome": call.outcome,

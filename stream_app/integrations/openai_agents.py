@@ -30,11 +30,14 @@ Sub-agents, for the rules across agents:
   the agent handed to as ``child_agent_id``. The hook gets no ``RunConfig``, so its run is ``run_id``, else
   the trace's group id, else the trace id: a run named only by its group id with tracing off cannot be
   told, and its handoffs go unreported (warned once; pass ``run_id=``). The call's ``agent_id`` is the
-  run's (``agent_id=``), not the agent handing off: the SDK takes a run's agent once, at ``Guard.run``, so
-  ``handoff_loop``, which compares the agents of consecutive handoffs, cannot see A->B->A from here yet.
+  agent handing off, so ``handoff_loop`` sees A->B->A.
 - An agent used as a tool (``agent.as_tool(...)``) is a spawn-class call: ``child_agent_id`` is the
-  sub-agent's name, the task its input. The sub-agent's own calls (hooks passed to ``as_tool``) stay in
-  the calling run, as before: the nested run has no id of its own to put in the tree.
+  sub-agent's name, the task its input, and ``child_run_id`` is ``<run>/<call id>``: the sub-agent's run,
+  a child of the calling run in its tree. The guard wraps the tool's ``on_invoke_tool`` once so that the
+  nested ``Runner.run`` carries that lineage (a context variable): the sub-agent's calls, seen by the
+  hooks passed to ``as_tool(hooks=...)`` or the guardrails on its tools, go to the child run, and its own
+  agent tools nest deeper. So ``tree_depth``, ``tree_fanout`` and ``tree_recursion`` see the tree that
+  agents calling agents build, and halt all of it.
 
 A paused tool (``ToolPaused``: a storm on its upstream, or this run's own transient streak) is not a halt:
 the guardrails answer the model that the call was not made and when to retry, and the run goes on. Run
@@ -44,12 +47,14 @@ hooks cannot skip a tool: they end the run with ``AgentToolPaused``, a ``ToolPau
 
 from __future__ import annotations
 
+import contextvars
+import hashlib
 import logging
 import re
 import time
 import weakref
-from collections.abc import Callable
-from typing import Any, Final
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, NamedTuple
 
 import orjson
 from agents import (
@@ -71,6 +76,7 @@ from agents.tracing import get_current_trace
 
 from .. import client
 from ..client import CallIds, Guard, GuardedRun, InvalidCall, PendingCall, RunHalted, Spawn, ToolPaused
+from ..core.contract import MAX_ID_LENGTH
 
 __all__ = [
     "AgentRunHalted",
@@ -91,9 +97,28 @@ _SDK_TRACE_ID: Final = re.compile(r"trace_([0-9a-f]{32})")
 _FAILED: weakref.WeakKeyDictionary[RunContextWrapper[Any], Exception] = weakref.WeakKeyDictionary()
 
 
+class _Child(NamedTuple):
+    """The run of a sub-agent an agent tool runs: its id, the calling run, and their tree's root."""
+
+    run_id: str
+    parent_run_id: str
+    root_run_id: str
+
+
+#: The child run each guarded agent-tool call starts, and the guard that began the call, by its tool
+#: context, until the tool is invoked.
+_SPAWNED: weakref.WeakKeyDictionary[RunContextWrapper[Any], tuple[_Child, _ToolCalls]] = weakref.WeakKeyDictionary()
+#: The child run whose nested ``Runner.run`` this is (set by the agent tool's wrapped invoke), else None.
+_CHILD: contextvars.ContextVar[_Child | None] = contextvars.ContextVar("loopwarden_child_run", default=None)
+
+
 def tool_failed(context: RunContextWrapper[Any], error: Exception) -> str:
-    """A ``failure_error_function`` for ``function_tool``: marks the call failed, so the guard reports
-    its error, and answers the model as the SDK's default does."""
+    """A ``failure_error_function`` for ``function_tool`` and ``as_tool``: marks the call failed, so the
+    guard reports its error, and answers the model as the SDK's default does. A halt raised in a
+    sub-agent's nested run (``RunHalted``: its tree was halted) is raised on: the calling run is in the
+    same tree, so the whole ``Runner.run`` ends, not just the sub-agent."""
+    if isinstance(error, RunHalted):
+        raise error
     _FAILED[context] = error
     return default_tool_error_function(context, error)
 
@@ -154,16 +179,29 @@ class _ToolCalls:
         """``GuardedRun.begin`` for this call (``RunHalted``, ``ToolPaused`` propagate); remembered until it
         ends unless it is a suppressed duplicate, which is already reported. ``tool``: the called tool, if
         known; an agent's ``as_tool`` makes the call a spawn."""
-        run = self.guard.run(self._run_of(context), self.agent_id, self.tenant)
+        run = self._guarded(context)
         w3c = _SDK_TRACE_ID.fullmatch(_sdk_trace_id() or "")
         ids = CallIds(tool_call_id=context.tool_call_id, trace_id=w3c.group(1) if w3c else None)
         args = _arguments(context.tool_arguments)
         sub_agent = _sub_agent(tool)
-        spawn = None if sub_agent is None else Spawn(child_agent_id=sub_agent, task=_task(args))
+        child = None if sub_agent is None else _child_id(run.run_id, context.tool_call_id)
+        spawn = None if sub_agent is None else Spawn(child_run_id=child, child_agent_id=sub_agent, task=_task(args))
         pending = await run.begin(context.tool_name, args, ids=ids, spawn=spawn)
         if pending.earlier is None:
             self._pending[run.run_id, context.tool_call_id] = (run, pending, time.perf_counter())
+            if child is not None:
+                _SPAWNED[context] = (_Child(child, run.run_id, run.root_run_id), self)
+                _carry_lineage(tool)
         return run, pending
+
+    def _guarded(self, context: RunContextWrapper[Any]) -> GuardedRun:
+        """The guarded run of a call: the child run of the agent tool running this nested run, if any,
+        else ``_run_of``'s. Raises ``TreeHalted`` for a new child of a halted tree."""
+        child = _CHILD.get()
+        if child is None:
+            return self.guard.run(self._run_of(context), self.agent_id, self.tenant)
+        return self.guard.run(child.run_id, self.agent_id, self.tenant, parent_run_id=child.parent_run_id,
+                              root_run_id=child.root_run_id)
 
     async def _finish(self, context: ToolContext[Any], result: Any) -> GuardedRun | None:
         """Reports the call's end: its error if ``tool_failed`` saw one, else its result; its run (None: not begun here)."""
@@ -177,7 +215,11 @@ class _ToolCalls:
 
     def _run_of(self, context: RunContextWrapper[Any], required: bool = True) -> str:
         """The call's run id: ``run_id`` (or what it returns), else the group id (the tool's run config, or
-        the trace's for a context without one), else the trace id. ``required=False``: "" if none."""
+        the trace's for a context without one), else the trace id; in a sub-agent's nested run, that
+        child run. ``required=False``: "" if none."""
+        child = _CHILD.get()
+        if child is not None:
+            return child.run_id
         if callable(self._run_id):
             return self._run_id(context)
         if isinstance(context, ToolContext):
@@ -235,7 +277,7 @@ class LoopwardenRunHooks(_ToolCalls, RunHooks[Any]):
             return
         w3c = _SDK_TRACE_ID.fullmatch(_sdk_trace_id() or "")
         try:
-            run = self.guard.run(run_id, self.agent_id, self.tenant)
+            run = self._guarded(context)
             pending = await run.begin(_handoff_tool(from_agent, to_agent), tool_class="handoff", agent_id=from_agent.name,
                                       spawn=Spawn(child_agent_id=to_agent.name),
                                       ids=CallIds(trace_id=w3c.group(1) if w3c else None))
@@ -316,6 +358,41 @@ def _sub_agent(tool: Any) -> str | None:
         return None
     name = getattr(getattr(tool, "_agent_instance", None), "name", None)
     return name if isinstance(name, str) and name else None
+
+
+def _child_id(run_id: str, call_id: str) -> str:
+    """A sub-agent's run id: ``<run>/<call id>``, or a hash of it past the id length limit."""
+    child = f"{run_id}/{call_id}"
+    return child if len(child) <= MAX_ID_LENGTH else hashlib.sha256(child.encode()).hexdigest()
+
+
+def _carry_lineage(tool: Any) -> None:
+    """Wrap an agent tool's ``on_invoke_tool`` (once) so that the nested run it starts runs as the child
+    run its guarded call named (``_CHILD``); a call no guard began leaves the lineage as it is. A halt
+    that ends the nested run ends the agent-tool call too: it is reported failed with it (no hook sees
+    its end), then raised on."""
+    invoke: Callable[[ToolContext[Any], str], Awaitable[Any]] = tool.on_invoke_tool
+    if getattr(invoke, "_loopwarden_lineage", False):
+        return
+
+    async def on_invoke_tool(context: ToolContext[Any], arguments: str) -> Any:
+        spawned = _SPAWNED.pop(context, None)
+        if spawned is None:
+            return await invoke(context, arguments)
+        child, calls = spawned
+        token = _CHILD.set(child)
+        try:
+            return await invoke(context, arguments)
+        except RunHalted as halted:
+            error = halted
+        finally:
+            _CHILD.reset(token)
+        _FAILED[context] = error
+        await calls._finish(context, None)
+        raise error
+
+    on_invoke_tool._loopwarden_lineage = True  # type: ignore[attr-defined]
+    tool.on_invoke_tool = on_invoke_tool
 
 
 def _tool_of(agent: Any, name: str) -> Any:

@@ -77,6 +77,40 @@ async def test_the_third_spawn_of_the_same_task_halts_the_tree_and_distinct_task
     assert root.decision["evidence"]["spawns"] == 3
 
 
+async def test_a_spawn_is_folded_as_it_begins_so_a_nested_sub_agent_is_stopped_inside_it() -> None:
+    """Frameworks whose spawn call returns when its sub-agent is done (agents as tools, Claude's Agent
+    tool): each level's spawn is still running when the next begins. The tree learns of a spawn as it
+    begins, so the spawn that would start level 6 halts the tree and the level-6 child is refused at
+    ``Guard.run`` before it runs a call; the spawns' ends (reported after) count neither a spawn nor a
+    run again, only their cost: six of $0.30 pass $1.70 at the sixth end, not before."""
+    guard, events = _guard(max_tree_cost_usd=1.7)
+    decisions: list[dict[str, Any]] = []
+    guard.on_decision(decisions.append)
+    refused: list[str] = []
+
+    async def level(run: Any, depth: int) -> None:
+        pending = await run.begin("Task", {"prompt": f"level {depth + 1}"},
+                                  spawn=Spawn(child_run_id=f"kid{depth + 1}", task=f"level {depth + 1}"))
+        try:
+            child = run.child(f"kid{depth + 1}")
+        except TreeHalted as halted:
+            refused.append(halted.run_id)
+        else:
+            await level(child, depth + 1)
+        await run.finish(pending, "done", cost_usd=0.3)
+
+    await level(guard.run("root"), 0)
+
+    spawns = [e for e in events if e["tool"] == "Task"]
+    assert [e["run_id"] for e in spawns] == ["kid5", "kid4", "kid3", "kid2", "kid1", "root"]  # as they end
+    assert refused == ["kid6"]
+    assert [(d["verdict"], d["trigger_event_id"]) for d in decisions] == [
+        ("tree_depth", spawns[0]["event_id"]),  # kid5's spawn, decided as it began
+        ("tree_budget", spawns[5]["event_id"]),  # $1.80 > $1.70 at the sixth end
+    ]
+    assert decisions[0]["evidence"]["depth"] == 6 and decisions[1]["evidence"]["cost_usd"] == 1.8
+
+
 async def test_every_event_says_which_tree_it_is_in() -> None:
     guard, events = _guard()
     root = guard.run("root", agent_id="lead", tenant="acme", thread_key="pr-7", trigger="user")

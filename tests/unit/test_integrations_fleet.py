@@ -230,6 +230,144 @@ async def test_openai_an_agent_used_as_a_tool_is_a_spawn_of_the_sub_agent(guarde
         ("lookup_order", None, "lead", None, None, "success"),
     ]
     assert telemetry[0]["attrs"] == {"tool_call_id": "call-1"}
+    assert telemetry[0]["child_run_id"] == "conv-t/call-1"
+
+
+@pytest.mark.usefixtures("offline")
+@pytest.mark.parametrize("guarded_by", ["hooks", "guardrails"])
+async def test_openai_a_sub_agents_calls_are_the_child_run_its_agent_tool_named(guarded_by: str) -> None:
+    """The sub-agent an agent tool runs is the run ``<run>/<call id>`` its spawn named, a child of the
+    calling run: its calls (seen by the hooks passed to ``as_tool`` or the guardrails on its tools) go
+    there, its own agent tool nests one level deeper, and the caller's next call is its own again."""
+    guard = Guard.in_process()
+    telemetry = telemetry_of(guard)
+
+    @function_tool(failure_error_function=openai_agents.tool_failed)
+    def lookup_order(order: str) -> str:
+        """Look an order up."""
+        return "shipped"
+
+    hooks = guardrails = None
+    if guarded_by == "guardrails":
+        guardrails = openai_agents.LoopwardenToolGuardrails(guard, "conv-s", agent_id="lead")
+        lookup_order.tool_input_guardrails = [guardrails.input]
+        lookup_order.tool_output_guardrails = [guardrails.output]
+    else:
+        hooks = openai_agents.LoopwardenRunHooks(guard, "conv-s", agent_id="lead")
+
+    def agent_tool(agent: Agent[Any], name: str) -> Any:
+        tool = agent.as_tool(name, f"Ask {agent.name}.", hooks=hooks, failure_error_function=openai_agents.tool_failed)
+        if guardrails is not None:
+            tool.tool_input_guardrails, tool.tool_output_guardrails = [guardrails.input], [guardrails.output]
+        return tool
+
+    clerk: Agent[Any] = Agent(name="clerk", tools=[lookup_order], model=ScriptedModel(
+        calling("lookup_order", {"order": "8"}, "call-c1"), answer("shipped")))
+    researcher: Agent[Any] = Agent(name="researcher", tools=[agent_tool(clerk, "clerk"), lookup_order],
+                                   model=ScriptedModel(calling("lookup_order", {"order": "7"}, "call-r1"),
+                                                       calling("clerk", {"input": "order 8?"}, "call-r2"),
+                                                       answer("7 and 8 shipped")))
+    lead: Agent[Any] = Agent(name="lead", tools=[agent_tool(researcher, "research"), lookup_order], model=ScriptedModel(
+        calling("research", {"input": "orders 7 and 8?"}, "call-1"), calling("lookup_order", {"order": "9"}, "call-2"),
+        answer("All shipped.")))
+
+    result = await Runner.run(lead, "Where are my orders?", hooks=hooks)
+
+    assert result.final_output == "All shipped."
+    researcher_run, clerk_run = "conv-s/call-1", "conv-s/call-1/call-r2"
+    assert fields(telemetry, "tool", "run_id", "parent_run_id", "root_run_id", "depth", "child_run_id",
+                  "child_agent_id") == [
+        # reported as they end: an agent-tool call after its sub-agent's calls
+        ("lookup_order", researcher_run, "conv-s", "conv-s", 1, None, None),
+        ("lookup_order", clerk_run, researcher_run, "conv-s", 2, None, None),
+        ("clerk", researcher_run, "conv-s", "conv-s", 1, clerk_run, "clerk"),
+        ("research", "conv-s", None, "conv-s", None, researcher_run, "researcher"),
+        ("lookup_order", "conv-s", None, "conv-s", None, None, None),
+    ]
+    assert [e["outcome"] for e in telemetry] == ["success"] * 5
+
+
+def _delegating(depth: int, runs: list[str], hooks: Any) -> Agent[Any]:
+    """Agent ``level-0`` hands the work to ``level-1`` as a tool, which hands it to ``level-2``, ... down
+    to ``level-<depth>``, which looks an order up (recorded in ``runs``)."""
+
+    @function_tool(failure_error_function=openai_agents.tool_failed)
+    def lookup_order(order: str) -> str:
+        """Look an order up."""
+        runs.append(order)
+        return "shipped"
+
+    agent: Agent[Any] = Agent(name=f"level-{depth}", tools=[lookup_order], model=ScriptedModel(
+        calling("lookup_order", {"order": "7"}, f"call-{depth}-1"), answer("shipped")))
+    for level in range(depth - 1, -1, -1):
+        sub = agent.as_tool(f"ask_level_{level + 1}", "Delegate.", hooks=hooks,
+                            failure_error_function=openai_agents.tool_failed)
+        agent = Agent(name=f"level-{level}", tools=[sub], model=ScriptedModel(
+            calling(f"ask_level_{level + 1}", {"input": f"split level {level}"}, f"call-{level}-1"), answer("done")))
+    return agent
+
+
+@pytest.mark.usefixtures("offline")
+async def test_openai_agents_calling_agents_past_max_tree_depth_halt_the_tree() -> None:
+    """Agents as tools nested 6 deep: the agent-tool call of the depth-5 sub-agent would start a run at
+    depth 6 (``max_tree_depth`` 5): ``tree_depth`` at that call; the depth-6 sub-agent's call is refused
+    (the tool never runs) and the halt ends the whole ``Runner.run``."""
+    guard = Guard.in_process()
+    decisions: list[dict[str, Any]] = []
+    guard.on_decision(decisions.append)
+    telemetry = telemetry_of(guard)
+    runs: list[str] = []
+    hooks = openai_agents.LoopwardenRunHooks(guard, "conv-d", agent_id="lead")
+
+    with pytest.raises(openai_agents.AgentRunHalted, match="tree_depth") as halted:
+        await Runner.run(_delegating(6, runs, hooks), "Ship it.", hooks=hooks)
+
+    [tree] = decisions
+    assert (tree["scope"], tree["verdict"], tree["root_run_id"], tree["evidence"]["depth"]) == (
+        "tree", "tree_depth", "conv-d", 6)
+    # The halt unwinds the agent-tool calls, each reported failed as it ends, the deepest first.
+    assert [(e["tool"], e.get("depth"), e["outcome"]) for e in telemetry] == [
+        (f"ask_level_{level}", level - 1 or None, "error") for level in range(6, 0, -1)]
+    assert tree["trigger_event_id"] == telemetry[0]["event_id"] and runs == []
+    assert halted.value.run_id == "conv-d/call-0-1/call-1-1/call-2-1/call-3-1/call-4-1/call-5-1"
+
+
+@pytest.mark.usefixtures("offline")
+async def test_openai_a_fan_out_of_sub_agents_alerts_at_half_and_halts_the_tree_past_100_runs() -> None:
+    """A lead asks 10 area leads (agents as tools), each of which asks its reviewer 10 distinct questions:
+    the 50th agent-tool call takes the tree past half of ``max_tree_runs`` (an alert), the 100th past
+    100 runs (``tree_fanout``), and the next one is refused, ending the run."""
+    guard = Guard.in_process()
+    decisions: list[dict[str, Any]] = []
+    guard.on_decision(decisions.append)
+    telemetry = telemetry_of(guard)
+    hooks = openai_agents.LoopwardenRunHooks(guard, "conv-f", agent_id="lead")
+    areas = []
+    for area in range(1, 11):
+        reviewer: Agent[Any] = Agent(name=f"reviewer-{area}", model=ScriptedModel(*(answer("ok") for _ in range(10))))
+        ask = reviewer.as_tool("review", "Review an issue.", hooks=hooks, failure_error_function=openai_agents.tool_failed)
+        areas.append(Agent(name=f"area-{area}", tools=[ask], model=ScriptedModel(
+            *(calling("review", {"input": f"issue {area}-{n}"}, f"call-{area}-{n}") for n in range(1, 11)),
+            answer("reviewed"))).as_tool(f"area_{area}", "Review an area.", hooks=hooks,
+                                         failure_error_function=openai_agents.tool_failed))
+    lead: Agent[Any] = Agent(name="lead", tools=areas, model=ScriptedModel(
+        *(calling(f"area_{area}", {"input": f"area {area}"}, f"call-{area}") for area in range(1, 11)),
+        answer("done")))
+
+    with pytest.raises(openai_agents.AgentRunHalted, match="tree_fanout"):
+        await Runner.run(lead, "Review everything.", hooks=hooks)
+
+    # Reported as they end; decided as they begin: area 1, its 10 reviews, area 2, ...
+    event_of = {e["attrs"]["tool_call_id"]: e for e in telemetry if e["tool_class"] == "spawn"}
+    begun = [call for area in range(1, 11) for call in (f"call-{area}", *(f"call-{area}-{n}" for n in range(1, 11)))]
+    assert set(event_of) == set(begun[:100])  # the area-10 agent was refused its first call, the 101st spawn
+    spawns = [event_of[call]["event_id"] for call in begun[:100]]
+    assert event_of["call-10"]["outcome"] == "error"  # ended by the halt
+    assert [(d["verdict"], d["action"], d["scope"], d["root_run_id"], d["trigger_event_id"], d["evidence"]["runs"])
+            for d in decisions] == [
+        ("tree_fanout", "alert", "tree", "conv-f", spawns[49], 51),
+        ("tree_fanout", "halt", "tree", "conv-f", spawns[99], 101),
+    ]
 
 
 def _search_tool(runs: list[int], **options: Any) -> Any:
