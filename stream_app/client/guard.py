@@ -60,7 +60,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from ..bus.clock import wall_clock_ms
@@ -813,6 +813,20 @@ class GuardedRun:
             self._remember(pending.spec.key, done)
         await self._record(self._event(pending.spec, done, end_ms, latency_ms))
         return value
+
+    def spawned(self, pending: PendingCall, spawn: Spawn) -> PendingCall:
+        """The call in progress ``pending`` as a spawn-class call that started ``spawn``'s child, for a
+        framework that learns only while a call runs that it runs a sub-agent (a tool invoking an
+        agent). Its tree learns of the spawn now, as ``begin`` tells it of one; ``finish`` the returned
+        call. A call begun as a spawn (or marked before) is returned as it is."""
+        spec = pending.spec
+        if spec.event_id is not None:
+            return pending
+        spec = replace(spec, tool_class="spawn", fleet={**(spec.fleet or {}), **self._spawn_fields(spec.tool, spawn, spec.agent_id)},
+                       event_id=uuid.uuid4().hex)
+        if self._local is not None:
+            self._local.spawn_begins(self.run_id, self.tenant, spec, self._clock())
+        return replace(pending, spec=spec)
 
     def _spawn_fields(self, tool: str, spawn: Spawn, agent: str | None) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -29,7 +29,10 @@ tool) is a sub-agent, so its tool calls go to a child run of the calling run, in
 (``parent_run_id``; ``root_run_id`` the outermost run, also when the nesting goes deeper): the tree rules
 see it, and its calls do not count toward its caller's loops and ceiling. The child run is the tool
 call's: the handler names it by the tool's LangChain run UUID, the middleware by an id of its own; a
-thread id the sub-agent inherited from its caller's config does not name it. A subgraph that is a node
+thread id the sub-agent inherited from its caller's config does not name it. The tool call becomes a
+spawn-class call as the sub-agent starts (``GuardedRun.spawned``: the child run, the call's arguments as
+the task), so its tree learns of it before the sub-agent's first call: a spawn nesting too deep, one too
+many, or the 3rd delegation of the same task halts the tree. A subgraph that is a node
 of its parent graph, not run by a tool, is a step of the same run, as are the graph's own nested chains:
 flat use is one run, as before. The handler sees the nesting through LangChain's parent run ids; the
 middleware through the tool call it is running, so both the calling agent and the sub-agent need a
@@ -71,6 +74,7 @@ from ..client import (
     GuardedRun,
     PendingCall,
     RunHalted,
+    Spawn,
     ToolOutcome,
     ToolPaused,
     UsageError,
@@ -88,10 +92,21 @@ ToolResult = ToolMessage | Command[Any]
 _REMEMBERED = 1_000
 #: LangChain logs every exception a callback raises, at WARNING, however often the same halt is refused.
 _CALLBACK_LOGGER = "langchain_core.callbacks.manager"
-#: The middleware's tool call in progress, (its run id, the id of the child run a sub-agent it runs gets);
-#: a context variable, so that an agent the tool invokes (on this thread or a task) sees it.
-_TOOL_CALL: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("loopwarden_tool_call",
-                                                                                    default=None)
+
+
+class _ToolCall:
+    """The middleware's tool call in progress: its run, the call (a spawn once a sub-agent starts in
+    it), and the id of the child run a sub-agent it runs gets."""
+
+    __slots__ = ("child_run_id", "pending", "run")
+
+    def __init__(self, run: GuardedRun, pending: PendingCall) -> None:
+        self.run, self.pending, self.child_run_id = run, pending, str(uuid.uuid4())
+
+
+#: The middleware's tool call in progress; a context variable, so that an agent the tool invokes (on this
+#: thread or a task) sees it.
+_TOOL_CALL: contextvars.ContextVar[_ToolCall | None] = contextvars.ContextVar("loopwarden_tool_call", default=None)
 
 
 class _OnceFilter(logging.Filter):
@@ -135,6 +150,19 @@ class _Bridge:
     def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
         self.loop = loop
         self._lock = threading.Lock()
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` (sync guard work) where the guard's coroutines run: under the lock, or on ``loop``."""
+        if self.loop is None:
+            with self._lock:
+                return fn()
+        if _running_loop() is self.loop:
+            return fn()
+
+        async def on_loop() -> T:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(on_loop(), self.loop).result()
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         if self.loop is None:
@@ -192,6 +220,9 @@ class LoopwardenCallbackHandler(BaseCallbackHandler):
         calling = self._pending.get(parent_run_id)
         if calling is not None:  # run by a tool call: a sub-agent, in a child run of the calling run
             self._children[run_id] = (str(parent_run_id), calling[0].run_id)
+            run, pending, started = calling
+            spawn = Spawn(child_run_id=str(parent_run_id), task=pending.args)
+            self._pending[parent_run_id] = (run, self._bridge.call(lambda: run.spawned(pending, spawn)), started)
         elif parent_run_id in self._children:
             self._children[run_id] = self._children[parent_run_id]
 
@@ -306,7 +337,10 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
         invocation = uuid.uuid4().hex
         calling = _TOOL_CALL.get()
         if calling is not None:  # run by a guarded agent's tool call: a sub-agent, in a child run of that run
-            return {"loopwarden_run_id": calling[1], "loopwarden_parent_run_id": calling[0],
+            run, pending = calling.run, calling.pending
+            spawn = Spawn(child_run_id=calling.child_run_id, task=pending.args)
+            calling.pending = self._bridge.call(lambda: run.spawned(pending, spawn))
+            return {"loopwarden_run_id": calling.child_run_id, "loopwarden_parent_run_id": run.run_id,
                     "loopwarden_invocation": invocation}
         info = runtime.execution_info
         run_id = (info.thread_id or info.run_id) if info is not None else None
@@ -325,17 +359,18 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
         if pending.earlier is not None:
             return _replayed(request, pending)
         started = time.perf_counter()
-        calling = _TOOL_CALL.set((run.run_id, str(uuid.uuid4())))
+        calling = _ToolCall(run, pending)
+        token = _TOOL_CALL.set(calling)
         try:
             result = handler(request)
         except GraphBubbleUp:
             raise  # an interrupt pauses the call, which runs again on resume; it did not fail
         except Exception as exc:
-            self._bridge.run(run.finish(pending, error=exc, latency_ms=_ms_since(started)))
+            self._bridge.run(run.finish(calling.pending, error=exc, latency_ms=_ms_since(started)))
             raise
         finally:
-            _TOOL_CALL.reset(calling)
-        self._bridge.run(run.finish(pending, _reported(result), latency_ms=_ms_since(started)))
+            _TOOL_CALL.reset(token)
+        self._bridge.run(run.finish(calling.pending, _reported(result), latency_ms=_ms_since(started)))
         return _advised(result, run.take_advice())
 
     async def awrap_tool_call(
@@ -351,17 +386,18 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
         if pending.earlier is not None:
             return _replayed(request, pending)
         started = time.perf_counter()
-        calling = _TOOL_CALL.set((run.run_id, str(uuid.uuid4())))
+        calling = _ToolCall(run, pending)
+        token = _TOOL_CALL.set(calling)
         try:
             result = await handler(request)
         except GraphBubbleUp:
             raise
         except Exception as exc:
-            await run.finish(pending, error=exc, latency_ms=_ms_since(started))
+            await run.finish(calling.pending, error=exc, latency_ms=_ms_since(started))
             raise
         finally:
-            _TOOL_CALL.reset(calling)
-        await run.finish(pending, _reported(result), latency_ms=_ms_since(started))
+            _TOOL_CALL.reset(token)
+        await run.finish(calling.pending, _reported(result), latency_ms=_ms_since(started))
         return _advised(result, run.take_advice())
 
     @contextmanager

@@ -30,7 +30,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_types import CallToolResult, TextContent
 from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage, ResponseOutputText
 
-from stream_app.client import Guard, GuardedRun, ToolPaused
+from stream_app.client import Guard, GuardedRun, ToolPaused, TreeHalted
 from stream_app.integrations import claude_agent_sdk, langchain, mcp, openai_agents
 
 SESSION = "5b0c9a52-1f7e-4c47-9f0e-2d1d8a7f3c11"
@@ -622,8 +622,8 @@ def lookup_order(order: str) -> str:
 
 
 def nested_agents(guard: Guard, *, middleware: bool, levels: int = 2) -> Any:
-    """``levels`` agents, each one's ``delegate`` tool invoking the next (sync or async alike); the
-    innermost looks an order up. Guarded by ``LoopwardenMiddleware`` each, or by the caller's handler."""
+    """``levels`` agents, each one's ``delegate`` tool invoking the next with a question of its own (sync
+    or async alike); the innermost looks an order up. Guarded by ``LoopwardenMiddleware`` each, or by the caller's handler."""
     guarded = [langchain.LoopwardenMiddleware(guard)] if middleware else []
     agent = create_agent(chat(asking("lookup_order", {"order": "7"}, "inner-1"), AIMessage(content="shipped")),
                          [StructuredTool.from_function(lookup_order, description="Look an order up.")],
@@ -638,7 +638,7 @@ def nested_agents(guard: Guard, *, middleware: bool, levels: int = 2) -> Any:
             return str((await inner.ainvoke({"messages": [("user", question)]}))["messages"][-1].content)
 
         tool = StructuredTool.from_function(delegate, coroutine=adelegate, name="delegate", description="Delegate.")
-        agent = create_agent(chat(asking("delegate", {"question": "where is 7?"}, f"call-{level}"),
+        agent = create_agent(chat(asking("delegate", {"question": f"where is 7? ({level})"}, f"call-{level}"),
                                   AIMessage(content="done")), [tool], middleware=guarded)
     return agent
 
@@ -664,16 +664,86 @@ def test_langchain_an_agent_run_by_a_tool_is_a_child_run_rooted_at_the_outermost
 
     assert invoke(agent, config, mode)["messages"][-1].content == "done"
 
-    # Each call is reported when it ends: the innermost first.
+    # Each call is reported when it ends: the innermost first. A delegate is a spawn of the run its
+    # sub-agent's calls went to, the task its arguments.
     lookup, inner_delegate, outer_delegate = telemetry
-    assert fields(telemetry, "tool", "root_run_id", "depth") == [
-        ("lookup_order", "thread-7", 2), ("delegate", "thread-7", 1), ("delegate", "thread-7", None)]
+    assert fields(telemetry, "tool", "root_run_id", "depth", "tool_class") == [
+        ("lookup_order", "thread-7", 2, None), ("delegate", "thread-7", 1, "spawn"),
+        ("delegate", "thread-7", None, "spawn")]
     assert (outer_delegate["run_id"], outer_delegate.get("parent_run_id")) == ("thread-7", None)
     assert inner_delegate["parent_run_id"] == "thread-7"
     assert lookup["parent_run_id"] == inner_delegate["run_id"] not in ("thread-7", lookup["run_id"])
+    assert (outer_delegate["child_run_id"], inner_delegate["child_run_id"]) == (inner_delegate["run_id"],
+                                                                                 lookup["run_id"])
+    assert outer_delegate["task_hash"] == guard.builder.args_hash(None, "delegate",
+                                                                  {"task": {"question": "where is 7? (2)"}})
     assert guard.run(lookup["run_id"]).root_run_id == "thread-7"
     if guarded_by == "handler":  # one trace: the outermost LangChain run's
         assert len({e["trace_id"] for e in telemetry}) == 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("guarded_by", ["middleware", "handler"])
+def test_langchain_agents_delegating_past_max_tree_depth_halt_the_tree_before_the_deepest_call(
+        guarded_by: str, mode: str) -> None:
+    """Seven agents deep: the delegate of the depth-5 agent starts a sub-agent at depth 6 (``max_tree_depth``
+    5): ``tree_depth`` as that sub-agent starts, so its lookup never runs; the halt leaves ``invoke`` and
+    the unwound delegates are reported failed, the one that triggered it first."""
+    guard = Guard.in_process()
+    decisions: list[dict[str, Any]] = []
+    guard.on_decision(decisions.append)
+    telemetry = telemetry_of(guard)
+    agent = nested_agents(guard, middleware=guarded_by == "middleware", levels=7)
+    config: dict[str, Any] = {"configurable": {"thread_id": "thread-deep"}}
+    if guarded_by == "handler":
+        config["callbacks"] = [langchain.LoopwardenCallbackHandler(guard)]
+
+    with pytest.raises(TreeHalted, match="tree_depth"):
+        invoke(agent, config, mode)
+
+    [tree] = decisions
+    assert (tree["verdict"], tree["root_run_id"], tree["evidence"]["depth"]) == ("tree_depth", "thread-deep", 6)
+    assert fields(telemetry, "tool", "depth", "outcome") == [
+        ("delegate", depth or None, "error") for depth in range(5, -1, -1)]  # no lookup_order ran
+    assert tree["trigger_event_id"] == telemetry[0]["event_id"]
+
+
+@pytest.mark.parametrize("guarded_by", ["middleware", "handler"])
+def test_langchain_the_same_task_delegated_a_third_time_halts_the_tree(guarded_by: str) -> None:
+    """A supervisor delegating the same question three times (``tree_task_repeats``): ``tree_recursion``
+    as the third sub-agent starts; its call is refused and the halt leaves ``invoke``."""
+    guard = Guard.in_process()
+    decisions: list[dict[str, Any]] = []
+    guard.on_decision(decisions.append)
+    guarded = [langchain.LoopwardenMiddleware(guard)] if guarded_by == "middleware" else []
+    looked_up: list[str] = []
+
+    def lookup(order: str) -> str:
+        looked_up.append(order)
+        return "shipped"
+
+    def worker() -> Any:
+        return create_agent(chat(asking("lookup_order", {"order": "7"}, "w-1"), AIMessage(content="shipped")),
+                            [StructuredTool.from_function(lookup, name="lookup_order", description="Look up.")],
+                            middleware=guarded)
+
+    def delegate(question: str) -> str:
+        return str(worker().invoke({"messages": [("user", question)]})["messages"][-1].content)
+
+    supervisor = create_agent(chat(*(asking("delegate", {"question": "where is 7?"}, f"s-{n}") for n in range(1, 5)),
+                                   AIMessage(content="done")),
+                              [StructuredTool.from_function(delegate, name="delegate", description="Delegate.")],
+                              middleware=guarded)
+    config: dict[str, Any] = {"configurable": {"thread_id": "thread-sup"}}
+    if guarded_by == "handler":
+        config["callbacks"] = [langchain.LoopwardenCallbackHandler(guard)]
+
+    with pytest.raises(TreeHalted, match="tree_recursion"):
+        supervisor.invoke({"messages": [("user", "Where is order 7?")]}, config)
+
+    [tree] = decisions
+    assert (tree["verdict"], tree["root_run_id"], tree["evidence"]["spawns"]) == ("tree_recursion", "thread-sup", 3)
+    assert looked_up == ["7", "7"]
 
 
 def test_langchain_flat_use_is_one_run_without_lineage() -> None:
