@@ -474,6 +474,18 @@ type ToolFactTuple<'a> = (
     Vec<&'a str>,
 );
 
+/// A batch's summed tool fact: the fact, and the source offsets of its calls and of its transient
+/// failures, ascending (`core.fleet.ToolFact`'s `offsets`, `transient_offsets`).
+type ToolSum<'a> = (ToolFactTuple<'a>, Vec<i64>, Vec<i64>);
+
+/// A batch's facts as `fact_items` encodes them: `FactsOf` with the tool facts summed.
+type BatchFactsOf<'a> = (
+    usize,
+    Option<TreeFactTuple<'a>>,
+    Option<ThreadFactTuple<'a>>,
+    Option<ToolSum<'a>>,
+);
+
 /// A batch's facts, one new event's at a time (``(index, tool class)`` in the order folded: each event
 /// known to have facts), built from the events' calls with their tool facts summed per
 /// (source partition, key, window) into one, at the index of the contribution with the highest source
@@ -481,9 +493,9 @@ type ToolFactTuple<'a> = (
 /// `worker.facts.summed` sums the reference's alike): a batch sends one tool fact per key and window,
 /// not one per event. Tree and thread facts first, in the order given, then the sums in the order of
 /// their first contribution.
-fn batch_facts<'a>(marks: &[(usize, u8)], calls: &[Option<Call<'a>>], inputs: &[Input<'_>]) -> Vec<FactsOf<'a>> {
-    let mut out: Vec<FactsOf<'a>> = Vec::with_capacity(marks.len());
-    let mut sums: Vec<(usize, ToolFactTuple<'a>)> = Vec::new();
+fn batch_facts<'a>(marks: &[(usize, u8)], calls: &[Option<Call<'a>>], inputs: &[Input<'_>]) -> Vec<BatchFactsOf<'a>> {
+    let mut out: Vec<BatchFactsOf<'a>> = Vec::with_capacity(marks.len());
+    let mut sums: Vec<(usize, ToolSum<'a>)> = Vec::new();
     let mut at: FastMap<(i64, &'a str, &'a str, &'a str, i64), usize> = FastMap::default();
     for &(index, tool_class) in marks {
         let call = calls[index].as_ref().expect("a folded event was decoded");
@@ -493,13 +505,19 @@ fn batch_facts<'a>(marks: &[(usize, u8)], calls: &[Option<Call<'a>>], inputs: &[
             out.push((index, tree, thread, None));
         }
         let Some(fact) = tool_fact(call) else { continue };
+        let offset = inputs[index].offset;
         match at.entry((inputs[index].partition, fact.0, fact.1, fact.2, fact.3)) {
             std::collections::hash_map::Entry::Vacant(slot) => {
                 slot.insert(sums.len());
-                sums.push((index, fact));
+                let transient = if fact.8 != 0 { vec![offset] } else { Vec::new() };
+                sums.push((index, (fact, vec![offset], transient)));
             }
             std::collections::hash_map::Entry::Occupied(slot) => {
-                let (last, sum) = &mut sums[*slot.get()];
+                let (last, (sum, offsets, transient)) = &mut sums[*slot.get()];
+                offsets.push(offset);
+                if fact.8 != 0 {
+                    transient.push(offset);
+                }
                 if inputs[index].offset > inputs[*last].offset {
                     *last = index;
                     sum.4 = fact.4;
@@ -518,7 +536,11 @@ fn batch_facts<'a>(marks: &[(usize, u8)], calls: &[Option<Call<'a>>], inputs: &[
             }
         }
     }
-    out.extend(sums.into_iter().map(|(index, fact)| (index, None, None, Some(fact))));
+    out.extend(sums.into_iter().map(|(index, (fact, mut offsets, mut transient))| {
+        offsets.sort_unstable();
+        transient.sort_unstable();
+        (index, None, None, Some((fact, offsets, transient)))
+    }));
     out
 }
 
@@ -903,7 +925,7 @@ fn key_part(part: &str) -> std::borrow::Cow<'_, str> {
 }
 
 /// The items of a batch's facts (`batch_facts`), in the order given.
-fn fact_items(py: Python<'_>, facts: Vec<FactsOf<'_>>, inputs: &[Input<'_>]) -> PyResult<Vec<FactItem>> {
+fn fact_items(py: Python<'_>, facts: Vec<BatchFactsOf<'_>>, inputs: &[Input<'_>]) -> PyResult<Vec<FactItem>> {
     let json = |e: serde_json::Error| pyo3::exceptions::PyValueError::new_err(e.to_string());
     let mut out = Vec::with_capacity(facts.len());
     for (index, tree, thread, tool) in facts {
@@ -919,10 +941,12 @@ fn fact_items(py: Python<'_>, facts: Vec<FactsOf<'_>>, inputs: &[Input<'_>]) -> 
             let item = serde_json::to_vec(&(sp, off, f.0, f.1, f.2, f.3, f.4, f.5, f.6, f.7)).map_err(json)?;
             out.push((sp, off, 1, key, PyBytes::new(py, &item).unbind()));
         }
-        if let Some(f) = tool {
+        if let Some((f, offsets, transient)) = tool {
             let key = format!("tool/{}/{}/{}", key_part(f.0), key_part(f.1), f.2);
-            let item = serde_json::to_vec(&(sp, off, f.0, f.1, f.2, f.3, f.4, f.5, f.6, f.7, f.8, f.9, f.10, f.11))
-                .map_err(json)?;
+            let item = serde_json::to_vec(&(
+                sp, off, f.0, f.1, f.2, f.3, f.4, f.5, f.6, f.7, f.8, f.9, f.10, f.11, offsets, transient,
+            ))
+            .map_err(json)?;
             out.push((sp, off, 2, key, PyBytes::new(py, &item).unbind()));
         }
     }

@@ -3,7 +3,7 @@
 A fact is what a new telemetry event tells a fold keyed by something other than its run
 (``core/fleet``): a ``TreeFact`` (keyed by the tree's root), a ``ThreadFact`` (tenant, thread key) or a
 ``ToolFact`` (tenant, tool, upstream; a batch's tool facts of one source partition, key and window
-summed into one, at the offset of the last contribution). The batch function lists each as a
+summed into one, at the offset of the last contribution, listing the offsets of all: its offset range). The batch function lists each as a
 ``FactItem``: its source telemetry partition and offset, its kind (an index into ``KINDS``), its scope
 key (``tree/ROOT``, ``thread/TENANT/THREAD``, ``tool/TENANT/TOOL/UPSTREAM``: the facts topic's
 partition key) and the fact encoded as a message item, ``[source partition, offset, *fields]``. The
@@ -111,6 +111,7 @@ KIND_OF: dict[type[Any], Kind] = {kind.fact: kind for kind in KINDS}
 KIND_OF_SCOPE: dict[str, Kind] = {kind.scope: kind for kind in KINDS}
 #: What a tool fact's failing runs may hold.
 _STRINGS = {str}
+_INTS = {int}
 _FIELD_OF: tuple[bytes, ...] = tuple(f',"{kind.name}":['.encode() for kind in KINDS)
 
 
@@ -143,6 +144,8 @@ def summed(facts: Sequence[tuple[int, int, Fact]]) -> list[tuple[int, int, Fact]
     tool_facts: dict[tuple[int, tuple[str, str, str], int], list[tuple[int, ToolFact]]] = {}
     for source_partition, offset, fact in facts:
         if type(fact) is ToolFact:
+            if not fact.offsets:  # one event's: its own offset (a sum read back lists its own)
+                fact = fact._replace(offsets=(offset,), transient_offsets=(offset,) if fact.transient else ())
             tool_facts.setdefault((source_partition, fact.key, fact.window_ms), []).append((offset, fact))
         else:
             out.append((source_partition, offset, fact))
@@ -182,13 +185,16 @@ def decode_facts(value: bytes | None) -> list[tuple[Kind, int, int, Any]]:
         if type(items) is not list:
             raise InvalidEvent(kind.name, "must be a list of facts")
         shapes, make, size = kind.shapes, kind.from_fields, len(kind.item_fields)
-        runs_listed = kind is TOOLS  # a tool fact's last field lists runs
+        listed = kind is TOOLS  # a tool fact's last three fields list runs and offsets
         for item in items:
             if type(item) is not list or tuple(map(type, item)) not in shapes:
                 if type(item) is not list or len(item) != size:
                     raise InvalidEvent(kind.name, f"a fact must be a list of {size} fields")
                 raise InvalidEvent(kind.name, f"a fact's fields must be of their types ({_names(kind)})")
-            if runs_listed and item[-1] and set(map(type, item[-1])) != _STRINGS:
-                raise InvalidEvent(kind.name, "a tool fact's failing runs must be strings")
+            if listed:
+                if item[-3] and set(map(type, item[-3])) != _STRINGS:
+                    raise InvalidEvent(kind.name, "a tool fact's failing runs must be strings")
+                if (item[-2] and set(map(type, item[-2])) != _INTS) or (item[-1] and set(map(type, item[-1])) != _INTS):
+                    raise InvalidEvent(kind.name, "a tool fact's offsets must be integers")
             out.append((kind, item[0], item[1], make(item[2:])))  # its shape checked: the fact can be made
     return out

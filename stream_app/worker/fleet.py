@@ -231,9 +231,13 @@ class FleetEffects:
                 source = sources_named.get(source_partition)
                 if source is None:
                     source = str(source_partition)
-                if offset <= sources.get(source, -1):
+                high_water = sources.get(source, -1)
+                if offset <= high_water:
                     skipped += 1
                     continue
+                if kind is TOOLS and high_water >= 0:
+                    # a batch folded again after a crash, cut elsewhere: only its calls past the mark count
+                    fact = fact.past(high_water)
                 sources[source] = offset
                 new += 1
                 crossed = fold(fleet, state, fact)

@@ -315,7 +315,7 @@ def _record(value: bytes) -> dict[str, Any]:
 
 def _facts_tuple(fact: Any) -> tuple[Any, ...]:
     fields = tuple(fact)
-    return (*fields[:-1], sorted(fields[-1])) if type(fact) is ToolFact else fields
+    return (*fields[:-3], sorted(fields[-3]), *fields[-2:]) if type(fact) is ToolFact else fields  # runs as a set
 
 
 def _facts(result: BatchResult) -> list[tuple[Any, ...]]:

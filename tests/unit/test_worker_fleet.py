@@ -16,7 +16,7 @@ pytest.importorskip("faust")
 
 from stream_app.bus.wire import encode_telemetry
 from stream_app.core import Detector, Policy
-from stream_app.core.fleet import ThreadFact, ThreadState, ToolFact, TreeFact, TreeState
+from stream_app.core.fleet import ThreadFact, ThreadState, ToolFact, ToolState, TreeFact, TreeState
 from stream_app.core.fleet.scope import ScopeCommand, key_text
 from stream_app.core.policy import FleetThresholds
 from stream_app.worker.batch import BatchFold, RawRecord
@@ -300,6 +300,9 @@ async def test_a_batchs_tool_facts_go_out_summed_per_source_partition_key_and_wi
               for kind, source, offset, fact in sent}
     assert summed == {(1, 60_000): (103, 3, 2, ("r0", "r1"), "e3"), (2, 60_000): (102, 1, 1, ("r2",), "e2"),
                       (1, 120_000): (104, 1, 1, ("r4",), "e4")}
+    # each sum lists its offset range: the offsets of its calls, and of the transient failures among them
+    assert {(source, fact.window_ms): (fact.offsets, fact.transient_offsets) for _, source, _, fact in sent} == {
+        (1, 60_000): ((100, 101, 103), (100, 101)), (2, 60_000): ((102,), (102,)), (1, 120_000): ((104,), (104,))}
     effects, _, producer2, _, metrics = _effects(storm_min_runs=2)
     records = [_Record(0, i, value) for i, (_, _, value) in enumerate(producer.sent)]
     await effects.process(records)
@@ -307,6 +310,37 @@ async def test_a_batchs_tool_facts_go_out_summed_per_source_partition_key_and_wi
     assert [(p["action"], p["verdict"], p["tool"]) for p in pauses] == [("pause", "tool_storm", "search")]
     assert [k for t, k, _ in producer2.sent if t == "scopes"] == [b"tool/acme/search/api"]
     assert metrics.fleet_facts.labels(fold="tools", state="folded")._value.get() == 3
+
+
+async def test_a_batch_folded_again_with_its_edges_cut_elsewhere_counts_each_call_once() -> None:
+    """A worker published the tool facts of telemetry offsets 100-109 as one sum (its offset range) and
+    crashed before its run state was written; the next owner folds 100-104 and 105-114 (another poll,
+    other edges). The first sum is at or below the key's high-water offset (skipped); the second straddles
+    it, and only its calls past it (110-114) count: 15 calls, 10 transient. Then 115-120 (2 failures):
+    21 calls, 12 transient from 12 runs, a storm (storm_min_runs 12); had 105-109's successes counted
+    twice, 12 of 26 would be under half, and no storm."""
+    producer = _Producer()
+    publisher = FactsPublisher("facts", 1, producer)  # type: ignore[arg-type]
+
+    def call(offset: int) -> tuple[int, int, Any]:
+        failing = 100 <= offset <= 104 or 110 <= offset <= 116
+        return (0, offset, ToolFact("acme", "search", "api", 60_000, f"e{offset}", f"r{offset}", 60_000 + offset,
+                                    1, int(failing), -1 if failing else 60_000 + offset, 0,
+                                    (f"r{offset}",) if failing else ()))
+
+    for edges in (range(100, 110), range(100, 105), range(105, 115)):
+        await asyncio.gather(*await publisher.send(fact_items([call(offset) for offset in edges])))
+    effects, _, decided, _, metrics = _effects(storm_min_runs=12)
+    await effects.process([_Record(0, i, value) for i, (_, _, value) in enumerate(producer.sent)])
+    await effects.flush()
+    [state] = [ToolState.decode(v) for v in effects.stores["tools"].data.values()]  # type: ignore[attr-defined]
+    assert state.windows["60000"][:2] == [15, 10]  # 100-114, each once
+    assert metrics.fleet_facts.labels(fold="tools", state="redelivered")._value.get() == 1
+    await asyncio.gather(*await publisher.send(fact_items([call(offset) for offset in range(115, 121)])))
+    await effects.process([_Record(0, 3, producer.sent[-1][2])])
+    [pause] = [orjson.loads(v) for t, _, v in decided.sent if t == "control"]
+    assert (pause["action"], pause["trigger_event_id"]) == ("pause", "e120")
+    assert (pause["evidence"]["calls"], pause["evidence"]["transient"], pause["evidence"]["runs"]) == (21, 12, 12)
 
 
 async def test_the_sweep_forgets_silent_keys_and_scans_nothing_before_one_can_be_silent() -> None:

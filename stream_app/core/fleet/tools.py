@@ -20,7 +20,10 @@ pause with no such success. Those decisions follow event time, so their order (n
 pauses per window) can differ between replay and the fleet when facts of several partitions interleave.
 
 A fact here is what a batch of one source partition says about one key and window (the worker sums its
-events' calls); replay and the SDK fold one event at a time (``tool_fact``), the same sums.
+events' calls, and lists the source offsets they came from: ``offsets``, and ``transient_offsets`` of the
+transient failures among them); replay and the SDK fold one event at a time (``tool_fact``, no offsets),
+the same sums. ``past`` recounts a fact for the offsets above a high-water mark: a batch folded again
+after a crash, its edges cut elsewhere, counts each call once.
 """
 
 from __future__ import annotations
@@ -65,11 +68,25 @@ class ToolFact(NamedTuple):
     retry_after_ms: int
     #: The runs whose calls failed transiently (distinct, at most ``MAX_LISTED_RUNS``).
     failing_runs: tuple[str, ...]
+    #: The source offsets of the calls counted, ascending (a worker's fact; none from replay or the SDK),
+    #: and of the transient failures among them.
+    offsets: tuple[int, ...] = ()
+    transient_offsets: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, *fields: Any) -> ToolFact:
-        """The fact of its fields as a facts message lists them (the failing runs a list)."""
-        return cls._make((*fields[:-1], tuple(fields[-1])))
+        """The fact of its fields as a facts message lists them (the failing runs and the offsets lists)."""
+        return cls(*fields[:11], *map(tuple, fields[11:]))
+
+    def past(self, high_water: int) -> ToolFact:
+        """This fact counting only its calls at source offsets above ``high_water`` (all of them, if it
+        lists no offsets). Its distinct failing runs, latest success and largest wait stand: counting
+        them again changes nothing."""
+        if not self.offsets or self.offsets[0] > high_water:
+            return self
+        offsets = tuple(o for o in self.offsets if o > high_water)
+        transient = tuple(o for o in self.transient_offsets if o > high_water)
+        return self._replace(calls=len(offsets), transient=len(transient), offsets=offsets, transient_offsets=transient)
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -107,7 +124,9 @@ def merge(facts: Iterable[ToolFact]) -> list[ToolFact]:
         out[mark] = ToolFact(fact.tenant, fact.tool, fact.upstream, fact.window_ms, fact.event_id, fact.run_id,
                              max(known.ts_ms, fact.ts_ms), known.calls + fact.calls, known.transient + fact.transient,
                              max(known.success_ts_ms, fact.success_ts_ms),
-                             max(known.retry_after_ms, fact.retry_after_ms), runs)
+                             max(known.retry_after_ms, fact.retry_after_ms), runs,
+                             tuple(sorted(known.offsets + fact.offsets)),
+                             tuple(sorted(known.transient_offsets + fact.transient_offsets)))
     return list(out.values())
 
 
