@@ -199,14 +199,23 @@ class Page:
         measured = self.machine.get("sections")
         if not measured:
             return []
-        older = []
+        older, later = [], []
         for name in ("core", "limit", "fleet", "halt", "overshoot", "settings", "trees", "treehalt", "stormpause"):
             data = getattr(self, name, None)
-            if data and name not in measured and name != "core":
-                when = data.get("measured", {})
+            if not data or name == "core":
+                continue
+            when = data.get("measured", {})
+            if name not in measured:
                 older.append(f"{name} ({when['date_utc']}, commit {when['commit']})" if when else f"{name} (an earlier run)")
-        return ([f"This run measured: {', '.join(measured)}. Carried over from earlier runs: {', '.join(older)}.", ""]
-                if older else [])
+            elif when and when.get("date_utc") != self.machine.get("date_utc"):
+                later.append(f"{name} ({when['date_utc']}, commit {when['commit']})")
+        out = []
+        if older:
+            out += [f"This run measured: {', '.join(measured)}. Carried over from earlier runs: {', '.join(older)}.", ""]
+        if later:
+            out += [f"Measured again since, alone (`python -m bench --skip-core --only ...`, the table below of this "
+                    f"run's machine): {', '.join(later)}.", ""]
+        return out
 
     def targets(self) -> None:
         rows = []
@@ -675,6 +684,13 @@ class Page:
                      f"spawn's end to the second runtime's board, over {t['trees']} trees:",
                      f"p50 {_ms(t['p50_ms'])} ms, p95 {_ms(t['p95_ms'])} ms, max {_ms(t['max_ms'])} ms (target p95 <= 500 ms: "
                      f"{_met(t['p95_ms'] <= 500)}).", "")
+            if "threads" in t:
+                h = t["threads"]
+                self.add("Thread halts the same way: the first runtime starts runs on one thread, each caused by the "
+                         "one before,", "until the 3rd generation's first event (`self_trigger`); the second guards "
+                         f"a run of the thread; over {h['count']} threads:",
+                         f"p50 {_ms(h['p50_ms'])} ms, p95 {_ms(h['p95_ms'])} ms, max {_ms(h['max_ms'])} ms (target p95 "
+                         f"<= 500 ms: {_met(h['p95_ms'] <= 500)}).", "")
         if self.stormpause:
             t = self.stormpause
             self.add("Storm pauses reaching a runtime (`python -m bench --skip-core --only stormpause`): over "
