@@ -16,8 +16,12 @@ the window, capped at ``storm_max_wait_ms`` (10 min), else ``storm_wait_ms`` (60
 Half-open: after the wait each runtime admits at most one call per paused key per wait (with 0-20%
 jitter); the fold publishes ``resume`` at the first success of the key at or after the pause's time +
 its wait, and pauses again with the wait doubled (capped) when a fact comes twice the wait after the
-pause with no such success. Those decisions follow event time, so their order (not their set of
-pauses per window) can differ between replay and the fleet when facts of several partitions interleave.
+pause with no such success. Those two follow the facts as they arrive: when facts of several partitions
+interleave, the fleet may pause again more or fewer times than replay and resume at another fact (or,
+by the end of a stream, where replay has not yet). The incident itself, the first pause (its id the
+window's), is the same in replay and the fleet whenever the window's counts cross the rule in both
+orders (tests/integration/test_fleet_folds.py); a fact order that crosses "half the calls" only for a
+while could make one pause and not the other.
 
 A fact here is what a batch of one source partition says about one key and window (the worker sums its
 events' calls, and lists the source offsets they came from: ``offsets``, and ``transient_offsets`` of the
