@@ -212,6 +212,12 @@ def test_a_storm_is_one_incident_paused_for_its_tenant_and_resumed_after_it_pass
         storms = [d for d in got if d["evidence"]["rule"] == "storm"]
         assert [d["decision_id"] for d in storms] == [expected[0]["decision_id"]], got  # one incident, replay's id
         assert got[-1]["action"] == "resume" and {d["tenant"] for d in got} == {"acme"}, got
+        # the scopes topic kept each pause in force until the fold's resume tombstoned the key
+        acme = b"tool/acme/weather.lookup/api.weather.example"
+        pauses = sum(d["action"] == "pause" for d in got)
+        kept = [r for r in run(consume(kafka_bootstrap, fleet.scopes_topic, pauses + 1, timeout=30, settle=1.0))
+                if r.key == acme]
+        assert [r.value is None for r in kept] == [False] * pauses + [True], kept
 
         now = int(time.time() * 1000)
         failing = simulate_storm(seed=4, start_ms=now - 62_000, recovers=False, prefix="late-", tenant="initech")
