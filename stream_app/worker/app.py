@@ -10,7 +10,7 @@ Telemetry in, decisions out, per-run state in a RocksDB table with a changelog. 
   each processed once, in offset order, before its offset is committed;
 - ``store``: the table's RocksDB partitions and changelog, written a batch at a time;
 - ``relay``: foreign sources (``LOOPWARDEN_OTLP_TOPIC``) re-published as telemetry keyed by run id;
-- ``fleet``: the rules across runs (sub-agent trees, threads): the batch's facts re-keyed by scope key,
+- ``fleet``: the rules across runs (sub-agent trees, threads, tool storms): the batch's facts re-keyed by scope key,
   folded by an agent of their own into the trees and threads tables (``LOOPWARDEN_FLEET_RULES``).
 
 One detection agent (concurrency 1, faust #606) drains the telemetry batches; the OTLP relay, when

@@ -50,7 +50,7 @@ class WorkerMetrics:
         self.fleet_facts = Counter("loopwarden_fleet_facts_total", "Facts folded by the folds across runs, by fold "
                                    "(trees, threads; redelivered: already folded, skipped by their source offset).",
                                    ["fold", "state"], registry=r)
-        self.fleet_keys_tracked = Gauge("loopwarden_fleet_keys_tracked", "Keys (sub-agent trees, threads) with stored "
+        self.fleet_keys_tracked = Gauge("loopwarden_fleet_keys_tracked", "Keys (sub-agent trees, threads, tools) with stored "
                                         "state in this worker's active partitions, by fold, as counted since the "
                                         "last recovery.", ["fold"], registry=r)
         self.batch_size = Histogram("loopwarden_batch_events", "Telemetry events per processed batch.",

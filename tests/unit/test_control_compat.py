@@ -79,15 +79,20 @@ def test_every_new_kind_of_message_leaves_an_old_runtime_as_it_was() -> None:
 FIXTURE_73FBECA = FIXTURE.with_name("listener_73fbeca.py")
 
 
-def test_a_tree_scoped_message_is_acted_on_by_no_runtime_that_does_not_know_scopes() -> None:
-    """The ControlBoard of the release before scopes (73fbeca, verbatim), watching every run, given each
-    tree rule's halt (and the fanout alert): it names no run, so no run there changes state; the board
-    counts it and goes on."""
+def _load_73fbeca() -> ModuleType:
     spec = importlib.util.spec_from_file_location("stream_app.client._listener_73fbeca", FIXTURE_73FBECA)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
+    return module
+
+
+def test_a_tree_scoped_message_is_acted_on_by_no_runtime_that_does_not_know_scopes() -> None:
+    """The ControlBoard of the release before scopes (73fbeca, verbatim), watching every run, given each
+    tree rule's halt (and the fanout alert): it names no run, so no run there changes state; the board
+    counts it and goes on."""
+    module = _load_73fbeca()
     lines = [_line("root", n, "Task", "success", {"n": n}, "ok", tool_class="spawn", child_run_id=f"kid{n}",
                    child_agent_id="explorer", task_hash="f" * 16, cost_usd=0.4) for n in range(4)]
     lines += [_line("kid9", 0, "search", "success", {}, "ok", root_run_id="root", parent_run_id="kid3", depth=9)]
@@ -103,3 +108,38 @@ def test_a_tree_scoped_message_is_acted_on_by_no_runtime_that_does_not_know_scop
         assert "run_id" not in message
         assert old.apply(message) == "malformed"
         assert all(old.halt_decision(run) is None for run in ("root", "kid0", "kid3", "kid9"))
+
+
+def test_thread_tool_and_operator_scope_messages_are_acted_on_by_no_runtime_that_does_not_know_scopes() -> None:
+    """The same board given every other scoped message this release writes: the thread rules' halts and
+    alert, a storm's pauses and resume (scope tool), and an operator's halt/pause and resume of a tree, a
+    thread and a tool, as ``loopwarden halt|resume --tree|--thread|--tool`` gets them answered. None names
+    a run, so none changes a run there; a run's own halt still does."""
+    from stream_app.core.fleet.scope import ScopeCommand
+    from stream_app.devtools.fleet_sim import simulate_storm, simulate_threads
+
+    module = _load_73fbeca()
+    _, threads = simulate_threads(8, seed=5)
+    stream = sorted(threads + simulate_storm(seed=3), key=lambda e: (e["ts_ms"], e["event_id"]))
+    out = io.BytesIO()
+    replay([orjson.dumps(e) + b"\n" for e in stream], Policy(), out, io.StringIO(), engine="python")
+    decided = [orjson.loads(line) for line in out.getvalue().splitlines()]
+    scoped = [d for d in decided if d.get("scope") in ("thread", "tool")]
+    assert {(d["scope"], d["action"]) for d in scoped} >= {("thread", "halt"), ("thread", "alert"),
+                                                           ("tool", "pause"), ("tool", "resume")}
+    keys = {"tree": ("root-7",), "thread": ("acme", "pr-7"), "tool": ("acme", "weather.lookup", "api.weather.example")}
+    for scope, key in keys.items():
+        for action in ("pause" if scope == "tool" else "halt", "resume"):
+            command = ScopeCommand(scope, key, action, f"op-{scope}-{action}", "alice", "incident 42", 1_700_000_000_000)
+            scoped.append(command.decision().to_control())
+    assert {d["verdict"] for d in scoped} >= {"self_trigger", "tool_storm", "operator_halt", "operator_resume"}
+    runs = sorted({e["run_id"] for e in stream})
+    old = module.ControlBoard(watch_all=True)
+    for run in runs:
+        old.watch(run)
+    for message in scoped:
+        assert "run_id" not in message, message
+        assert old.apply(message) == "malformed", message
+    assert all(old.halt_decision(run) is None for run in runs)
+    [run_halt] = [d for d in _decisions(Policy()) if d["action"] == "halt" and d["run_id"] == "recursion"]
+    assert old.apply(run_halt) == "applied" and old.halt_decision("recursion") == run_halt
