@@ -247,7 +247,7 @@ class _FleetLink:
                  allow_unsigned: bool = False) -> None:
         self.publisher = publisher
         self.listener = listener
-        #: The workers' scopes topic, read once at start (tree halts in force); empty: not read.
+        #: The workers' scopes topic, read once at start (the scope halts and pauses in force); empty: not read.
         self.scopes_topic = scopes_topic
         self.allow_unsigned = allow_unsigned
 
@@ -318,7 +318,7 @@ class Guard(StartStop):
     def admit(self, tenant: str | None, tool: str, upstream: str, run_id: str) -> None:
         """Raise ``ToolPaused`` unless a call of ``tool`` to ``upstream`` may go through: none is paused
         for ``tenant``, or the pause's wait is over and no other call went through in this wait (one per
-        wait, 0-20% jitter, so runtimes do not probe in step)."""
+        wait, 0-20% jitter, the first probe's too, so runtimes do not probe in step)."""
         pause = self.board.tool_pause(tenant, tool, upstream)
         if pause is None:
             return
@@ -329,15 +329,21 @@ class Guard(StartStop):
         key = (tenant or "", tool, upstream, str(pause.get("decision_id")))
         now = self.clock()
         next_ms = self._probes.get(key)
-        if next_ms is None:
-            next_ms = int(pause.get("ts_ms", now)) + wait_ms
+        if next_ms is None:  # this runtime's first probe of the pause, drawn once
+            next_ms = self._probes[key] = int(pause.get("ts_ms", now)) + self._jittered(wait_ms)
+            if len(self._probes) > _MAX_RUNS:
+                self._probes.popitem(last=False)
         if now >= next_ms:
-            self._probes[key] = now + int(wait_ms * (1 + self._jitter.uniform(0.0, 0.2)))
+            self._probes[key] = now + self._jittered(wait_ms)
             self._probes.move_to_end(key)
             if len(self._probes) > _MAX_RUNS:
                 self._probes.popitem(last=False)
             return  # the one call of this wait: does the upstream answer again?
         raise ToolPaused(pause, run_id, tool, upstream, (next_ms - now) / 1000)
+
+    def _jittered(self, wait_ms: int) -> int:
+        """A half-open wait, 0-20% longer."""
+        return int(wait_ms * (1 + self._jitter.uniform(0.0, 0.2)))
 
     @classmethod
     def in_process(

@@ -65,7 +65,7 @@ async def test_ten_runs_failing_on_one_upstream_pause_the_tool_for_their_tenant_
     eleventh = guard.run("acme-run-10", tenant="acme")
     with pytest.raises(ToolPaused) as info:
         await eleventh.call("weather", _ok, {"city": "Oslo"}, upstream=UPSTREAM)
-    assert info.value.verdict == "tool_storm" and 59 <= info.value.retry_after_s <= 60
+    assert info.value.verdict == "tool_storm" and 59 <= info.value.retry_after_s <= 72  # the wait, + up to 20%
     assert (info.value.tool, info.value.upstream, info.value.run_id) == ("weather", UPSTREAM, "acme-run-10")
     assert not eleventh.halted  # a pause is not a halt: the run goes on
     assert await guard.run("globex-run", tenant="globex").call("weather", _ok, {}, upstream=UPSTREAM) == "sunny"
@@ -80,7 +80,10 @@ async def test_half_open_one_call_per_wait_then_a_success_resumes_the_tool() -> 
     pause = guard.board.tool_pause("acme", "weather", UPSTREAM)
     assert pause is not None
     run = guard.run("acme-prober", tenant="acme")
-    clock.now = pause["ts_ms"] + 60_000  # the wait is over: one call goes through
+    clock.now = pause["ts_ms"]
+    with pytest.raises(ToolPaused) as first:
+        await run.call("weather", _ok, {"city": "Bergen"}, upstream=UPSTREAM)
+    clock.now += int(first.value.retry_after_s * 1000)  # the wait is over: one call goes through
     with pytest.raises(Unavailable):
         await run.call("weather", _unavailable, {"city": "Bergen"}, upstream=UPSTREAM)
     with pytest.raises(ToolPaused) as info:  # the next waits for the next probe: the wait, + up to 20%
@@ -102,7 +105,7 @@ async def test_a_fleet_pause_is_obeyed_and_its_resume_lifts_it() -> None:
     run = guard.run("acme-1", tenant="acme")
     with pytest.raises(ToolPaused) as info:
         await run.call("weather", _ok, {}, upstream=UPSTREAM)
-    assert info.value.retry_after_s == 30
+    assert 30 <= info.value.retry_after_s <= 36
     assert guard.board.apply({**pause, "decision_id": "q" * 32, "action": "resume"}) == "applied"
     assert await run.call("weather", _ok, {}, upstream=UPSTREAM) == "sunny"
 
@@ -190,3 +193,31 @@ async def test_a_runs_pause_holds_only_its_calls_to_that_tool() -> None:
     assert info.value.retry_after_s == 5 and not run.halted
     assert await run.call("news", _ok, {}) == "sunny"
     assert await other.call("weather", _ok, {}) == "sunny"
+
+
+async def test_the_first_probe_is_jittered_too_so_runtimes_do_not_probe_in_step() -> None:
+    """Each runtime draws its first probe of a pause once, 0-20% past the wait: not before, reported as
+    the wait left, and runtimes with other draws probe at other instants."""
+    pause = {"schema_version": "1", "decision_id": "p" * 32, "scope": "tool", "tenant": "acme", "tool": "weather",
+             "upstream": UPSTREAM, "action": "pause", "verdict": "tool_storm", "trigger_event_id": "e",
+             "trigger_run_id": "r", "ts_ms": T0, "reason": "storm", "evidence": {"wait_ms": 60_000}}
+    firsts = []
+    for seed in range(8):
+        clock = _Clock()
+        guard = Guard.in_process(Policy(), clock=clock)
+        guard._jitter.seed(seed)
+        guard.board.apply(pause)
+        run = guard.run(f"acme-{seed}", tenant="acme")
+        clock.now = T0 + 60_000  # the wait is over, but not this runtime's first probe (drawn just now)
+        with pytest.raises(ToolPaused) as info:
+            await run.call("weather", _ok, {}, upstream=UPSTREAM)
+        first = T0 + 60_000 + int(info.value.retry_after_s * 1000)
+        assert T0 + 60_000 <= first <= T0 + 72_000
+        clock.now = first - 1
+        with pytest.raises(ToolPaused) as again:
+            await run.call("weather", _ok, {}, upstream=UPSTREAM)
+        assert again.value.retry_after_s == 0.001  # the same draw: one millisecond left
+        clock.now = first
+        assert await run.call("weather", _ok, {}, upstream=UPSTREAM) == "sunny"
+        firsts.append(first)
+    assert len(set(firsts)) == len(firsts)  # not in step
