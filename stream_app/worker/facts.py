@@ -87,6 +87,15 @@ class Kind:
         return frozenset(itertools.product(*(options for _, options in self.item_fields)))
 
     @functools.cached_property
+    def legacy_shapes(self) -> frozenset[tuple[type, ...]]:
+        """A tool fact as the release before offset ranges wrote it: without its two offsets lists (it is
+        folded as one whose offsets are unknown: at or below the high-water offset, skipped; past it,
+        counted whole). Other kinds: none."""
+        if self.fact is not ToolFact:
+            return frozenset()
+        return frozenset(itertools.product(*(options for _, options in self.item_fields[:-2])))
+
+    @functools.cached_property
     def from_fields(self) -> Callable[[list[Any]], Any]:
         """A fact from its fields as a message item lists them (their number and types checked before): a
         tool fact's failing runs become a tuple."""
@@ -187,14 +196,19 @@ def decode_facts(value: bytes | None) -> list[tuple[Kind, int, int, Any]]:
         shapes, make, size = kind.shapes, kind.from_fields, len(kind.item_fields)
         listed = kind is TOOLS  # a tool fact's last three fields list runs and offsets
         for item in items:
+            legacy = False
             if type(item) is not list or tuple(map(type, item)) not in shapes:
-                if type(item) is not list or len(item) != size:
+                legacy = listed and type(item) is list and tuple(map(type, item)) in kind.legacy_shapes
+                if not legacy and (type(item) is not list or len(item) not in (size, size - 2 if listed else size)):
                     raise InvalidEvent(kind.name, f"a fact must be a list of {size} fields")
-                raise InvalidEvent(kind.name, f"a fact's fields must be of their types ({_names(kind)})")
+                if not legacy:
+                    raise InvalidEvent(kind.name, f"a fact's fields must be of their types ({_names(kind)})")
             if listed:
-                if item[-3] and set(map(type, item[-3])) != _STRINGS:
+                runs = item[-1] if legacy else item[-3]
+                if runs and set(map(type, runs)) != _STRINGS:
                     raise InvalidEvent(kind.name, "a tool fact's failing runs must be strings")
-                if (item[-2] and set(map(type, item[-2])) != _INTS) or (item[-1] and set(map(type, item[-1])) != _INTS):
+                if not legacy and ((item[-2] and set(map(type, item[-2])) != _INTS)
+                                   or (item[-1] and set(map(type, item[-1])) != _INTS)):
                     raise InvalidEvent(kind.name, "a tool fact's offsets must be integers")
             out.append((kind, item[0], item[1], make(item[2:])))  # its shape checked: the fact can be made
     return out

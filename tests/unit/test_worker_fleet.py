@@ -237,6 +237,8 @@ async def test_bad_facts_go_to_the_dead_letters_and_the_rest_is_folded() -> None
     ("threads", [0, 1, "t", "k", "r", "e", 1, None, None, True]),  # failure: a bool
     ("tools", [0, 1, "t", "x", "u", 0, "e", "r", 1, 1, 1, -1, 0, [["run"]]]),  # failing runs: not strings
     ("tools", [0, 1, "t", "x", "u", 0, "e", "r", 1, 1, 1, -1, 0, "run"]),  # failing runs: not a list
+    ("tools", [0, 1, "t", "x", "u", 0, "e", "r", 1, 1, 1, -1, 0, ["r"], ["1"], []]),  # offsets: not numbers
+    ("tools", [0, 1, "t", "x", "u", 0, "e", "r", 1, 1, 1, -1, 0, ["r"], [1]]),  # one offsets list of two
 ])
 async def test_a_fact_with_an_optional_field_of_another_type_is_dead_lettered(field: str, item: list[Any]) -> None:
     """Every field is checked against the fact's annotations, optional ones too: a fact the folds would
@@ -310,6 +312,21 @@ async def test_a_batchs_tool_facts_go_out_summed_per_source_partition_key_and_wi
     assert [(p["action"], p["verdict"], p["tool"]) for p in pauses] == [("pause", "tool_storm", "search")]
     assert [k for t, k, _ in producer2.sent if t == "scopes"] == [b"tool/acme/search/api"]
     assert metrics.fleet_facts.labels(fold="tools", state="folded")._value.get() == 3
+
+
+async def test_a_tool_fact_of_the_release_before_offset_ranges_is_still_folded() -> None:
+    """During a rolling upgrade the facts topic holds tool facts without offsets lists: folded as facts
+    whose offsets are unknown (counted whole past the high-water offset, skipped at or below it)."""
+    effects, _, _, dead, metrics = _effects()
+    old = [[0, 100 + n, "acme", "search", "api", 60_000, f"e{n}", f"r{n}", 60_000 + n, 2, 1, -1, 0, [f"r{n}"]]
+           for n in range(3)]
+    await effects.process([_Record(0, 0, orjson.dumps({"v": FACTS_FORMAT, "tools": old})),
+                           _Record(0, 1, orjson.dumps({"v": FACTS_FORMAT, "tools": old[:1]}))])  # again: skipped
+    await effects.flush()
+    assert dead.sent == []
+    [state] = [ToolState.decode(v) for v in effects.stores["tools"].data.values()]  # type: ignore[attr-defined]
+    assert state.windows["60000"][:2] == [6, 3] and state.sources == {"0": 102}
+    assert metrics.fleet_facts.labels(fold="tools", state="redelivered")._value.get() == 1
 
 
 async def test_a_batch_folded_again_with_its_edges_cut_elsewhere_counts_each_call_once() -> None:
