@@ -147,7 +147,8 @@ def is_transient(error_class: str | None) -> bool:
         return False
     if error_class in TRANSIENT_CLASSES:
         return True
-    return len(error_class) == 8 and error_class.startswith("http_5") and error_class[5:].isdigit()
+    return (len(error_class) == 8 and error_class.startswith("http_5") and error_class[5:].isascii()
+            and error_class[5:].isdigit())
 
 
 #: What starts a run (``trigger``).

@@ -231,18 +231,24 @@ class FleetEffects:
                 source = sources_named.get(source_partition)
                 if source is None:
                     source = str(source_partition)
-                high_water = sources.get(source, -1)
-                if offset <= high_water:
+                if offset <= sources.get(source, -1):
                     skipped += 1
                     continue
-                if kind is TOOLS and high_water >= 0:
-                    # a batch folded again after a crash, cut elsewhere: only its calls past the mark count
-                    fact = fact.past(high_water)
+                if kind is TOOLS:
+                    # a batch folded again after a crash, cut elsewhere: only its calls past the mark of the
+                    # fact's window count (per window: one batch's sums of two windows interleave in offsets)
+                    mark = f"{source}@{fact.window_ms}"
+                    window_high = sources.get(mark, -1)
+                    if window_high >= 0:
+                        fact = fact.past(window_high)
+                    sources[mark] = offset
                 sources[source] = offset
                 new += 1
                 crossed = fold(fleet, state, fact)
                 if crossed:
                     decisions.extend([(kind, decision) for decision in crossed])
+            if kind is TOOLS:
+                _trim_window_marks(sources, state)
             if skipped:
                 redelivered[kind.name] = redelivered.get(kind.name, 0) + skipped
             if new:
@@ -392,6 +398,13 @@ class FleetEffects:
             self._expires_at.pop(mark, None)  # keys another worker wrote may be older: scan again
             self._pass_oldest.pop(mark, None)
         self._tracked_gauges[name].set(self._tracked[name])
+
+
+def _trim_window_marks(sources: dict[str, int], state: Any) -> None:
+    """Forget the window marks of windows the tool state no longer keeps."""
+    if len(sources) > 2 * len(state.windows) + 8:
+        for mark in [m for m in sources if "@" in m and m.split("@", 1)[1] not in state.windows]:
+            del sources[mark]
 
 
 def _decode(kind: Kind, raw: bytes, key: str) -> Any:

@@ -11,13 +11,15 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("faust")
 
 from stream_app.bus.wire import encode_telemetry
 from stream_app.core import Detector, Policy
 from stream_app.core.fleet import ThreadFact, ThreadState, ToolFact, ToolState, TreeFact, TreeState
-from stream_app.core.fleet.scope import ScopeCommand, key_text
+from stream_app.core.fleet.scope import ScopeCommand, key_text, scope_decision_id
 from stream_app.core.policy import FleetThresholds
 from stream_app.worker.batch import BatchFold, RawRecord
 from stream_app.worker.facts import KIND_OF, fact_items
@@ -325,7 +327,7 @@ async def test_a_tool_fact_of_the_release_before_offset_ranges_is_still_folded()
     await effects.flush()
     assert dead.sent == []
     [state] = [ToolState.decode(v) for v in effects.stores["tools"].data.values()]  # type: ignore[attr-defined]
-    assert state.windows["60000"][:2] == [6, 3] and state.sources == {"0": 102}
+    assert state.windows["60000"][:2] == [6, 3] and state.sources == {"0": 102, "0@60000": 102}
     assert metrics.fleet_facts.labels(fold="tools", state="redelivered")._value.get() == 1
 
 
@@ -473,3 +475,69 @@ def test_both_engines_encode_a_batchs_facts_byte_for_byte_alike() -> None:
     assert sorted(native.facts) == sorted(reference.facts)
     assert {key for _, _, _, key, _ in reference.facts} == {
         "tree/root-ü", "thread/a%2Fb%25c/issue/7 \"ü\"", "tool/a%2Fb%25c/se\"arch%2F%25q/api.exämple.com"}
+
+
+_TOOL_KEYS = [("acme", "search", "api"), ("globex", "search", "api")]
+
+
+@pytest.mark.parametrize("windows", [
+    pytest.param((60_000,), id="one-window"),
+    pytest.param((60_000, 120_000), id="two-windows")])  # sums of two windows interleave in offsets
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), calls=st.lists(st.tuples(st.sampled_from([0, 0, 0, 1]), st.integers(0, 1), st.integers(0, 11),
+                                                st.sampled_from(["ok", "transient", "transient", "transient", "other"])),
+                                      min_size=30, max_size=70))
+@example(data=None, calls=[(0, 0, 0, "transient"), (0, 1, 1, "transient"), (0, 0, 2, "transient")])
+def test_tool_facts_published_again_with_other_edges_count_each_call_once(windows: tuple[int, ...], data: Any,
+                                                                          calls: list[Any]) -> None:
+    """A telemetry partition's tool calls (at offsets 100, 101, ...; two keys, each call in one of
+    ``windows``) published as the batches of a worker that crashes now and then and starts again from an
+    earlier offset, its batches cut elsewhere; the keyed fold counts each call once: a key's window holds
+    its calls, transient failures and (up to ``storm_min_runs``) distinct failing runs, each once. With one
+    window a key is paused only if some prefix of its calls crosses the rule, and always when all of them
+    do."""
+    def call(n: int) -> tuple[int, int, ToolFact]:
+        k, w, run, outcome = calls[n]
+        (tenant, tool, upstream), window = _TOOL_KEYS[k], windows[w % len(windows)]
+        return (0, 100 + n, ToolFact(tenant, tool, upstream, window, f"e{n}", f"r{run}", window + n, 1,
+                                     int(outcome == "transient"), window + n if outcome == "ok" else -1, 0,
+                                     (f"r{run}",) if outcome == "transient" else ()))
+
+    batches, position, crashes = [], 0, 0
+    while position < len(calls):  # each batch from the consumer's position; after a crash (3 at most) from earlier
+        start = position
+        if data and crashes < 3 and data.draw(st.integers(0, 3)) == 0:
+            start, crashes = data.draw(st.integers(max(0, position - 20), position)), crashes + 1
+        position = min(len(calls), start + (data.draw(st.integers(1, 8)) if data else len(calls)))
+        batches.append([call(n) for n in range(start, position)])
+
+    async def fold() -> tuple[dict[str, ToolState], list[dict[str, Any]]]:
+        producer = _Producer()
+        publisher = FactsPublisher("facts", 1, producer)  # type: ignore[arg-type]
+        for batch in batches:
+            await asyncio.gather(*await publisher.send(fact_items(batch)))
+        effects, _, decided, _, _ = _effects()
+        await effects.process([_Record(0, i, value) for i, (_, _, value) in enumerate(producer.sent)])
+        await effects.flush()
+        states = {k.decode(): ToolState.decode(v) for (_, k), v in effects.stores["tools"].data.items()}  # type: ignore[attr-defined]
+        return states, [orjson.loads(v) for t, _, v in decided.sent if t == "control"]
+
+    states, decided = asyncio.run(fold())
+    for k, key in enumerate(_TOOL_KEYS):
+        mine = [(n, windows[w % len(windows)], run, outcome) for n, (c, w, run, outcome) in enumerate(calls) if c == k]
+        for window in {window for _, window, _, _ in mine}:
+            counted = states[key_text(key)].windows[str(window)]
+            failing = {f"r{run}" for _, w, run, outcome in mine if w == window and outcome == "transient"}
+            assert counted[:2] == [sum(w == window for _, w, _, _ in mine),
+                                   sum(w == window and outcome == "transient" for _, w, _, outcome in mine)]
+            assert set(counted[2]) <= failing and len(counted[2]) == min(10, len(failing))
+        if len(windows) == 1:
+            runs: set[int] = set()
+            crossed = []
+            for i, (_, _, run, outcome) in enumerate(mine):
+                runs |= {run} if outcome == "transient" else set()
+                transient = sum(outcome == "transient" for _, _, _, outcome in mine[: i + 1])
+                crossed.append(len(runs) >= 10 and 2 * transient >= i + 1)
+            paused = [d["decision_id"] for d in decided if (d["tenant"], d["tool"], d["upstream"]) == key]
+            assert paused in ([], [scope_decision_id("tool", key, "pause", "tool_storm", str(windows[0]))])
+            assert (crossed[-1] if mine else False) <= bool(paused) <= any(crossed)
