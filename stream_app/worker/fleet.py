@@ -237,11 +237,11 @@ class FleetEffects:
                 if kind is TOOLS:
                     # a batch folded again after a crash, cut elsewhere: only its calls past the mark of the
                     # fact's window count (per window: one batch's sums of two windows interleave in offsets)
-                    mark = f"{source}@{fact.window_ms}"
-                    window_high = sources.get(mark, -1)
+                    window_mark = f"{source}@{fact.window_ms}"
+                    window_high = sources.get(window_mark, -1)
                     if window_high >= 0:
                         fact = fact.past(window_high)
-                    sources[mark] = offset
+                    sources[window_mark] = offset
                 sources[source] = offset
                 new += 1
                 crossed = fold(fleet, state, fact)
