@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,20 @@ def _replayed(stream: list[dict[str, Any]], policy: Policy | None = None) -> lis
     return [orjson.loads(line) for line in out.getvalue().splitlines()]
 
 
+@contextmanager
+def _two_workers(kafka_bootstrap: str, tmp_path: Path, stream: list[dict[str, Any]]) -> Iterator[Fleet]:
+    """Two workers with the rules across runs, each owning half the partitions, folding ``stream``."""
+    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=PARTITIONS, settings=RULES)
+    fleet.start_worker()
+    fleet.start_worker()
+    try:
+        time.sleep(3)  # the second worker's join settles: both own partitions
+        run(produce(kafka_bootstrap, fleet.telemetry_topic, stream))
+        yield fleet
+    finally:
+        fleet.stop()
+
+
 def _key(d: dict[str, Any]) -> tuple[Any, ...]:
     scope = d.get("scope", "run")
     return (scope, tuple(d[name] for name in SCOPES[scope]), d["action"], d["verdict"], d["decision_id"])
@@ -58,12 +74,7 @@ def test_two_workers_make_the_tree_and_thread_decisions_replay_makes(kafka_boots
     assert len([d for d in tree_expected if d["scope"] == "tree"]) == sum(len(TREE_KINDS[k]) for k in kinds.values())
     assert len([d for d in tree_expected if d["scope"] == "thread"]) == sum(len(THREAD_KINDS[k])
                                                                            for k in thread_kinds.values())
-    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=PARTITIONS, settings=RULES)
-    fleet.start_worker()
-    fleet.start_worker()
-    try:
-        time.sleep(3)  # the second worker's join settles: both own partitions
-        run(produce(kafka_bootstrap, fleet.telemetry_topic, stream))
+    with _two_workers(kafka_bootstrap, tmp_path, stream) as fleet:
         control = run(consume(kafka_bootstrap, fleet.control_topic, len(expected), timeout=90))
         alerts = run(consume(kafka_bootstrap, fleet.alerts_topic,
                              sum(d["action"] == "halt" or d.get("scope") == "tree" for d in expected), settle=0.5))
@@ -104,8 +115,6 @@ def test_two_workers_make_the_tree_and_thread_decisions_replay_makes(kafka_boots
                 assert halted.value.verdict == "self_trigger"
 
         run(late_runtime())
-    finally:
-        fleet.stop()
 
 
 def test_facts_folded_again_after_a_crash_count_once(kafka_bootstrap: str, tmp_path: Path) -> None:
@@ -201,12 +210,7 @@ def test_a_storm_is_one_incident_paused_for_its_tenant_and_resumed_after_it_pass
     assert (expected[0]["action"], expected[0]["evidence"]["rule"]) == ("pause", "storm")
     assert expected[-1]["action"] == "resume" and {d["tenant"] for d in expected} == {"acme"}
     assert len({e["run_id"] for e in stream}) > 3 * PARTITIONS  # the runs spread over every partition
-    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=PARTITIONS, settings=RULES)
-    fleet.start_worker()
-    fleet.start_worker()
-    try:
-        time.sleep(3)
-        run(produce(kafka_bootstrap, fleet.telemetry_topic, stream))
+    with _two_workers(kafka_bootstrap, tmp_path, stream) as fleet:
         control = run(consume(kafka_bootstrap, fleet.control_topic, 1, timeout=60, settle=3.0))
         got = [d for d in decisions_of(control) if d.get("scope") == "tool"]
         storms = [d for d in got if d["evidence"]["rule"] == "storm"]
@@ -237,8 +241,6 @@ def test_a_storm_is_one_incident_paused_for_its_tenant_and_resumed_after_it_pass
                 assert paused.value.verdict == "tool_storm" and paused.value.retry_after_s > 0
 
         run(late_runtime())
-    finally:
-        fleet.stop()
 
 
 def test_two_workers_pause_every_tool_key_replay_pauses_with_its_incident_id(
@@ -272,21 +274,12 @@ def test_two_workers_pause_every_tool_key_replay_pauses_with_its_incident_id(
     expected = [d for d in _replayed(stream) if d.get("scope") == "tool"]
     assert len(incidents(expected)) == 3
     assert sorted(endings(expected).values()) == ["pause", "resume", "resume"]
-    fleet = Fleet(kafka_bootstrap, tmp_path, partitions=PARTITIONS, settings=RULES)
-    fleet.start_worker()
-    fleet.start_worker()
-    try:
-        time.sleep(3)  # the second worker's join settles: both own partitions
-        run(produce(kafka_bootstrap, fleet.telemetry_topic, stream))
+    with _two_workers(kafka_bootstrap, tmp_path, stream) as fleet:
         control = run(consume(kafka_bootstrap, fleet.control_topic, len(expected), timeout=90, settle=3.0))
         got = [d for d in decisions_of(control) if d.get("scope") == "tool"]
         assert incidents(got) == incidents(expected), got
         resumed = {key for key, action in endings(expected).items() if action == "resume"}
         assert resumed <= {tool_key(d) for d in got if d["action"] == "resume"}, got
         assert {tool_key(d) for d in got} == set(endings(expected)), got  # no other key
-        for fold in ("tools",):  # both workers folded tool facts
-            folded = [metric_total(m, f'loopwarden_fleet_facts_total{{fold="{fold}",state="folded"}}')
-                      for m in fleet.scrape()]
-            assert all(n > 0 for n in folded), folded
-    finally:
-        fleet.stop()
+        folded = [metric_total(m, 'loopwarden_fleet_facts_total{fold="tools",state="folded"}') for m in fleet.scrape()]
+        assert all(n > 0 for n in folded), folded  # both workers folded tool facts
