@@ -122,3 +122,20 @@ def test_calls_naming_no_upstream_and_model_calls_are_no_facts() -> None:
     assert tool_fact(decode_event({**event, "upstream": "u", "kind": "model_call"})) is None
     fact = tool_fact(decode_event({**event, "upstream": "u", "error_class": "http_502"}))
     assert fact is not None and (fact.tenant, fact.transient, fact.failing_runs) == ("", 1, ("r",))
+
+
+def test_a_fact_of_a_window_older_than_every_window_kept_is_late_and_never_fires_again() -> None:
+    fold = ToolFold()
+    first = _fold(_storm(10), fold)[0]
+    for minute in (1, 3, 5, 7, 9):  # four more storms, each resumed a minute later: the first's marks are gone
+        if minute > 1:
+            assert [d.action for d in _fold(_storm(10, start=T0 + 60_000 * minute), fold)] == ["pause"]
+        ok = _call(f"ok{minute}", 0, T0 + 60_000 * (minute + 1) + 30_000, error=None)
+        assert [d.action for d in _fold([ok], fold)] == ["resume"]
+    state = fold.tools[("acme", "search", "api.example.com")]
+    assert str(T0) not in state.windows and f"tool_storm\x1f{T0}" not in state.fired
+    # a worker's batch of the first storm's minute delivered this late (one fact of 12 runs) is no incident:
+    # it would repeat the first pause's id, and its resume's, and runtimes would take neither as news
+    assert _fold(merge(_storm(12)), fold) == []
+    assert str(T0) not in state.windows and len(state.windows) == 4
+    assert first.decision_id not in {d.decision_id for d in _fold(merge(_storm(12, start=T0 + 20_000)), fold)}

@@ -14,7 +14,10 @@ A decision here is a ``ScopeDecision``: it names its scope and key (control v1's
 fields), never a ``run_id`` an older runtime would act on, and its id is derived from (scope, key,
 action, verdict, what in the key fired), not from the event that crossed the threshold, so every order
 of the same facts yields the same set of decisions (``trigger_event_id`` names the fact that crossed it
-in the order this fold saw them). Pure like the rest of the core: no I/O, time from the events.
+in the order this fold saw them). One exception: a storm's half-open steps (a pause again, the resume)
+follow the facts as they arrive, and facts of several source partitions may interleave otherwise than in
+replay (``tools``' docstring says what stays equal). Pure like the rest of the core: no I/O, time from
+the events.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ Counts are kept per epoch-aligned window of event time (``STORM_WINDOW_MS``, 60 
 at least ``storm_min_runs`` (10) distinct runs and make up at least half of the key's calls in it; once
 per window, and not while the tool is paused. The pause's wait is the largest ``retry_after_ms`` seen in
 the window, capped at ``storm_max_wait_ms`` (10 min), else ``storm_wait_ms`` (60 s).
+A key keeps its latest ``MAX_TOOL_WINDOWS`` (4) windows; a fact of a window older than all of them is
+late and counts in none (the half-open cycle still hears it), so a window fires at most once however late
+its facts come.
 
 Half-open: after the wait each runtime admits at most one call per paused key per wait (with 0-20%
 jitter); the fold publishes ``resume`` at the first success of the key at or after the pause's time +
@@ -204,9 +207,14 @@ def fold(fleet: FleetThresholds, state: ToolState, fact: ToolFact) -> tuple[Scop
     window = str(fact.window_ms)
     counts = state.windows.get(window)
     if counts is None:
-        counts = state.windows[window] = [0, 0, [], 0]
-        if len(state.windows) > MAX_TOOL_WINDOWS:
-            del state.windows[min(state.windows, key=int)]
+        windows = state.windows
+        if len(windows) >= MAX_TOOL_WINDOWS and fact.window_ms < min(map(int, windows)):
+            # older than every window kept: too late to count, and its fired mark may be gone (it would
+            # repeat that window's pause, same id); only the half-open cycle still hears it
+            return _half_open(fleet, state, fact) if state.pause is not None else ()
+        counts = windows[window] = [0, 0, [], 0]
+        if len(windows) > MAX_TOOL_WINDOWS:
+            del windows[min(windows, key=int)]
     counts[0] += fact.calls
     counts[1] += fact.transient
     runs: list[str] = counts[2]
@@ -217,45 +225,50 @@ def fold(fleet: FleetThresholds, state: ToolState, fact: ToolFact) -> tuple[Scop
             runs.append(run)
     counts[3] = max(counts[3], fact.retry_after_ms)
 
-    out: list[ScopeDecision] = []
-    pause = state.pause
-    if pause is not None:
-        since, wait, ordinal, paused_window = pause
-        if fact.success_ts_ms >= since + wait:
-            state.pause = None
-            # the failures counted so far were the storm's: only a window after this one starts another
-            state.fired.update("tool_storm\x1f" + w for w in state.windows)
-            _trim_fired(state)
-            out.append(_decision(fleet, fact, "resume", f"{paused_window}:{ordinal}",
-                                 {"rule": "recovered", "paused_at_ms": since, "wait_ms": wait, "pauses": ordinal},
-                                 f"tool {fact.tool} of {fact.upstream} recovered: a call succeeded after the "
-                                 f"{wait / 1000:g} s pause ({fact.tenant or 'no tenant'})"))
-        elif fact.ts_ms >= since + 2 * wait:
-            wait = min(2 * wait, fleet.storm_max_wait_ms)
-            state.pause = [fact.ts_ms, wait, ordinal + 1, paused_window]
-            out.append(_decision(fleet, fact, "pause", f"{paused_window}:{ordinal + 1}",
-                                 {"rule": "still_failing", "window_start_ms": int(paused_window), "wait_ms": wait,
-                                  "pauses": ordinal + 1},
-                                 f"tool {fact.tool} of {fact.upstream} did not recover within twice its pause: "
-                                 f"paused again for {wait / 1000:g} s"))
-        return tuple(out)
+    if state.pause is not None:
+        return _half_open(fleet, state, fact)
     calls, transient = counts[0], counts[1]
-    if (fleet.storm_min_runs and len(runs) >= fleet.storm_min_runs and 2 * transient >= calls
+    if not (fleet.storm_min_runs and len(runs) >= fleet.storm_min_runs and 2 * transient >= calls
             and ("tool_storm\x1f" + window) not in state.fired):
-        state.fired.add("tool_storm\x1f" + window)
+        return ()
+    state.fired.add("tool_storm\x1f" + window)
+    _trim_fired(state)
+    wait = min(counts[3], fleet.storm_max_wait_ms) if counts[3] else fleet.storm_wait_ms
+    decision = _decision(
+        fleet, fact, "pause", window,
+        {"rule": "storm", "window_start_ms": fact.window_ms, "runs": len(runs), "calls": calls,
+         "transient": transient, "wait_ms": wait, "pauses": 1, "storm_min_runs": fleet.storm_min_runs},
+        f"tool {fact.tool} of {fact.upstream} is failing for the whole fleet: {transient} of {calls} calls "
+        f"in a minute failed transiently, from {len(runs)} runs; paused for {wait / 1000:g} s, then one "
+        "call per wait per runtime until one succeeds")
+    if decision.action == "pause":  # in shadow mode an alert, and nothing is paused
+        state.pause = [fact.ts_ms, wait, 1, window]
+    return (decision,)
+
+
+def _half_open(fleet: FleetThresholds, state: ToolState, fact: ToolFact) -> tuple[ScopeDecision, ...]:
+    """A fact while the key is paused: ``resume`` at a success after the wait, or ``pause`` again (the
+    wait doubled, capped) at a fact twice the wait after the pause."""
+    assert state.pause is not None
+    since, wait, ordinal, paused_window = state.pause
+    if fact.success_ts_ms >= since + wait:
+        state.pause = None
+        # the failures counted so far were the storm's: only a window after this one starts another
+        state.fired.update("tool_storm\x1f" + w for w in state.windows)
         _trim_fired(state)
-        wait = min(counts[3], fleet.storm_max_wait_ms) if counts[3] else fleet.storm_wait_ms
-        decision = _decision(
-            fleet, fact, "pause", window,
-            {"rule": "storm", "window_start_ms": fact.window_ms, "runs": len(runs), "calls": calls,
-             "transient": transient, "wait_ms": wait, "pauses": 1, "storm_min_runs": fleet.storm_min_runs},
-            f"tool {fact.tool} of {fact.upstream} is failing for the whole fleet: {transient} of {calls} calls "
-            f"in a minute failed transiently, from {len(runs)} runs; paused for {wait / 1000:g} s, then one "
-            "call per wait per runtime until one succeeds")
-        if decision.action == "pause":  # in shadow mode an alert, and nothing is paused
-            state.pause = [fact.ts_ms, wait, 1, window]
-        out.append(decision)
-    return tuple(out)
+        return (_decision(fleet, fact, "resume", f"{paused_window}:{ordinal}",
+                          {"rule": "recovered", "paused_at_ms": since, "wait_ms": wait, "pauses": ordinal},
+                          f"tool {fact.tool} of {fact.upstream} recovered: a call succeeded after the "
+                          f"{wait / 1000:g} s pause ({fact.tenant or 'no tenant'})"),)
+    if fact.ts_ms >= since + 2 * wait:
+        wait = min(2 * wait, fleet.storm_max_wait_ms)
+        state.pause = [fact.ts_ms, wait, ordinal + 1, paused_window]
+        return (_decision(fleet, fact, "pause", f"{paused_window}:{ordinal + 1}",
+                          {"rule": "still_failing", "window_start_ms": int(paused_window), "wait_ms": wait,
+                           "pauses": ordinal + 1},
+                          f"tool {fact.tool} of {fact.upstream} did not recover within twice its pause: "
+                          f"paused again for {wait / 1000:g} s"),)
+    return ()
 
 
 def _trim_fired(state: ToolState) -> None:
