@@ -99,6 +99,20 @@ pub fn tool_digest(tool: &str) -> [u8; 4] {
     crc32fast::hash(tool.as_bytes()).to_be_bytes()
 }
 
+/// The streak's 4 bytes for a tool called at a named upstream (the reference's `_tool_of`): the crc32 of
+/// the tool's name, U+001F and the upstream; the tool's own digest when the call names none.
+pub fn streak_tool(tool: [u8; 4], upstream: Option<&str>) -> [u8; 4] {
+    match upstream {
+        None => tool,
+        Some(upstream) => {
+            let mut hasher = crc32fast::Hasher::new_with_initial(u32::from_be_bytes(tool));
+            hasher.update(b"\x1f");
+            hasher.update(upstream.as_bytes());
+            hasher.finalize().to_be_bytes()
+        }
+    }
+}
+
 /// Stable id of a decision, as the reference's `decision_id`: the first 32 hex digits of the SHA-256 of
 /// run, trigger, action and verdict joined by U+001F.
 pub fn decision_id(run_id: &str, trigger_event_id: &str, action: &str, verdict: &str) -> String {
@@ -236,6 +250,8 @@ pub struct Step<'a> {
     pub call: Digest,
     pub result: Digest,
     pub tool: [u8; 4],
+    /// The tool's bytes in the streak key: `tool`, or with the upstream the call names (`streak_tool`).
+    pub streak_tool: [u8; 4],
     pub retry_budget: Option<i64>,
     pub side_effect: Option<bool>,
     /// Index into `contract::TOOL_CLASSES` (the event's, else the policy's).
@@ -417,7 +433,7 @@ impl RunState {
         let mut key = [0u8; 13];
         key[..8].copy_from_slice(&step.result);
         key[8] = OUTCOME_CODE[outcome as usize];
-        key[9..].copy_from_slice(&step.tool);
+        key[9..].copy_from_slice(&step.streak_tool);
         let (count, budget) = self.streak(step, key, failing, fingerprint, thresholds);
         let mut sig = [0u8; 21];
         sig[..8].copy_from_slice(&step.call);

@@ -27,7 +27,7 @@ use serde_json::Value;
 
 use contract::{Call, Hashed, OUTCOMES, TOOL_CLASSES};
 use fields::Object;
-use detector::{checksum, short, tool_digest, Admission, RunState, Thresholds, Step};
+use detector::{checksum, short, streak_tool, tool_digest, Admission, RunState, Thresholds, Step};
 use normalize::{hex, semantic_hash as hash_value, HashError};
 
 /// Cached key decisions per field filter (the reference caches as many).
@@ -287,6 +287,7 @@ impl Resolver {
                 call: [0; 8],
                 result: [0; 8],
                 tool: policy.tool,
+                streak_tool: policy.tool,
                 retry_budget: None,
                 side_effect: None,
                 tool_class: 5,
@@ -343,6 +344,7 @@ impl Resolver {
             call: if verified { args.digest("") } else { short("") },
             result: result.digest("unhashable"),
             tool: policy.tool,
+            streak_tool: streak_tool(policy.tool, call.upstream),
             retry_budget: call.retry_budget,
             side_effect: call.side_effect,
             tool_class: call.tool_class.unwrap_or(thresholds.tool_class),

@@ -114,6 +114,13 @@ def _checksum_bytes(raw: bytes) -> bytes:
     return ((zlib.crc32(raw) << 32) | zlib.adler32(raw)).to_bytes(8, "big")
 
 
+def _tool_of(tool_digest: bytes, upstream: str) -> bytes:
+    """The streak's 4 bytes for a tool called at a named upstream: crc32 of the tool's name, U+001F and
+    the upstream (a streak counts per run, tool and upstream: the same failure from another host is
+    another streak)."""
+    return zlib.crc32(b"\x1f" + upstream.encode(), int.from_bytes(tool_digest, "big")).to_bytes(4, "big")
+
+
 def _short(hash_text: str) -> bytes:
     """8 bytes of a hash string: its first 16 hex digits when it is hex (ours are), else a checksum."""
     try:
@@ -145,7 +152,7 @@ class RunState:
     plan_step: int | None = None
     #: Digests of the most recent event ids (duplicate delivery filter), oldest first.
     seen_ids: bytes = b""
-    #: Current streak: consecutive calls with the same (tool, outcome, result hash).
+    #: Current streak: consecutive calls with the same (tool, upstream, outcome, result hash).
     streak_key: bytes = b""
     streak_call: bytes = b""
     streak_varied: bool = False
@@ -315,10 +322,12 @@ class Detector:
 
         occurrences = self._side_effect_occurrence(state, event, call + tool_sum, thresholds)
         code = _OUTCOME_CODE[outcome]
-        key = _short(result_hash) + code + tool_sum
+        streak_tool = tool_sum if event.upstream is None else _tool_of(tool_sum, event.upstream)
+        key = _short(result_hash) + code + streak_tool
         # The fingerprint only matters when the exact hash breaks the streak: computed then, not before.
         result_fp = _result_fp(event, call_policy, result_hash) if failing and key != state.streak_key else ""
-        count, budget = self._streak(state, event, call, key, _short(result_fp) + code + tool_sum if result_fp else b"",
+        count, budget = self._streak(state, event, call, key,
+                                     _short(result_fp) + code + streak_tool if result_fp else b"",
                                      args_text if failing else b"", thresholds,
                                      outcome == "error" and is_transient(event.error_class))
         period, near = self._cycle(state, call + key, failing, event.ts_ms, thresholds)

@@ -476,3 +476,19 @@ def test_only_http_500_to_599_of_the_http_5_classes_are_transient_in_both_engine
     actions = [d["action"] for d in _replay(lines, Policy())]
     assert actions == (["pause", "pause", "halt"] if _counts(error_class) else ["halt"])
     assert is_transient(error_class) == _counts(error_class)
+
+
+def test_a_transient_streak_counts_per_upstream_in_both_engines() -> None:
+    """The streak's key is (run, tool, upstream): the same failure of the same call at another host is
+    another streak (a failover is no loop), so 3 failures at the primary then 4 at the mirror pause at
+    the mirror's 4th, not at the 4th call; a call naming no upstream keeps the tool's own streak."""
+    def line(n: int, upstream: str | None) -> bytes:
+        event = {"run_id": "r", "event_id": f"e{n}", "tool": "t", "ts_ms": n, "outcome": "error", "args": {},
+                 "result": "503", "error_class": "http_503"}
+        return orjson.dumps({**event, "upstream": upstream} if upstream else event) + b"\n"
+    failover = [line(n, "primary.example.com") for n in range(3)] + \
+               [line(n, "mirror.example.com") for n in range(3, 9)]
+    assert [(d["trigger_event_id"], d["action"]) for d in _replay(failover, Policy())] == [("e6", "pause")]
+    unnamed = [line(n, None) for n in range(9)]
+    assert [(d["trigger_event_id"], d["action"]) for d in _replay(unnamed, Policy())] == \
+        [("e3", "pause"), ("e7", "pause")]
