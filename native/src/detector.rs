@@ -175,6 +175,8 @@ pub struct RunState {
     handoffs: i64,
     handoff_from: Digest,
     handoff_to: Digest,
+    /// The run made a spawn-class call (as a tree's root, its spending from then on is the tree's).
+    spawned: bool,
 }
 
 /// Handoffs in a row counted at most (the reference's `_HANDOFF_CAP`).
@@ -321,6 +323,12 @@ impl Finding {
 }
 
 impl RunState {
+    /// What the run spent so far (micro-USD), once it made a spawn-class call, else None: a root's tree
+    /// fact carries it (the reference's `core.fleet.trees.root_spent`).
+    pub fn root_spent(&self) -> Option<i64> {
+        self.spawned.then_some(self.cost_micro)
+    }
+
     /// Drop a redelivered event id; note the event's time; stop at a halted run.
     pub fn admit(&mut self, event_id: &str, ts_ms: i64, thresholds: &Thresholds) -> Admission {
         let digest = checksum(event_id);
@@ -413,6 +421,9 @@ impl RunState {
             reads = self.read(checksum_bytes(&raw));
         } else if step.tool_class == crate::contract::WRITE && !failing {
             self.reads.clear();
+        }
+        if step.tool_class == crate::contract::SPAWN {
+            self.spawned = true;
         }
         let mut handoffs = 0;
         if step.tool_class == crate::contract::HANDOFF {
@@ -1054,6 +1065,7 @@ impl RunState {
             handoffs,
             handoff_from,
             handoff_to,
+            spawned: matches!(record.field("spawned"), Some(Value::Bool(true))),
             recent_sigs: chunks(&unhex(text("recent_sigs")?)?)?,
             recent_ts: times("recent_ts")?,
             recent_failing: record.field("recent_failing")?.as_u64()?,
@@ -1219,6 +1231,9 @@ impl RunState {
                 out.push(b',');
                 hex_of(out, &mut std::iter::once(self.handoff_to.as_slice()));
                 out.push(b']');
+            }
+            if self.spawned {
+                out.extend_from_slice(b",\"spawned\":true");
             }
         }
         write!(out, ",\"offset\":{offset}").expect("writing to a Vec cannot fail");

@@ -445,8 +445,8 @@ type FactsOf<'a> = (
 );
 
 /// The facts of a new call, if any (`core.fleet`: `tree_fact`, `thread_fact`, `tool_fact`).
-fn facts_of<'a>(index: usize, call: &Call<'a>, tool_class: u8) -> Option<FactsOf<'a>> {
-    let tree = tree_fact(call, tool_class);
+fn facts_of<'a>(index: usize, call: &Call<'a>, tool_class: u8, spent: Option<i64>) -> Option<FactsOf<'a>> {
+    let tree = tree_fact(call, tool_class, spent);
     let thread = thread_fact(call);
     let tool = tool_fact(call);
     (tree.is_some() || thread.is_some() || tool.is_some()).then_some((index, tree, thread, tool))
@@ -454,8 +454,8 @@ fn facts_of<'a>(index: usize, call: &Call<'a>, tool_class: u8) -> Option<FactsOf
 
 /// Whether a new call has facts (`facts_of` is Some), by the conditions the builders start with, without
 /// building them.
-fn has_facts(call: &Call, tool_class: u8) -> bool {
-    tree_root(call, tool_class).is_some() || call.thread_key.is_some() || tool_upstream(call).is_some()
+fn has_facts(call: &Call, tool_class: u8, spent: Option<i64>) -> bool {
+    tree_root(call, tool_class, spent).is_some() || call.thread_key.is_some() || tool_upstream(call).is_some()
 }
 
 /// `core.fleet.ToolFact` of one event as a tuple: tenant ("" when none), tool, upstream, window start,
@@ -488,20 +488,24 @@ type BatchFactsOf<'a> = (
     Option<ToolSum<'a>>,
 );
 
-/// A batch's facts, one new event's at a time (``(index, tool class)`` in the order folded: each event
-/// known to have facts), built from the events' calls with their tool facts summed per
+/// A batch's facts, one new event's at a time (``(index, tool class, root spent)`` in the order folded:
+/// each event known to have facts), built from the events' calls with their tool facts summed per
 /// (source partition, key, window) into one, at the index of the contribution with the highest source
 /// offset (its event the trigger: the same whatever order the runs were folded in;
 /// `worker.facts.summed` sums the reference's alike): a batch sends one tool fact per key and window,
 /// not one per event. Tree and thread facts first, in the order given, then the sums in the order of
 /// their first contribution.
-fn batch_facts<'a>(marks: &[(usize, u8)], calls: &[Option<Call<'a>>], inputs: &[Input<'_>]) -> Vec<BatchFactsOf<'a>> {
+fn batch_facts<'a>(
+    marks: &[(usize, u8, Option<i64>)],
+    calls: &[Option<Call<'a>>],
+    inputs: &[Input<'_>],
+) -> Vec<BatchFactsOf<'a>> {
     let mut out: Vec<BatchFactsOf<'a>> = Vec::with_capacity(marks.len());
     let mut sums: Vec<(usize, ToolSum<'a>)> = Vec::new();
     let mut at: FastMap<(i64, &'a str, &'a str, &'a str, i64), usize> = FastMap::default();
-    for &(index, tool_class) in marks {
+    for &(index, tool_class, spent) in marks {
         let call = calls[index].as_ref().expect("a folded event was decoded");
-        let tree = tree_fact(call, tool_class);
+        let tree = tree_fact(call, tool_class, spent);
         let thread = thread_fact(call);
         if tree.is_some() || thread.is_some() {
             out.push((index, tree, thread, None));
@@ -590,10 +594,12 @@ fn tool_upstream<'a>(call: &Call<'a>) -> Option<&'a str> {
 }
 
 /// The root of the tree a call's tree fact is about, or None when it tells the tree nothing: a run
-/// outside any tree, or a root's own call that starts no child.
-fn tree_root<'a>(call: &Call<'a>, tool_class: u8) -> Option<&'a str> {
+/// outside any tree, or a root's call that starts no child and costs nothing or comes before its first
+/// spawn (`spent`: the root's `RunState::root_spent` after the call).
+fn tree_root<'a>(call: &Call<'a>, tool_class: u8, spent: Option<i64>) -> Option<&'a str> {
     let root = call.root_run_id.unwrap_or(call.run_id);
-    (root != call.run_id || tool_class == contract::SPAWN).then_some(root)
+    (root != call.run_id || tool_class == contract::SPAWN || (spent.is_some() && call.cost_micro != 0))
+        .then_some(root)
 }
 
 /// `core.fleet.TreeFact` as a tuple: root, run, event id, ts_ms, parent, declared depth, cost
@@ -613,10 +619,15 @@ type TreeFactTuple<'a> = (
     Option<&'a str>,
 );
 
-/// The tree fact of a new call (`core.fleet.trees.tree_fact`), or None when it is in no tree.
-fn tree_fact<'a>(call: &Call<'a>, tool_class: u8) -> Option<TreeFactTuple<'a>> {
+/// The tree fact of a new call (`core.fleet.trees.tree_fact`), or None when it is in no tree: a root's
+/// fact carries what its run spent so far (`spent`, when known), a sub-agent's its call's cost.
+fn tree_fact<'a>(call: &Call<'a>, tool_class: u8, spent: Option<i64>) -> Option<TreeFactTuple<'a>> {
     let spawn = tool_class == contract::SPAWN;
-    let root = tree_root(call, tool_class)?;
+    let root = tree_root(call, tool_class, spent)?;
+    let cost = match spent {
+        Some(spent) if root == call.run_id => spent,
+        _ => call.cost_micro,
+    };
     Some((
         root,
         call.run_id,
@@ -624,7 +635,7 @@ fn tree_fact<'a>(call: &Call<'a>, tool_class: u8) -> Option<TreeFactTuple<'a>> {
         call.ts_ms,
         call.parent_run_id,
         call.depth,
-        call.cost_micro,
+        cost,
         spawn,
         call.child_run_id.filter(|_| spawn),
         call.child_agent_id.filter(|_| spawn),
@@ -731,7 +742,8 @@ impl Replayer {
             if self.duplicates == duplicates {
                 let policy = self.resolver.resolve(py, call.agent_id, call.tool)?;
                 let class = call.tool_class.unwrap_or(policy.thresholds.tool_class);
-                if let Some(facts) = facts_of(index, &call, class) {
+                let spent = self.runs.get(call.run_id).and_then(RunState::root_spent);
+                if let Some(facts) = facts_of(index, &call, class, spent) {
                     self.facts.push(facts.into_pyobject(py)?.into_any().unbind());
                 }
             }
@@ -745,7 +757,7 @@ impl Replayer {
     #[pyo3(signature = (run_id, event_id, tool, agent_id, ts_ms, outcome, args_hash, args_verified,
                         result_hash, result_fp, retry_budget, plan_step, side_effect, tool_class,
                         target, state_hash, model_call, tokens, cost_micro, args_text, error_class=None,
-                        child_agent_id=None))]
+                        child_agent_id=None, upstream=None))]
     fn observe(
         &mut self,
         py: Python<'_>,
@@ -771,6 +783,7 @@ impl Replayer {
         args_text: &str,
         error_class: Option<&str>,
         child_agent_id: Option<&str>,
+        upstream: Option<&str>,
     ) -> PyResult<(bool, Vec<FindingTuple>)> {
         let tool_class = match tool_class {
             None => None,
@@ -814,7 +827,7 @@ impl Replayer {
             trigger: None,
             caused_by_run_id: None,
             error_class,
-            upstream: None,
+            upstream,
             retry_after_ms: 0,
         };
         let duplicates = self.duplicates;
@@ -827,6 +840,12 @@ impl Replayer {
         );
         let finding = self.fold_call(py, &call, Some(given))?;
         Ok((self.duplicates > duplicates, finding))
+    }
+
+    /// What a run spent so far (micro-USD) once it made a spawn-class call, else None (also for a run
+    /// not tracked): what its tree fact carries (`core.fleet.trees.root_spent`).
+    fn root_spent(&self, run_id: &str) -> Option<i64> {
+        self.runs.get(run_id).and_then(RunState::root_spent)
     }
 
     /// Distinct run ids seen so far (evicted ones included).
@@ -1132,8 +1151,9 @@ struct FoldedRun {
     applied: [u64; 4],
     duplicates: u64,
     mismatches: Vec<(usize, String, String)>,
-    /// The new events with facts: (index, tool class), built once the batch is folded (`batch_facts`).
-    facts: Vec<(usize, u8)>,
+    /// The new events with facts: (index, tool class, root spent), built once the batch is folded
+    /// (`batch_facts`).
+    facts: Vec<(usize, u8, Option<i64>)>,
 }
 
 impl BatchFolder {
@@ -1201,8 +1221,9 @@ impl BatchFolder {
             }
             if self.facts && !matches!(admission, Admission::Duplicate) {
                 let class = call.tool_class.unwrap_or(policy.thresholds.tool_class);
-                if has_facts(call, class) {
-                    run.facts.push((index, class)); // built, borrowed, once the batch is folded
+                let spent = state.root_spent();
+                if has_facts(call, class, spent) {
+                    run.facts.push((index, class, spent)); // built, borrowed, once the batch is folded
                 }
             }
             if let Some(digest) = call.policy_digest {

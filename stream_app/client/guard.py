@@ -75,7 +75,16 @@ from ..core import (
     decode_event,
 )
 from ..core.contract import MAX_ID_LENGTH, MAX_RETRY_BUDGET, TOOL_CLASSES, TRIGGERS
-from ..core.fleet import ThreadFold, ToolFold, TreeFact, TreeFold, thread_fact, tool_fact, tree_fact
+from ..core.fleet import (
+    ThreadFold,
+    ToolFold,
+    TreeFact,
+    TreeFold,
+    root_spent,
+    thread_fact,
+    tool_fact,
+    tree_fact,
+)
 from .errors import InvalidCall, RunHalted, ThreadHalted, ToolPaused, TreeHalted, UsageError
 from .lifecycle import StartStop
 from .listener import ControlBoard, DecisionCallback, HaltListener, read_scopes
@@ -187,7 +196,8 @@ class _LocalRules:
             self.board.apply(decision.to_control(), source="local")
         if not evaluation.duplicate:
             tool_class = decoded.tool_class or self.policy.resolve(decoded.agent_id, decoded.tool).thresholds.tool_class
-            fact = tree_fact(decoded, tool_class)
+            state = self.table.get(decoded.run_id)
+            fact = tree_fact(decoded, tool_class, None if state is None else root_spent(state))
             if fact is not None and self._begun_spawns.pop(decoded.event_id, False):
                 # Folded as the spawn began; what it cost is known only now.
                 fact = fact._replace(spawn=False, child_run_id=None, child_agent_id=None,
@@ -213,10 +223,12 @@ class _LocalRules:
         self._begun_spawns[spec.event_id] = True
         if len(self._begun_spawns) > _MAX_RUNS:
             self._begun_spawns.popitem(last=False)
+        root = fields.get("root_run_id") or run_id
+        state = self.table.get(run_id) if root == run_id else None  # a root's fact: what it spent so far
         self._observe_tree(TreeFact(
-            fields.get("root_run_id") or run_id, run_id, spec.event_id, ts_ms, fields.get("parent_run_id"),
-            fields.get("depth"), 0, True, fields.get("child_run_id"), fields.get("child_agent_id"),
-            fields.get("task_hash"), tenant))
+            root, run_id, spec.event_id, ts_ms, fields.get("parent_run_id"), fields.get("depth"),
+            0 if state is None else state.cost_micro, True, fields.get("child_run_id"),
+            fields.get("child_agent_id"), fields.get("task_hash"), tenant))
 
     def _observe_tree(self, fact: TreeFact) -> None:
         for tree_decision in self.trees.observe(fact):

@@ -46,6 +46,7 @@ from ..core.fleet import (
     ToolFold,
     TreeFact,
     TreeFold,
+    root_spent,
     thread_fact,
     tool_fact,
     tree_fact,
@@ -221,7 +222,8 @@ def _replay_python(lines: Iterable[bytes], policy: Policy, writer: _Writer) -> N
             continue
         for decision in evaluation.decisions:
             writer.decision(decision)
-        folds.event(writer, event)
+        state = table.get(event.run_id)
+        folds.event(writer, event, None if state is None else root_spent(state))
         if number % 4096 == 0:
             writer.progress(number, len(table))
     summary.runs = len(runs)
@@ -236,10 +238,12 @@ class _Folds:
         self.threads = ThreadFold(policy.fleet)
         self.tools = ToolFold(policy.fleet)
 
-    def event(self, writer: _Writer, event: TelemetryEvent) -> None:
-        if (event.root_run_id is not None and event.root_run_id != event.run_id) or event.tool_class in (None, "spawn"):
+    def event(self, writer: _Writer, event: TelemetryEvent, spent: int | None) -> None:
+        """``spent``: ``root_spent`` of the event's run after it."""
+        if (event.root_run_id is not None and event.root_run_id != event.run_id) or event.tool_class in (None, "spawn") \
+                or (spent is not None and event.cost_usd):
             tool_class = event.tool_class or self.policy.resolve(event.agent_id, event.tool).thresholds.tool_class
-            self.tree(writer, tree_fact(event, tool_class))
+            self.tree(writer, tree_fact(event, tool_class, spent))
         if event.thread_key is not None:
             self.thread(writer, thread_fact(event))
         if event.upstream is not None:
@@ -300,7 +304,7 @@ def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer, engi
                 for finding in event_findings:
                     decide(event, finding)
                 if not duplicate:
-                    folds.event(writer, event)
+                    folds.event(writer, event, engine.root_spent(event.run_id))
             start = stop + 1
         done += len(chunk)
         writer.progress(done, len(engine))
@@ -318,7 +322,7 @@ def _observe(engine: Any, event: TelemetryEvent, policy: Policy) -> tuple[bool, 
         event.run_id, event.event_id, event.tool, event.agent_id, event.ts_ms, event.outcome, args_hash,
         args_verified, result_hash, result_fp, event.retry_budget, event.plan_step, event.side_effect,
         event.tool_class, event.target, event.state_hash, event.kind == "model_call", token_count(event.tokens),
-        micro_usd(event.cost_usd), args_text, event.error_class, event.child_agent_id)
+        micro_usd(event.cost_usd), args_text, event.error_class, event.child_agent_id, event.upstream)
     return bool(duplicate), list(findings)
 
 

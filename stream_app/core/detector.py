@@ -201,6 +201,9 @@ class RunState:
     handoffs: int = 0
     handoff_from: bytes = b""
     handoff_to: bytes = b""
+    #: The run made a spawn-class call: as a tree's root, what it spends from then on is the tree's
+    #: (``core.fleet.trees.tree_fact``). Kept across resumes, as the spend is.
+    spawned: bool = False
 
     def streak_id_list(self) -> list[str]:
         """The streak's member ids after the first, oldest first."""
@@ -241,7 +244,7 @@ class RunState:
             self.cost_micro, self.tokens, self.model_streak,
             dict(self.tool_counts) if self.tool_counts is not None else None, self.advised,
             self.streak_ids, self.streak_id_lens, self.streak_args, self.streak_transient, self.streak_pauses,
-            self.handoffs, self.handoff_from, self.handoff_to,
+            self.handoffs, self.handoff_from, self.handoff_to, self.spawned,
         )
 
 
@@ -302,6 +305,8 @@ class Detector:
         call = _short(args_hash) if args_verified else _short(_UNVERIFIED)
         tool_sum = call_policy.tool_digest
         tool_class = event.tool_class or thresholds.tool_class
+        if tool_class == "spawn":
+            state.spawned = True
         outcome = event.outcome
         revisit = 0
         if tool_class == "write" and event.target is not None and event.state_hash is not None:

@@ -21,10 +21,12 @@ Versions:
   (the canonical JSON text of its first call's arguments): the evidence's story of a streak;
   ``streak_transient`` (true: every failure of the streak was transient), ``streak_pauses`` (the pauses
   it had instead of a halt) and ``handoffs`` (``[count, from agent digest hex, to agent digest hex]``: the
-  handoff ping-pong in progress). These three were added to version 2 without a new version: a reader of
+  handoff ping-pong in progress), and ``spawned`` (true: the run made a spawn-class call; as a tree's
+  root its spending from then on is the tree's). These four were added to version 2 without a new version: a reader of
   an earlier release ignores them (every reader ignores keys it does not know) and, writing the record
   again, drops them, which only makes a transient streak halt by recursion as before (a pause is a
-  courtesy, never a safety rule) and a handoff count start again, so no rolling-upgrade step is needed.
+  courtesy, never a safety rule), a handoff count start again and a root's calls after its spawn leave
+  its tree's cost until its next spawn, so no rolling-upgrade step is needed.
   Written as version 0 or 1 they are left out: the run's current streak then goes on by exact hashes only,
   its read and write history starts again, and what it spent and its per-tool and model-call counts are
   lost at every write (and with them the warnings given and a streak's member ids and first arguments,
@@ -114,6 +116,8 @@ def encode_run(run: StoredRun, version: int = FORMAT_VERSION) -> bytes:
             record["streak_pauses"] = state.streak_pauses
         if state.handoffs:
             record["handoffs"] = [state.handoffs, state.handoff_from.hex(), state.handoff_to.hex()]
+        if state.spawned:
+            record["spawned"] = True
     record["offset"] = run.offset
     if version >= 1:
         record[VERSION_KEY] = version
@@ -213,6 +217,7 @@ def _state_of(record: dict[str, Any]) -> RunState:
         handoffs=(handoffs := record.get("handoffs") or [0, "", ""])[0],
         handoff_from=bytes.fromhex(handoffs[1]),
         handoff_to=bytes.fromhex(handoffs[2]),
+        spawned=record.get("spawned", False) is True,
         side_effects=(
             {bytes.fromhex(k): list(v) for k, v in side_effects.items()} if side_effects else None
         ),

@@ -45,7 +45,7 @@ from ..core import (
     explain,
     parse_event,
 )
-from ..core.fleet import thread_fact, tool_fact, tree_fact
+from ..core.fleet import root_spent, thread_fact, tool_fact, tree_fact
 from ..core.stored import FORMAT_VERSION, decode_run, encode_run
 from .facts import Fact, FactItem, fact_items
 
@@ -198,7 +198,7 @@ class BatchFold:
                         result.applied[item.outcome] += 1
                     if not evaluation.duplicate and self.facts:
                         fact = tree_fact(item, item.tool_class or policy.resolve(item.agent_id, item.tool)
-                                         .thresholds.tool_class)
+                                         .thresholds.tool_class, root_spent(run.state))
                         if fact is not None:
                             facts.append((partition, offset, fact))
                         if item.thread_key is not None:

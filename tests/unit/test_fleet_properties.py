@@ -492,3 +492,23 @@ def test_a_transient_streak_counts_per_upstream_in_both_engines() -> None:
     unnamed = [line(n, None) for n in range(9)]
     assert [(d["trigger_event_id"], d["action"]) for d in _replay(unnamed, Policy())] == \
         [("e3", "pause"), ("e7", "pause")]
+
+
+def test_a_trees_budget_counts_the_roots_calls_before_and_after_its_spawn_in_both_engines() -> None:
+    """The root spends $0.50 thinking, spawns a sub-agent, which spends $0.30, then spends $0.30 more:
+    $1.10 is past a $1 tree budget at the root's last call, not at $0.30 (its sub-agent alone), in both
+    engines; a root that spawns nothing sends no tree fact, whatever it spends."""
+    def line(run: str, n: int, **fields: Any) -> bytes:
+        event = {"run_id": run, "event_id": f"{run}-{n}", "tool": "claude", "kind": "model_call", "ts_ms": n,
+                 "outcome": "success", "args": {}, "result": n, **fields}
+        return orjson.dumps(event) + b"\n"
+    policy = Policy.from_mapping({"fleet": {"max_tree_cost_usd": 1}, "tools": {"Task": {"tool_class": "spawn"}}})
+    spawn = {"tool": "Task", "kind": "tool_call", "child_run_id": "kid", "task_hash": "a" * 16}
+    lines = [line("root", 1, cost_usd=0.25), line("root", 2, cost_usd=0.25), line("root", 3, **spawn),
+             line("kid", 4, cost_usd=0.3, root_run_id="root", parent_run_id="root", depth=1),
+             line("root", 5, cost_usd=0.2), line("root", 6, cost_usd=0.1)]
+    decided = [d for d in map(orjson.loads, replay_both(lines, policy).splitlines()) if d.get("scope") == "tree"]
+    assert [(d["verdict"], d["trigger_event_id"], d["evidence"]["cost_usd"]) for d in decided] == \
+        [("tree_budget", "root-6", 1.1)]
+    alone = [line("solo", n, cost_usd=0.5) for n in range(5)]
+    assert [d for d in map(orjson.loads, replay_both(alone, policy).splitlines()) if d.get("scope") == "tree"] == []

@@ -95,6 +95,21 @@ def test_the_call_that_takes_the_tree_past_its_cost_budget_halts_it() -> None:
     assert _fold([*facts[:2], _fact("c3", 3, parent="root", cost=200_000)], max_tree_cost_usd=1.0) == []  # not past
 
 
+def test_the_roots_spending_counts_once_however_often_and_in_whatever_order_it_is_reported() -> None:
+    """A root's fact carries what the root spent so far (its calls before its first spawn too), a
+    sub-agent's its call's own cost: the tree's sum is the largest the root reported plus the sub-agents'."""
+    root = [_fact("root", 1, spawn=True, child="c1", cost=300_000), _fact("root", 5, cost=600_000)]
+    kid = [_fact("c1", 2, parent="root", cost=300_000), _fact("c1", 6, parent="root", cost=200_000)]
+    assert _fold([root[0], kid[0], root[1]], max_tree_cost_usd=1.0) == []  # 0.6 + 0.3
+    decisions = _fold([root[0], kid[0], root[1], kid[1]], max_tree_cost_usd=1.0)  # 0.6 + 0.5
+    assert [(d.verdict, d.trigger_event_id, d.evidence["cost_usd"]) for d in decisions] == \
+        [("tree_budget", "c1-6", 1.1)]
+    again = _fold([root[1], kid[1], root[0], root[1], kid[0]], max_tree_cost_usd=1.0)
+    assert [(d.decision_id, d.trigger_event_id) for d in again] == [(decisions[0].decision_id, "c1-2")]
+    root_past = _fold([*kid, root[0], _fact("root", 7, cost=600_001)], max_tree_cost_usd=1.1)
+    assert [(d.verdict, d.trigger_event_id) for d in root_past] == [("tree_budget", "root-7")]
+
+
 def test_each_rule_fires_once_per_tree_and_shadow_mode_alerts() -> None:
     facts = [*_chain(8), _fact("c8", 99, parent="c7")]
     assert [d.verdict for d in _fold(facts)] == ["tree_depth"]
@@ -172,7 +187,13 @@ def test_events_say_which_tree_they_are_in() -> None:
                       policy.resolve(None, "Task").thresholds.tool_class)
     assert spawn is not None and spawn.root == "r" and spawn.spawn and spawn.child_run_id == "kid"
     assert tree_fact(event(), "other") is None  # not in a tree
-    assert tree_fact(event(root_run_id="r"), "other") is None  # a root's own call: its run budget's, no fact
+    assert tree_fact(event(root_run_id="r"), "other") is None  # a root's call before it spawned: no fact yet
+    assert tree_fact(event(root_run_id="r", cost_usd=0.5), "other") is None
+    spent = tree_fact(event(root_run_id="r", cost_usd=0.5), "other", 700_000)  # after: what it spent so far
+    assert spent is not None and (spent.root, spent.cost_micro, spent.spawn) == ("r", 700_000, False)
+    assert tree_fact(event(root_run_id="r"), "other", 700_000) is None  # a call costing nothing: nothing new
+    first = tree_fact(event(cost_usd=0.5), "spawn", 900_000)  # its first spawn brings what it spent before
+    assert first is not None and (first.cost_micro, first.spawn) == (900_000, True)
     child = tree_fact(event(root_run_id="r0", parent_run_id="p", depth=2), "other")
     assert child is not None and (child.root, child.parent, child.depth, child.spawn) == ("r0", "p", 2, False)
 
@@ -233,7 +254,10 @@ def test_a_call_of_a_known_run_skips_placing_it_with_the_same_state_and_decision
     def placing_every_fact(state: TreeState, fact: TreeFact) -> tuple[ScopeDecision, ...]:
         state.last_ts_ms = max(state.last_ts_ms, fact.ts_ms)
         deeper = trees._place(state, fact, cap)
-        state.cost_micro += fact.cost_micro
+        if fact.run_id == fact.root:  # a root's fact: what it spent so far
+            state.root_cost = max(state.root_cost, fact.cost_micro)
+        else:
+            state.cost_micro += fact.cost_micro
         return trees._crossed(fleet, state, fact, deeper, cap)
 
     shortcut, reference = TreeState(), TreeState()

@@ -111,6 +111,35 @@ async def test_a_spawn_is_folded_as_it_begins_so_a_nested_sub_agent_is_stopped_i
     assert decisions[0]["evidence"]["depth"] == 6 and decisions[1]["evidence"]["cost_usd"] == 1.8
 
 
+async def test_a_trees_budget_counts_what_the_root_spent_before_and_after_its_spawn() -> None:
+    """A $1 tree budget: a lead that spent $0.50 thinking, then a sub-agent spending $0.60 inside the spawn
+    (folded as it begins, with what the lead spent so far), halts the tree at the sub-agent's call; a lead
+    spending $0.10 then $0.70 after its sub-agent's $0.30, at the lead's own second call."""
+    guard, events = _guard(max_tree_cost_usd=1.0)
+    decisions: list[dict[str, Any]] = []
+    guard.on_decision(decisions.append)
+    lead = guard.run("lead")
+    await lead.model_call("claude", tokens=1, cost_usd=0.5)
+    await lead.begin("Task", {"p": 1}, spawn=Spawn(child_run_id="kid", task="review"))  # the spawn runs on
+    kid = lead.child("kid")
+    with pytest.raises(TreeHalted):  # reported, and it took the tree past: the sub-agent stops here
+        await kid.model_call("claude", tokens=1, cost_usd=0.6)
+    with pytest.raises(TreeHalted):
+        await lead.call("search", ok, {})
+    other = guard.run("other")
+    await other.call("Task", ok, {"p": 2}, spawn=Spawn(child_run_id="kid2", task="review"))
+    await other.child("kid2").model_call("claude", tokens=1, cost_usd=0.3)
+    await other.model_call("claude", tokens=0, cost_usd=0.1)
+    with pytest.raises(TreeHalted):
+        await other.model_call("claude", tokens=1, cost_usd=0.7)
+    with pytest.raises(TreeHalted):
+        await other.call("search", ok, {})
+    budget = [(d["root_run_id"], d["trigger_event_id"], d["evidence"]["cost_usd"]) for d in decisions
+              if d["verdict"] == "tree_budget"]
+    model_calls = {e["run_id"]: e["event_id"] for e in events if e["tool"] == "claude"}  # each run's last
+    assert budget == [("lead", model_calls["kid"], 1.1), ("other", model_calls["other"], 1.1)]
+
+
 async def test_every_event_says_which_tree_it_is_in() -> None:
     guard, events = _guard()
     root = guard.run("root", agent_id="lead", tenant="acme", thread_key="pr-7", trigger="user")

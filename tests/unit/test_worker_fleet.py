@@ -465,16 +465,47 @@ def test_both_engines_encode_a_batchs_facts_byte_for_byte_alike() -> None:
     events = [event(run, n, "error" if n % 3 else "success") for n in range(12) for run in ("A", "B")]
     events += [event("A", 20, "success", tool_class="spawn", child_run_id="C", child_agent_id="coder",
                      task_hash="t" * 64, tenant=None, thread_key=None, upstream=None)]
-    records = [RawRecord(n % 2, n, *encode_telemetry({k: v for k, v in e.items() if v is not None}))
+    # a root spending before and after its spawn (its facts: what it spent so far, from the spawn on)
+    root = {"root_run_id": None, "parent_run_id": None, "depth": None, "thread_key": None, "upstream": None}
+    events += [event("R", n, "success", **root, cost_usd=cost, tool_class="spawn" if n == 31 else None)
+               for n, cost in ((30, 0.25), (31, 0.5), (32, 0.125), (33, None))]
+    records = [RawRecord(0 if e["run_id"] == "R" else n % 2, n,
+                         *encode_telemetry({k: v for k, v in e.items() if v is not None}))
                for n, e in enumerate(events)]
     stored = {(r.partition, r.key): None for r in records if r.key}
     reference = BatchFold(Detector(Policy())).fold(records, stored, 0)
     native = NativeBatchFold(Detector(Policy())).fold(records, stored, 0)
     assert {kind for _, _, kind, _, _ in reference.facts} == {0, 1, 2}
+    assert [(orjson.loads(item)[4], orjson.loads(item)[8]) for *_, key, item in reference.facts if key == "tree/R"] \
+        == [("R-31", 750_000), ("R-32", 875_000)]
     assert any(b"\\u00fc" not in item and "ü".encode() in item for *_, item in reference.facts)
     assert sorted(native.facts) == sorted(reference.facts)
+    assert native.records == reference.records and b'"spawned":true' in dict(reference.records[0])[b"R"]
     assert {key for _, _, _, key, _ in reference.facts} == {
-        "tree/root-ü", "thread/a%2Fb%25c/issue/7 \"ü\"", "tool/a%2Fb%25c/se\"arch%2F%25q/api.exämple.com"}
+        "tree/root-ü", "tree/R", "thread/a%2Fb%25c/issue/7 \"ü\"", "tool/a%2Fb%25c/se\"arch%2F%25q/api.exämple.com"}
+
+
+def test_a_root_that_spawned_in_an_earlier_batch_sends_what_it_spent_with_either_engine_reading_the_record() -> None:
+    """``spawned`` lives in the run's record: a root's costly call in the next batch is a tree fact carrying
+    what the root spent so far, whichever engine wrote the record and whichever reads it."""
+    pytest.importorskip("loopwarden_native")
+    from stream_app.worker.batch import NativeBatchFold
+
+    def record(n: int, **extra: Any) -> RawRecord:
+        return RawRecord(0, n, *encode_telemetry({"run_id": "R", "event_id": f"R-{n}", "tool": "claude",
+                                                  "kind": "model_call", "ts_ms": n, "outcome": "success",
+                                                  "args": {}, "result": n, **extra}))
+
+    first = [record(0, cost_usd=0.25), record(1, tool="Task", kind="tool_call", tool_class="spawn", cost_usd=0.5)]
+    second = [record(2, cost_usd=0.125), record(3)]
+    engines = (BatchFold, NativeBatchFold)
+    for writer in engines:
+        written = writer(Detector(Policy())).fold(first, {(0, b"R"): None}, 0)
+        stored = {(0, b"R"): dict(written.records[0])[b"R"]}
+        for reader in engines:
+            facts = reader(Detector(Policy())).fold(second, stored, 0).facts
+            assert [(orjson.loads(item)[4], orjson.loads(item)[8]) for *_, item in facts] == [("R-2", 875_000)], \
+                (writer, reader)
 
 
 _TOOL_KEYS = [("acme", "search", "api"), ("globex", "search", "api")]

@@ -15,8 +15,10 @@ set of decisions depends on the facts and not on the order they came in:
 * ``tree_fanout``: the event that makes the tree's known runs (the root, every run that sent an event,
   every child a spawn named) exceed ``max_tree_runs``; an ``alert`` when they pass half of it.
 * ``tree_budget``: the call whose ``cost_usd`` takes the tree's sum (integer micro-USD) strictly past
-  ``max_tree_cost_usd``. The sum is what the tree's spawn calls and its sub-agents' calls cost: the
-  root's other calls count toward its own run budget (``max_cost_usd``), and are no fact here.
+  ``max_tree_cost_usd``. The sum is what the root spent (its every call, from its first: a root's fact
+  carries its run's spending so far, and the fold keeps the largest it heard of, so a fact heard twice
+  or late counts once) and what its sub-agents' calls cost. A root's call is a fact once the root has
+  made a spawn-class call (``RunState.spawned``): a run spawning nothing sends no tree fact.
 
 Every decision halts (or alerts on) the whole tree: a runtime refuses the calls of every run of it and
 new children at ``Guard.run``.
@@ -31,6 +33,7 @@ from typing import Any, NamedTuple
 import orjson
 
 from ..contract import SPEND_CAP, TelemetryEvent, micro_usd
+from ..detector import RunState
 from ..policy import MAX_TREE_RUNS_TRACKED, FleetThresholds
 from .scope import ScopeDecision, scope_decision_id
 
@@ -63,16 +66,22 @@ class TreeFact(NamedTuple):
         return self.root
 
 
-def tree_fact(event: TelemetryEvent, tool_class: str) -> TreeFact | None:
+def tree_fact(event: TelemetryEvent, tool_class: str, spent: int | None = None) -> TreeFact | None:
     """The fact of ``event`` (its resolved ``tool_class``), or None when it tells the tree nothing: a
-    run outside any tree, or a root's own call that starts no child (the root's calls count toward its
-    own run budget; a tree's cost is what its spawns and sub-agents spent)."""
+    run outside any tree, or a root's call that starts no child and costs nothing, or comes before its
+    first spawn (its spending until then comes with that spawn). ``spent`` is, for the root, what its run
+    has spent so far (``root_spent`` of its state after the event; None without its state): a root's fact
+    carries that, a sub-agent's fact its call's own cost."""
     spawn = tool_class == "spawn"
     root = event.root_run_id or event.run_id
-    if root == event.run_id and not spawn:
-        return None
+    cost = micro_usd(event.cost_usd)
+    if root == event.run_id:
+        if not spawn and (spent is None or not cost):
+            return None
+        if spent is not None:
+            cost = spent
     return TreeFact(root, event.run_id, event.event_id, event.ts_ms, event.parent_run_id, event.depth,
-                    micro_usd(event.cost_usd), spawn, event.child_run_id if spawn else None,
+                    cost, spawn, event.child_run_id if spawn else None,
                     event.child_agent_id if spawn else None, event.task_hash if spawn else None, event.tenant)
 
 
@@ -81,7 +90,8 @@ class TreeState:
     and a cycle in bad parent links ends), parent links, summed cost, spawn counts per task and the
     rules that fired."""
 
-    __slots__ = ("anonymous", "children", "cost_micro", "depth", "fired", "last_ts_ms", "parent", "sources", "tasks")
+    __slots__ = ("anonymous", "children", "cost_micro", "depth", "fired", "last_ts_ms", "parent", "root_cost",
+                 "sources", "tasks")
 
     def __init__(self) -> None:
         self.depth: dict[str, int] = {}
@@ -89,7 +99,9 @@ class TreeState:
         self.children: dict[str, list[str]] = {}
         #: Runs that spawned a child without naming it: a child one level below them, wherever they end up.
         self.anonymous: set[str] = set()
+        #: What the sub-agents' calls cost (summed), and the largest spending the root's facts reported.
         self.cost_micro = 0
+        self.root_cost = 0
         #: ``task_key`` -> the runs that spawned it (up to ``tree_task_repeats``).
         self.tasks: dict[str, list[str]] = {}
         self.fired: set[str] = set()
@@ -100,9 +112,11 @@ class TreeState:
 
     def encode(self) -> bytes:
         """The stored form (the worker's trees table)."""
-        return orjson.dumps({"v": 1, "d": self.depth, "p": self.parent, "c": self.cost_micro, "t": self.tasks,
-                             "f": sorted(self.fired), "ts": self.last_ts_ms, "s": self.sources,
-                             "a": sorted(self.anonymous)})
+        record = {"v": 1, "d": self.depth, "p": self.parent, "c": self.cost_micro, "t": self.tasks,
+                  "f": sorted(self.fired), "ts": self.last_ts_ms, "s": self.sources, "a": sorted(self.anonymous)}
+        if self.root_cost:  # a key of its own: a reader of the release before ignores it
+            record["rc"] = self.root_cost
+        return orjson.dumps(record)
 
     @classmethod
     def decode(cls, raw: bytes) -> TreeState:
@@ -120,6 +134,7 @@ class TreeState:
                        for mark in obj["f"]}
         state.sources = obj.get("s", {})
         state.anonymous = set(obj.get("a", ()))
+        state.root_cost = obj.get("rc", 0)
         for child, parent in state.parent.items():
             state.children.setdefault(parent, []).append(child)
         return state
@@ -175,6 +190,11 @@ class TreeFold:
         return decisions
 
 
+def root_spent(state: RunState) -> int | None:
+    """What ``tree_fact`` needs of a run's state: what it spent, once it has spawned (else None)."""
+    return state.cost_micro if state.spawned else None
+
+
 def fold(fleet: FleetThresholds, state: TreeState, fact: TreeFact) -> tuple[ScopeDecision, ...]:
     """Fold one fact into its tree; the decisions it crossed."""
     if fact.ts_ms > state.last_ts_ms:
@@ -191,7 +211,10 @@ def fold(fleet: FleetThresholds, state: TreeState, fact: TreeFact) -> tuple[Scop
         # (run, depth) of the first run (or unnamed child, one below its spawner) this fact puts at the cap
         deeper = _place(state, fact, cap)
     if fact.cost_micro:
-        state.cost_micro = min(state.cost_micro + fact.cost_micro, SPEND_CAP)
+        if run_id == root:
+            state.root_cost = max(state.root_cost, fact.cost_micro)
+        else:
+            state.cost_micro = min(state.cost_micro + fact.cost_micro, SPEND_CAP)
     if deeper is None and not fact.spawn and _runs_settled(fleet, state) \
             and (not fleet.max_tree_cost_usd or "tree_budget" in state.fired):
         return ()  # most facts: none of _crossed's rules can fire (checked here, without building a thing)
@@ -279,9 +302,10 @@ def _crossed(fleet: FleetThresholds, state: TreeState, fact: TreeFact, deeper: t
                              {"rule": "runs", "runs": runs, "max_tree_runs": fleet.max_tree_runs},
                              f"sub-agent tree {root} has {runs} runs, over max_tree_runs {fleet.max_tree_runs}"))
     limit = micro_usd(fleet.max_tree_cost_usd)
-    if limit and state.cost_micro > limit and "tree_budget" not in fired:
+    total = min(state.cost_micro + state.root_cost, SPEND_CAP)
+    if limit and total > limit and "tree_budget" not in fired:
         fired.add("tree_budget")
-        spent = state.cost_micro / 1_000_000
+        spent = total / 1_000_000
         out.append(_decision(fleet, fact, "halt", "tree_budget", "",
                              {"rule": "cost", "cost_usd": spent, "max_tree_cost_usd": fleet.max_tree_cost_usd},
                              f"sub-agent tree {root} spent ${spent:.6f}, over max_tree_cost_usd "
