@@ -578,6 +578,11 @@ class GuardedRun:
         """The run's depth in its tree (0 for a root)."""
         return self._lineage.depth
 
+    @property
+    def parent_run_id(self) -> str | None:
+        """The run that started this one (None for a root)."""
+        return self._lineage.parent_run_id
+
     def child(self, run_id: str, agent_id: str | None = None, *, local_rules: bool = True) -> GuardedRun:
         """Start (or get) a sub-agent run of this one, in this run's tree and tenant; ``TreeHalted`` if
         the tree is halted."""

@@ -32,11 +32,20 @@ call's: the handler names it by the tool's LangChain run UUID, the middleware by
 thread id the sub-agent inherited from its caller's config does not name it. The tool call becomes a
 spawn-class call as the sub-agent starts (``GuardedRun.spawned``: the child run, the call's arguments as
 the task), so its tree learns of it before the sub-agent's first call: a spawn nesting too deep, one too
-many, or the 3rd delegation of the same task halts the tree. A subgraph that is a node
-of its parent graph, not run by a tool, is a step of the same run, as are the graph's own nested chains:
-flat use is one run, as before. The handler sees the nesting through LangChain's parent run ids; the
-middleware through the tool call it is running, so both the calling agent and the sub-agent need a
-``LoopwardenMiddleware``.
+many, or the 3rd delegation of the same task halts the tree. A subgraph that is a node of its parent
+graph (a supervisor's or a team's agents, ``graph.add_node("researcher", create_agent(...))``) is a
+sub-agent too: each time the node runs, its calls go to a child run of the run outside it, named
+``<run>/<the node's checkpoint namespace>`` (``t1/researcher:<task id>``; a subgraph in a subgraph one
+level deeper, its parent the enclosing node's run), so ``tree_depth`` and ``tree_fanout`` see the graph's
+nesting and how often its agents ran, and each agent's loops are its own. No call spawns such a node, so
+there is no task to count toward ``tree_recursion``. A graph's own nodes and chains stay steps of its run:
+flat use is one run, as before. The middleware sees a subgraph only under a thread (or a ``run_id`` in
+the config): without, each agent's invocation is a run of its own, as before. The handler sees the
+nesting through LangChain's parent run ids and LangGraph's checkpoint namespaces; the middleware through
+the tool call it is running and the namespace, so both the calling agent and the sub-agent need a
+``LoopwardenMiddleware``. A conversation's thread is the tree's root: a tree is forgotten after
+``tree_ttl_ms`` (1 h) without a call, so a thread whose sub-agents ran more than ``max_tree_runs``
+times within that is halted (``tree_fanout``); raise it for long supervisor conversations.
 
 A paused tool (``ToolPaused``: a storm on its upstream, or the run's own transient streak) is not a
 halt: the middleware answers the call with an error ``ToolMessage`` saying when to retry, without
@@ -48,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import hashlib
 import logging
 import threading
 import time
@@ -79,6 +89,7 @@ from ..client import (
     ToolPaused,
     UsageError,
 )
+from ..core.contract import MAX_ID_LENGTH
 
 __all__ = ["DuplicateSuppressed", "LoopwardenCallbackHandler", "LoopwardenMiddleware"]
 
@@ -260,9 +271,14 @@ class LoopwardenCallbackHandler(BaseCallbackHandler):
         )
         tool = serialized["name"]
         run_name = child[0] if child is not None else str(thread_id or root)
+        namespace = (metadata or {}).get("langgraph_checkpoint_ns")
         try:
             if child is not None:
                 run = self.guard.run(child[0], self.agent_id, self.tenant, parent_run_id=child[1])
+            elif isinstance(namespace, str) and _NS_SEP in namespace:  # in a subgraph: a sub-agent
+                subgraph = _subgraph_run(self.guard, run_name, namespace, self.agent_id, self.tenant)
+                assert subgraph is not None
+                run, run_name = subgraph, subgraph.run_id
             else:
                 run = self.guard.run(run_name, self.agent_id, self.tenant)
             pending = self._bridge.run(run.begin(tool, _args(inputs, input_str), ids=ids))
@@ -344,6 +360,11 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
                     "loopwarden_invocation": invocation}
         info = runtime.execution_info
         run_id = (info.thread_id or info.run_id) if info is not None else None
+        if info is not None and run_id and _NS_SEP in info.checkpoint_ns:  # a node of a parent graph: a sub-agent
+            subgraph = _subgraph_run(self.guard, str(run_id), info.checkpoint_ns, self.agent_id, self.tenant)
+            assert subgraph is not None and subgraph.parent_run_id is not None
+            return {"loopwarden_run_id": subgraph.run_id, "loopwarden_parent_run_id": subgraph.parent_run_id,
+                    "loopwarden_invocation": invocation}
         return {"loopwarden_run_id": str(run_id or uuid.uuid4()), "loopwarden_invocation": invocation}
 
     def wrap_tool_call(
@@ -425,6 +446,34 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
         state = request.state
         return self.guard.run(state["loopwarden_run_id"], self.agent_id, self.tenant,
                               parent_run_id=state.get("loopwarden_parent_run_id"))
+
+
+#: LangGraph's checkpoint namespace separator: a task's namespace lists the nodes it runs in, outermost
+#: first (``team:<task id>|worker:<task id>|tools:<task id>``).
+_NS_SEP = "|"
+
+
+def _subgraph_run(guard: Guard, base: str, namespace: str, agent_id: str | None,
+                  tenant: str | None) -> GuardedRun | None:
+    """The run of the subgraph a task runs in, from its checkpoint namespace: each node of it but the
+    last (the node the task itself is) is a subgraph, a child run of the run outside it (the outermost's
+    parent: ``base``, the graph's run), named ``<base>/<the namespace down to that node>``; None at the
+    top level. ``TreeHalted`` if that tree is halted."""
+    nodes = namespace.split(_NS_SEP)[:-1]
+    run, parent = None, base
+    for depth in range(1, len(nodes) + 1):  # the enclosing graphs' runs are no agent's (they make no call)
+        run = guard.run(_subgraph_id(base, _NS_SEP.join(nodes[:depth])), agent_id if depth == len(nodes) else None,
+                        tenant, parent_run_id=parent)
+        parent = run.run_id
+    return run
+
+
+def _subgraph_id(base: str, namespace: str) -> str:
+    """``<base>/<namespace>``, or a digest of it when that is longer than a run id may be."""
+    run_id = f"{base}/{namespace}"
+    if len(run_id) <= MAX_ID_LENGTH:
+        return run_id
+    return f"subgraph-{hashlib.blake2b(run_id.encode(), digest_size=16).hexdigest()}"
 
 
 def _call(request: ToolCallRequest) -> tuple[str, dict[str, Any], CallIds]:

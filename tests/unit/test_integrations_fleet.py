@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +24,8 @@ from langchain.agents import create_agent
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.tools import StructuredTool
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, MessagesState, StateGraph
 from mcp import Client
 from mcp.server.context import ServerRequestContext
 from mcp.server.mcpserver import MCPServer
@@ -31,6 +34,7 @@ from mcp_types import CallToolResult, TextContent
 from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage, ResponseOutputText
 
 from stream_app.client import Guard, GuardedRun, ToolPaused, TreeHalted
+from stream_app.core import Policy
 from stream_app.integrations import claude_agent_sdk, langchain, mcp, openai_agents
 
 SESSION = "5b0c9a52-1f7e-4c47-9f0e-2d1d8a7f3c11"
@@ -755,6 +759,76 @@ def test_langchain_flat_use_is_one_run_without_lineage() -> None:
 
     assert fields(telemetry, "run_id", "tool", "root_run_id", "parent_run_id", "depth") == [
         ("thread-flat", "lookup_order", "thread-flat", None, None)]
+
+
+def looking_up(guard: Guard, middleware: bool, replies: int = 1) -> Any:
+    """An agent that looks order 7 up and answers, ``replies`` times over (a node invoked again)."""
+    script = [asking("lookup_order", {"order": "7"}, f"lk-{n}") if i == 0 else AIMessage(content="shipped")
+              for n in range(replies) for i in range(2)]
+    return create_agent(chat(*script), [StructuredTool.from_function(lookup_order, description="Look an order up.")],
+                        middleware=[langchain.LoopwardenMiddleware(guard)] if middleware else [])
+
+
+def _subgraph_config(guard: Guard, guarded_by: str, thread: str) -> dict[str, Any]:
+    config: dict[str, Any] = {"configurable": {"thread_id": thread}}
+    if guarded_by == "handler":
+        config["callbacks"] = [langchain.LoopwardenCallbackHandler(guard)]
+    return config
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("guarded_by", ["middleware", "handler"])
+def test_langchain_an_agent_that_is_a_node_of_a_graph_is_a_child_run_of_the_graphs(guarded_by: str, mode: str) -> None:
+    """A graph whose nodes are agents (a researcher; a team, itself a graph with a worker agent): each
+    node's calls go to a child run of the run outside it, named by its checkpoint namespace, rooted at
+    the thread's run; the team's worker one level deeper, its parent the team's run."""
+    guard = Guard.in_process()
+    telemetry = telemetry_of(guard)
+    middleware = guarded_by == "middleware"
+    team = StateGraph(MessagesState)
+    team.add_node("worker", looking_up(guard, middleware))
+    team.add_edge(START, "worker")
+    graph = StateGraph(MessagesState)
+    graph.add_node("researcher", looking_up(guard, middleware))
+    graph.add_node("team", team.compile())
+    graph.add_edge(START, "researcher")
+    graph.add_edge("researcher", "team")
+    app = graph.compile(checkpointer=InMemorySaver())
+
+    invoke(app, _subgraph_config(guard, guarded_by, "thread-sg"), mode)
+
+    researcher, worker = telemetry
+    assert fields(telemetry, "tool", "root_run_id", "depth") == [("lookup_order", "thread-sg", 1),
+                                                                   ("lookup_order", "thread-sg", 2)]
+    assert re.fullmatch(r"thread-sg/researcher:[0-9a-f-]{36}", researcher["run_id"])
+    assert researcher["parent_run_id"] == "thread-sg"
+    team_run = worker["parent_run_id"]
+    assert re.fullmatch(r"thread-sg/team:[0-9a-f-]{36}", team_run) and worker["run_id"].startswith(team_run + "|worker:")
+    assert guard.run(worker["run_id"]).root_run_id == "thread-sg"
+
+
+@pytest.mark.parametrize("guarded_by", ["middleware", "handler"])
+def test_langchain_a_graph_running_its_agent_node_past_max_tree_runs_halts_the_tree(guarded_by: str) -> None:
+    """A supervisor loop sending the same agent node back to work: each time a run of the thread's tree;
+    the run that takes the tree past ``max_tree_runs`` (3: the thread's and three agents' runs) halts
+    it at its first call, and the halt leaves ``invoke``."""
+    guard = Guard.in_process(Policy.from_mapping({"fleet": {"max_tree_runs": 3}}))
+    decisions: list[dict[str, Any]] = []
+    guard.on_decision(decisions.append)
+    telemetry = telemetry_of(guard)
+    graph = StateGraph(MessagesState)
+    graph.add_node("worker", looking_up(guard, guarded_by == "middleware", replies=10))
+    graph.add_edge(START, "worker")
+    graph.add_conditional_edges("worker", lambda state: "worker" if len(state["messages"]) < 40 else END)
+    app = graph.compile(checkpointer=InMemorySaver())
+
+    with pytest.raises(TreeHalted, match="tree_fanout"):
+        invoke(app, _subgraph_config(guard, guarded_by, "thread-loop"), "sync")
+
+    halts = [d for d in decisions if d["action"] == "halt"]
+    assert [(d["verdict"], d["root_run_id"], d["trigger_event_id"]) for d in halts] == [
+        ("tree_fanout", "thread-loop", telemetry[2]["event_id"])]
+    assert len({e["run_id"] for e in telemetry}) == 3  # the third agent run's call ran, then the tree halted
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
