@@ -812,11 +812,19 @@ class GuardedRun:
 
     async def finish(self, pending: PendingCall, result: Any = None, *, error: Exception | None = None,
                      latency_ms: float = 0.0, state_hash: str | None = None, tokens: int | float | None = None,
-                     cost_usd: int | float | None = None) -> Any:
+                     cost_usd: int | float | None = None, upstream: str | None = None) -> Any:
         """The second half of ``call``: report the tool's ``result`` (or its ``error``) and return what
         the caller gets (a ``ToolOutcome``'s result, or ``result`` itself). ``state_hash``: a write's
-        after-state, when the tool did not return it in a ``ToolOutcome``."""
+        after-state, when the tool did not return it in a ``ToolOutcome``. ``upstream``: the upstream
+        learned while the call ran, for a call that named none at ``begin`` (an MCP server's name comes
+        with its first answer): the call is reported with it, so it counts in the same streak as the
+        calls after it."""
         retry_after_ms = None
+        if upstream is not None and "upstream" not in (pending.spec.fleet or {}):
+            if not isinstance(upstream, str) or not 0 < len(upstream) <= MAX_ID_LENGTH:
+                raise InvalidCall(f"upstream: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+            pending = replace(pending, spec=replace(pending.spec, fleet={**(pending.spec.fleet or {}),
+                                                                           "upstream": upstream}))
         if error is not None:
             outcome: Outcome = "error"
             value: Any = None

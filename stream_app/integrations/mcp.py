@@ -23,7 +23,8 @@ failing on the same server and pauses its tool for their tenant; a paused tool's
 tool error saying when to retry (``ToolPaused``), without running it. The name is ``upstream`` if given
 (the name or URL agents know the server by), else the ``serverInfo`` name the server answers with: in
 the ``initialize`` result of a handshake-era session, in the ``_meta`` of every 2026-era result. A
-2026-era client's first call, before any answer, names no upstream; pass ``upstream`` to have it too.
+2026-era client's first call, before any answer, names no upstream as it begins (a storm's pause cannot
+refuse it), and is reported with the name its answer gives; pass ``upstream`` to have it from the start.
 """
 
 from __future__ import annotations
@@ -88,10 +89,14 @@ class LoopGuardMiddleware(ServerMiddleware[Any]):
         try:
             result = self._learn(await call_next(ctx))
         except Exception as exc:
-            await run.finish(pending, error=exc, latency_ms=(time.perf_counter() - started) * 1000)
+            await run.finish(pending, error=exc, latency_ms=(time.perf_counter() - started) * 1000,
+                             upstream=self.upstream)
             raise
+        # A call that named no upstream as it began (the first, before any answer) reports the name its
+        # answer gave: it counts in the same streak (run, tool, upstream) as the calls after it.
         answered: HandlerResult = await run.finish(pending, ToolOutcome(outcome(result), result),
-                                                   latency_ms=(time.perf_counter() - started) * 1000)
+                                                   latency_ms=(time.perf_counter() - started) * 1000,
+                                                   upstream=self.upstream)
         return advised(answered, run.take_advice())
 
     def _learn(self, result: HandlerResult) -> HandlerResult:

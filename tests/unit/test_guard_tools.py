@@ -127,6 +127,32 @@ async def test_the_telemetry_names_the_upstream_the_class_and_the_wait() -> None
                                                                                               12_000)
 
 
+async def test_an_upstream_learned_while_the_first_call_ran_is_reported_and_counts_in_its_streak() -> None:
+    """A streak counts per (run, tool, upstream): a call that named no upstream as it began (an MCP
+    server's name comes with its first answer) reports the one ``finish`` is given, so the 4th identical
+    failure halts as it would had all four named it; an upstream the call named at ``begin`` stands."""
+    from stream_app.client import RunHalted
+
+    guard = Guard.in_process(Policy(), clock=_Clock())
+    events: list[dict[str, Any]] = []
+    local = guard._local
+    assert local is not None
+    fold = local.fold
+    local.fold = lambda event: (events.append(event), fold(event))[1]  # type: ignore[method-assign]
+    run = guard.run("mcp-client")
+    first = await run.begin("reindex", {"collection": "docs"})
+    await run.finish(first, error=LookupError("index store unavailable"), upstream="indexer")
+    for _ in range(2):
+        pending = await run.begin("reindex", {"collection": "docs"}, upstream="indexer")
+        await run.finish(pending, error=LookupError("index store unavailable"), upstream="other")
+    pending = await run.begin("reindex", {"collection": "docs"}, upstream="indexer")
+    await run.finish(pending, error=LookupError("index store unavailable"))
+    with pytest.raises(RunHalted):  # the 5th is refused before it runs
+        await run.begin("reindex", {"collection": "docs"}, upstream="indexer")
+    assert [e["upstream"] for e in events] == ["indexer"] * 4
+    assert run.decision is not None and run.decision["verdict"] == "recursion"
+
+
 async def test_a_runs_transient_streak_pauses_its_calls_to_the_tool_twice_then_halts() -> None:
     """One run alone retrying a failing upstream (no storm: one run): where recursion would halt, every
     failure being transient, its calls to the tool pause for the Retry-After instead; the third time, it
