@@ -39,8 +39,10 @@ sub-agent too: each time the node runs, its calls go to a child run of the run o
 level deeper, its parent the enclosing node's run), so ``tree_depth`` and ``tree_fanout`` see the graph's
 nesting and how often its agents ran, and each agent's loops are its own. No call spawns such a node, so
 there is no task to count toward ``tree_recursion``. A graph's own nodes and chains stay steps of its run:
-flat use is one run, as before. The middleware sees a subgraph only under a thread (or a ``run_id`` in
-the config): without, each agent's invocation is a run of its own, as before. The handler sees the
+flat use is one run, as before. The middleware sees a subgraph only under a thread (LangChain drops a
+config's ``run_id`` inside a subgraph): without, each agent's invocation is a run of its own, as before.
+A namespace with a nested part is taken for a subgraph: a functional-API workflow's ``@task`` is one too
+(its calls go to a child run of the workflow's invocation). The handler sees the
 nesting through LangChain's parent run ids and LangGraph's checkpoint namespaces; the middleware through
 the tool call it is running and the namespace, so both the calling agent and the sub-agent need a
 ``LoopwardenMiddleware``. A conversation's thread is the tree's root: a tree is forgotten after
@@ -276,7 +278,7 @@ class LoopwardenCallbackHandler(BaseCallbackHandler):
             if child is not None:
                 run = self.guard.run(child[0], self.agent_id, self.tenant, parent_run_id=child[1])
             elif isinstance(namespace, str) and _NS_SEP in namespace:  # in a subgraph: a sub-agent
-                subgraph = _subgraph_run(self.guard, run_name, namespace, self.agent_id, self.tenant)
+                subgraph = _subgraph_run(self.guard, run_name, namespace, self.agent_id, self.tenant, self.agent_id)
                 assert subgraph is not None
                 run, run_name = subgraph, subgraph.run_id
             else:
@@ -453,17 +455,19 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
 _NS_SEP = "|"
 
 
-def _subgraph_run(guard: Guard, base: str, namespace: str, agent_id: str | None,
-                  tenant: str | None) -> GuardedRun | None:
+def _subgraph_run(guard: Guard, base: str, namespace: str, agent_id: str | None, tenant: str | None,
+                  enclosing_agent_id: str | None = None) -> GuardedRun | None:
     """The run of the subgraph a task runs in, from its checkpoint namespace: each node of it but the
     last (the node the task itself is) is a subgraph, a child run of the run outside it (the outermost's
     parent: ``base``, the graph's run), named ``<base>/<the namespace down to that node>``; None at the
-    top level. ``TreeHalted`` if that tree is halted."""
+    top level. ``TreeHalted`` if that tree is halted. The enclosing graphs' runs are guarded as
+    ``enclosing_agent_id``'s (the handler's one agent: a run that is one task's enclosing graph and
+    another's own is then the same agent's; the middleware's agents are no graph's enclosing one)."""
     nodes = namespace.split(_NS_SEP)[:-1]
     run, parent = None, base
-    for depth in range(1, len(nodes) + 1):  # the enclosing graphs' runs are no agent's (they make no call)
-        run = guard.run(_subgraph_id(base, _NS_SEP.join(nodes[:depth])), agent_id if depth == len(nodes) else None,
-                        tenant, parent_run_id=parent)
+    for depth in range(1, len(nodes) + 1):
+        run = guard.run(_subgraph_id(base, _NS_SEP.join(nodes[:depth])),
+                        agent_id if depth == len(nodes) else enclosing_agent_id, tenant, parent_run_id=parent)
         parent = run.run_id
     return run
 

@@ -26,6 +26,7 @@ from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.tools import StructuredTool
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode
 from mcp import Client
 from mcp.server.context import ServerRequestContext
 from mcp.server.mcpserver import MCPServer
@@ -805,6 +806,31 @@ def test_langchain_an_agent_that_is_a_node_of_a_graph_is_a_child_run_of_the_grap
     team_run = worker["parent_run_id"]
     assert re.fullmatch(r"thread-sg/team:[0-9a-f-]{36}", team_run) and worker["run_id"].startswith(team_run + "|worker:")
     assert guard.run(worker["run_id"]).root_run_id == "thread-sg"
+
+
+def test_langchain_a_subgraph_calling_tools_itself_and_holding_an_agent_is_one_run_of_the_handlers_agent() -> None:
+    """A team graph whose own ToolNode calls a tool, then runs a worker agent: the team's run is both the
+    run of the team's calls and the worker's parent, guarded as the handler's agent both times."""
+    guard = Guard.in_process()
+    telemetry = telemetry_of(guard)
+    team = StateGraph(MessagesState)
+    team.add_node("ask", lambda state: {"messages": [asking("lookup_order", {"order": "8"}, "team-1")]})
+    team.add_node("tools", ToolNode([StructuredTool.from_function(lookup_order, description="Look an order up.")]))
+    team.add_node("worker", looking_up(guard, middleware=False))
+    team.add_edge(START, "ask")
+    team.add_edge("ask", "tools")
+    team.add_edge("tools", "worker")
+    graph = StateGraph(MessagesState)
+    graph.add_node("team", team.compile())
+    graph.add_edge(START, "team")
+    config = {"configurable": {"thread_id": "thread-ops"},
+              "callbacks": [langchain.LoopwardenCallbackHandler(guard, agent_id="ops")]}
+
+    graph.compile(checkpointer=InMemorySaver()).invoke({"messages": [("user", "Where are 7 and 8?")]}, config)
+
+    own, worker = telemetry
+    assert own["run_id"] == worker["parent_run_id"] and (own["depth"], worker["depth"]) == (1, 2)
+    assert {own["agent_id"], worker["agent_id"]} == {"ops"}
 
 
 @pytest.mark.parametrize("guarded_by", ["middleware", "handler"])
