@@ -11,6 +11,7 @@ import pytest
 from stream_app.client import Guard, ToolPaused
 from stream_app.client.guard import classify_error
 from stream_app.core import Policy
+from tests.integration.tools import telemetry_of
 
 T0 = 1_764_000_000_000 - 1_764_000_000_000 % 60_000
 UPSTREAM = "api.weather.example"
@@ -112,11 +113,7 @@ async def test_a_fleet_pause_is_obeyed_and_its_resume_lifts_it() -> None:
 
 async def test_the_telemetry_names_the_upstream_the_class_and_the_wait() -> None:
     guard = Guard.in_process(Policy(), clock=_Clock())
-    events: list[dict[str, Any]] = []
-    local = guard._local
-    assert local is not None
-    fold = local.fold
-    local.fold = lambda event: (events.append(event), fold(event))[1]  # type: ignore[method-assign]
+    events = telemetry_of(guard)
 
     def limited(**_: Any) -> None:
         raise Unavailable(429, "12")
@@ -134,11 +131,7 @@ async def test_an_upstream_learned_while_the_first_call_ran_is_reported_and_coun
     from stream_app.client import RunHalted
 
     guard = Guard.in_process(Policy(), clock=_Clock())
-    events: list[dict[str, Any]] = []
-    local = guard._local
-    assert local is not None
-    fold = local.fold
-    local.fold = lambda event: (events.append(event), fold(event))[1]  # type: ignore[method-assign]
+    events = telemetry_of(guard)
     run = guard.run("mcp-client")
     first = await run.begin("reindex", {"collection": "docs"})
     await run.finish(first, error=LookupError("index store unavailable"), upstream="indexer")
