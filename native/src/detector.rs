@@ -348,6 +348,14 @@ impl RunState {
         Admission::Fold
     }
 
+    /// A call of a halted run (admitted as `Halted`): a spawn-class one still marks the run as a tree's
+    /// spawning root, so its tree fact carries what it spent (as the reference's `evaluate`).
+    pub fn halted_call(&mut self, tool_class: u8) {
+        if tool_class == crate::contract::SPAWN {
+            self.spawned = true;
+        }
+    }
+
     /// Count the call and apply progress (an advancing plan step resets every streak).
     pub fn count_call(&mut self, plan_step: Option<i64>) {
         self.calls += 1;

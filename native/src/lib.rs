@@ -887,7 +887,11 @@ impl Replayer {
         let mut finding = Vec::new();
         match state.admit(call.event_id, call.ts_ms, &policy.thresholds) {
             Admission::Duplicate => self.duplicates += 1,
-            Admission::Halted => {}
+            Admission::Halted => {
+                if !call.model_call {
+                    state.halted_call(call.tool_class.unwrap_or(policy.thresholds.tool_class));
+                }
+            }
             Admission::Fold => {
                 if !call.model_call {
                     state.count_call(call.plan_step);
@@ -1208,7 +1212,12 @@ impl BatchFolder {
             let admission = state.admit(call.event_id, call.ts_ms, &policy.thresholds);
             match admission {
                 Admission::Duplicate => run.duplicates += 1,
-                Admission::Halted => run.applied[call.outcome as usize] += 1,
+                Admission::Halted => {
+                    run.applied[call.outcome as usize] += 1;
+                    if !call.model_call {
+                        state.halted_call(call.tool_class.unwrap_or(policy.thresholds.tool_class));
+                    }
+                }
                 Admission::Fold => {
                     run.applied[call.outcome as usize] += 1;
                     if !call.model_call {

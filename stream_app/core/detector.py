@@ -282,6 +282,8 @@ class Detector:
         if event.ts_ms > state.last_ts_ms:
             state.last_ts_ms = event.ts_ms
         if state.halted_by is not None:
+            if event.kind != "model_call" and (event.tool_class or thresholds.tool_class) == "spawn":
+                state.spawned = True  # a halted root spawning anyway: its tree fact carries what it spent
             return _NOTHING
         if event.kind == "model_call":
             return self._model_call(state, event, thresholds)

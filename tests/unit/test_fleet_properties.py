@@ -512,3 +512,21 @@ def test_a_trees_budget_counts_the_roots_calls_before_and_after_its_spawn_in_bot
         [("tree_budget", "root-6", 1.1)]
     alone = [line("solo", n, cost_usd=0.5) for n in range(5)]
     assert [d for d in map(orjson.loads, replay_both(alone, policy).splitlines()) if d.get("scope") == "tree"] == []
+
+
+def test_a_halted_root_that_spawns_anyway_brings_what_it_spent_to_its_tree_in_both_engines() -> None:
+    """A root halted by its own $0.60 budget at $0.70 whose runtime spawns anyway (fleet mode: the halt
+    arrives after the call) makes a tree of $0.70 + its sub-agent's $0.40: past a $1 tree budget at the
+    sub-agent's call, in both engines (the spawn's fact once carried only that call's own cost)."""
+    def line(run: str, n: int, **fields: Any) -> bytes:
+        event = {"run_id": run, "event_id": f"{run}-{n}", "tool": "claude", "kind": "model_call", "ts_ms": n,
+                 "outcome": "success", "args": {}, "result": n, **fields}
+        return orjson.dumps(event) + b"\n"
+    policy = Policy.from_mapping({"defaults": {"max_cost_usd": 0.6}, "fleet": {"max_tree_cost_usd": 1},
+                                  "tools": {"Task": {"tool_class": "spawn"}}})
+    spawn = {"tool": "Task", "kind": "tool_call", "child_run_id": "kid", "task_hash": "a" * 16}
+    lines = [line("root", 1, cost_usd=0.35), line("root", 2, cost_usd=0.35), line("root", 3, **spawn),
+             line("kid", 4, cost_usd=0.4, root_run_id="root", parent_run_id="root", depth=1)]
+    decided = list(map(orjson.loads, replay_both(lines, policy).splitlines()))
+    assert [(d.get("scope", "run"), d["verdict"], d["trigger_event_id"]) for d in decided
+            if d["action"] == "halt"] == [("run", "budget_exceeded", "root-2"), ("tree", "tree_budget", "kid-4")]

@@ -18,7 +18,9 @@ set of decisions depends on the facts and not on the order they came in:
   ``max_tree_cost_usd``. The sum is what the root spent (its every call, from its first: a root's fact
   carries its run's spending so far, and the fold keeps the largest it heard of, so a fact heard twice
   or late counts once) and what its sub-agents' calls cost. A root's call is a fact once the root has
-  made a spawn-class call (``RunState.spawned``): a run spawning nothing sends no tree fact.
+  made a spawn-class call (``RunState.spawned``, set by a halted run's spawn too, whose runtime went on
+  in fleet mode: what it spent until its halt then reaches the tree): a run spawning nothing sends no
+  tree fact.
 
 Every decision halts (or alerts on) the whole tree: a runtime refuses the calls of every run of it and
 new children at ``Guard.run``.
