@@ -41,8 +41,11 @@ nesting and how often its agents ran, and each agent's loops are its own. No cal
 there is no task to count toward ``tree_recursion``. A graph's own nodes and chains stay steps of its run:
 flat use is one run, as before. The middleware sees a subgraph only under a thread (LangChain drops a
 config's ``run_id`` inside a subgraph): without, each agent's invocation is a run of its own, as before.
-A namespace with a nested part is taken for a subgraph: a functional-API workflow's ``@task`` is one too
-(its calls go to a child run of the workflow's invocation). The handler sees the
+A functional-API ``@task`` runs in its caller's graph: the handler, which sees each task start with its
+``langgraph_path``, keeps a task's calls in the run of the node calling it (a workflow's tasks are steps
+of the thread's run; a graph a task runs is a child run named by the task); the middleware sees no task,
+so each node and task above an agent counts as a level (an agent a workflow's task runs is at depth 2,
+under the handler at depth 1). The handler sees the
 nesting through LangChain's parent run ids and LangGraph's checkpoint namespaces; the middleware through
 the tool call it is running and the namespace, so both the calling agent and the sub-agent need a
 ``LoopwardenMiddleware``. A conversation's thread is the tree's root: a tree is forgotten after
@@ -60,6 +63,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hashlib
+import itertools
 import logging
 import threading
 import time
@@ -219,6 +223,9 @@ class LoopwardenCallbackHandler(BaseCallbackHandler):
         self._children: dict[UUID, tuple[str, str]] = {}
         self._pending: dict[UUID, tuple[GuardedRun, PendingCall, float]] = {}
         self._refused: set[UUID] = set()  # invocations (root runs) in which a call was refused
+        #: Chains in flight that are (or run inside) a functional-API ``@task`` call -> the task's checkpoint
+        #: namespace: a task runs in its caller's graph, so the node calling it holds no subgraph.
+        self._tasks: dict[UUID, str] = {}
         self._warned = False
         if _ONCE not in logging.getLogger(_CALLBACK_LOGGER).filters:
             logging.getLogger(_CALLBACK_LOGGER).addFilter(_ONCE)
@@ -228,6 +235,9 @@ class LoopwardenCallbackHandler(BaseCallbackHandler):
         parent_run_id: UUID | None = None, **kwargs: Any,
     ) -> None:
         self._roots[run_id] = self._roots.get(parent_run_id, parent_run_id) if parent_run_id else run_id
+        metadata = kwargs.get("metadata")
+        if metadata and _is_task_call(metadata.get("langgraph_path")):
+            self._tasks[run_id] = metadata.get("langgraph_checkpoint_ns")
         if parent_run_id is None:
             return
         calling = self._pending.get(parent_run_id)
@@ -248,6 +258,7 @@ class LoopwardenCallbackHandler(BaseCallbackHandler):
     def _ended(self, run_id: UUID) -> None:
         self._roots.pop(run_id, None)
         self._children.pop(run_id, None)
+        self._tasks.pop(run_id, None)
         self._refused.discard(run_id)
 
     def on_tool_start(
@@ -274,11 +285,13 @@ class LoopwardenCallbackHandler(BaseCallbackHandler):
         tool = serialized["name"]
         run_name = child[0] if child is not None else str(thread_id or root)
         namespace = (metadata or {}).get("langgraph_checkpoint_ns")
+        holders = self._holders(namespace, (metadata or {}).get("langgraph_path")) \
+            if isinstance(namespace, str) and child is None else []
         try:
             if child is not None:
                 run = self.guard.run(child[0], self.agent_id, self.tenant, parent_run_id=child[1])
-            elif isinstance(namespace, str) and _NS_SEP in namespace:  # in a subgraph: a sub-agent
-                subgraph = _subgraph_run(self.guard, run_name, namespace, self.agent_id, self.tenant, self.agent_id)
+            elif holders:  # in a subgraph: a sub-agent
+                subgraph = _subgraph_run(self.guard, run_name, holders, self.agent_id, self.tenant, self.agent_id)
                 assert subgraph is not None
                 run, run_name = subgraph, subgraph.run_id
             else:
@@ -297,6 +310,19 @@ class LoopwardenCallbackHandler(BaseCallbackHandler):
             raise DuplicateSuppressed(run.run_id, tool, "a callback handler", "LoopwardenMiddleware")
         self._pending[run_id] = (run, pending, time.perf_counter())
         self._roots[run_id] = root  # for the chains the tool runs
+
+    def _holders(self, namespace: str, path: Any) -> list[str]:
+        """The namespaces of the nodes holding the subgraphs a tool call with checkpoint ``namespace``
+        runs in, outermost first: each node but the last (the call's own task), unless the task below it
+        is a functional-API ``@task`` call (the call's own from its ``langgraph_path``; an enclosing one's
+        from the chains in flight), which runs in its caller's graph."""
+        prefixes = list(itertools.accumulate(namespace.split(_NS_SEP), lambda a, b: a + _NS_SEP + b))
+        if len(prefixes) < 2:
+            return []
+        tasks = set(self._tasks.copy().values())  # copy: atomic while other threads start and end chains
+        if _is_task_call(path):
+            tasks.add(namespace)
+        return [prefix for prefix, below in itertools.pairwise(prefixes) if below not in tasks]
 
     def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
         self._roots.pop(run_id, None)
@@ -363,7 +389,9 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
         info = runtime.execution_info
         run_id = (info.thread_id or info.run_id) if info is not None else None
         if info is not None and run_id and _NS_SEP in info.checkpoint_ns:  # a node of a parent graph: a sub-agent
-            subgraph = _subgraph_run(self.guard, str(run_id), info.checkpoint_ns, self.agent_id, self.tenant)
+            nodes = info.checkpoint_ns.split(_NS_SEP)[:-1]
+            holders = list(itertools.accumulate(nodes, lambda a, b: a + _NS_SEP + b))
+            subgraph = _subgraph_run(self.guard, str(run_id), holders, self.agent_id, self.tenant)
             assert subgraph is not None and subgraph.parent_run_id is not None
             return {"loopwarden_run_id": subgraph.run_id, "loopwarden_parent_run_id": subgraph.parent_run_id,
                     "loopwarden_invocation": invocation}
@@ -455,21 +483,27 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
 _NS_SEP = "|"
 
 
-def _subgraph_run(guard: Guard, base: str, namespace: str, agent_id: str | None, tenant: str | None,
+def _subgraph_run(guard: Guard, base: str, holders: list[str], agent_id: str | None, tenant: str | None,
                   enclosing_agent_id: str | None = None) -> GuardedRun | None:
-    """The run of the subgraph a task runs in, from its checkpoint namespace: each node of it but the
-    last (the node the task itself is) is a subgraph, a child run of the run outside it (the outermost's
-    parent: ``base``, the graph's run), named ``<base>/<the namespace down to that node>``; None at the
-    top level. ``TreeHalted`` if that tree is halted. The enclosing graphs' runs are guarded as
-    ``enclosing_agent_id``'s (the handler's one agent: a run that is one task's enclosing graph and
-    another's own is then the same agent's; the middleware's agents are no graph's enclosing one)."""
-    nodes = namespace.split(_NS_SEP)[:-1]
+    """The run of the subgraph a task runs in, from the checkpoint namespaces of the nodes holding its
+    enclosing subgraphs (outermost first; for a task of a graph's node: each node of its namespace but
+    its own): each is a child run of the run outside it (the outermost's parent: ``base``, the graph's
+    run), named ``<base>/<that node's namespace>``; None at the top level. ``TreeHalted`` if that tree is
+    halted. The enclosing graphs' runs are guarded as ``enclosing_agent_id``'s (the handler's one agent: a
+    run that is one task's enclosing graph and another's own is then the same agent's; the middleware's
+    agents are no graph's enclosing one)."""
     run, parent = None, base
-    for depth in range(1, len(nodes) + 1):
-        run = guard.run(_subgraph_id(base, _NS_SEP.join(nodes[:depth])),
-                        agent_id if depth == len(nodes) else enclosing_agent_id, tenant, parent_run_id=parent)
+    for depth, holder in enumerate(holders, 1):
+        run = guard.run(_subgraph_id(base, holder),
+                        agent_id if depth == len(holders) else enclosing_agent_id, tenant, parent_run_id=parent)
         parent = run.run_id
     return run
+
+
+def _is_task_call(path: Any) -> bool:
+    """Whether a ``langgraph_path`` is a functional-API ``@task`` call's: ``("__pregel_push", the
+    caller's path, index, True)`` (a ``Send``'s push names no caller)."""
+    return type(path) is tuple and len(path) >= 4 and path[0] == "__pregel_push" and type(path[1]) is tuple
 
 
 def _subgraph_id(base: str, namespace: str) -> str:

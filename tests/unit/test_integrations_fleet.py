@@ -25,6 +25,7 @@ from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.tools import StructuredTool
 from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.func import entrypoint, task
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode
 from mcp import Client
@@ -831,6 +832,47 @@ def test_langchain_a_subgraph_calling_tools_itself_and_holding_an_agent_is_one_r
     own, worker = telemetry
     assert own["run_id"] == worker["parent_run_id"] and (own["depth"], worker["depth"]) == (1, 2)
     assert {own["agent_id"], worker["agent_id"]} == {"ops"}
+
+
+def test_langchain_a_functional_workflows_tasks_are_steps_of_its_run_and_a_graph_inside_a_task_a_sub_agent() -> None:
+    """An ``@entrypoint`` mapping a ``@task`` that calls a tool over 30 orders, a task calling that task,
+    and a task running a graph whose node calls the tool: the tasks' calls are the thread's run, as a
+    graph's own nodes' are (a task runs in its caller's graph: no child run, no tree); the graph's is a
+    child run of it, named by the task holding the graph, at depth 1."""
+    guard = Guard.in_process()
+    telemetry = telemetry_of(guard)
+    tool = StructuredTool.from_function(lookup_order, description="Look an order up.")
+    team = StateGraph(MessagesState)
+    team.add_node("ask", lambda state: {"messages": [asking("lookup_order", {"order": "team"}, "team-1")]})
+    team.add_node("tools", ToolNode([tool]))
+    team.add_edge(START, "ask")
+    team.add_edge("ask", "tools")
+    subgraph = team.compile()
+
+    @task
+    def look(order: str) -> str:
+        return str(tool.invoke({"order": order}))
+
+    @task
+    def review(order: str) -> str:
+        look(order).result()
+        subgraph.invoke({"messages": [("user", order)]})
+        return order
+
+    @entrypoint(checkpointer=InMemorySaver())
+    def workflow(orders: list[str]) -> list[str]:
+        found = [look(order).result() for order in orders]
+        review("again").result()
+        return found
+
+    config = {"configurable": {"thread_id": "thread-fn"}, "callbacks": [langchain.LoopwardenCallbackHandler(guard)]}
+    assert len(workflow.invoke([str(n) for n in range(30)], config)) == 30
+
+    flat = [e for e in telemetry if e["run_id"] == "thread-fn"]
+    assert len(flat) == 31 and {(e.get("parent_run_id"), e.get("depth")) for e in flat} == {(None, None)}
+    (nested,) = [e for e in telemetry if e["run_id"] != "thread-fn"]
+    assert re.fullmatch(r"thread-fn/workflow:[0-9a-f-]{36}\|review:[0-9a-f-]{36}", nested["run_id"])
+    assert (nested["parent_run_id"], nested["root_run_id"], nested["depth"]) == ("thread-fn", "thread-fn", 1)
 
 
 @pytest.mark.parametrize("guarded_by", ["middleware", "handler"])
