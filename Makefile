@@ -77,6 +77,7 @@ chaos: install
 lint: install
 	@$(BIN)/ruff check stream_app tests bench scripts
 	@$(BIN)/mypy
+	@cargo fmt --check --manifest-path native/Cargo.toml
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis native/target

@@ -41,8 +41,6 @@ pub struct Thresholds {
 use crate::contract::SPEND_CAP;
 use crate::fields::Fields;
 
-
-
 /// Outcome codes inside streak keys, in `contract::OUTCOMES` order.
 const OUTCOME_CODE: [u8; 4] = [b's', b'e', b'0', b'n'];
 const SUCCESS: u8 = 0;
@@ -117,7 +115,10 @@ pub fn streak_tool(tool: [u8; 4], upstream: Option<&str>) -> [u8; 4] {
 /// run, trigger, action and verdict joined by U+001F.
 pub fn decision_id(run_id: &str, trigger_event_id: &str, action: &str, verdict: &str) -> String {
     let mut hasher = Sha256::new();
-    for (i, part) in [run_id, trigger_event_id, action, verdict].iter().enumerate() {
+    for (i, part) in [run_id, trigger_event_id, action, verdict]
+        .iter()
+        .enumerate()
+    {
         if i > 0 {
             hasher.update([0x1f]);
         }
@@ -295,7 +296,9 @@ pub struct Finding {
 
 /// Whether a sum going from `before` to `after` first reaches 80% of `limit` (0: no limit).
 fn nears(before: i64, after: i64, limit: i64) -> bool {
-    limit > 0 && (before as i128) * 5 < (limit as i128) * 4 && (limit as i128) * 4 <= (after as i128) * 5
+    limit > 0
+        && (before as i128) * 5 < (limit as i128) * 4
+        && (limit as i128) * 4 <= (after as i128) * 5
 }
 
 impl Finding {
@@ -318,7 +321,10 @@ impl Finding {
     }
 
     fn advice(verdict: &'static str, count: i64, outcome: u8) -> Finding {
-        Finding { advise: true, ..Finding::new(verdict, count, outcome) }
+        Finding {
+            advise: true,
+            ..Finding::new(verdict, count, outcome)
+        }
     }
 }
 
@@ -438,7 +444,11 @@ impl RunState {
             let back = self.handoffs > 0
                 && step.agent == self.handoff_to
                 && step.child_agent == self.handoff_from;
-            self.handoffs = if back { (self.handoffs + 1).min(HANDOFF_CAP) } else { 1 };
+            self.handoffs = if back {
+                (self.handoffs + 1).min(HANDOFF_CAP)
+            } else {
+                1
+            };
             self.handoff_from = step.agent;
             self.handoff_to = step.child_agent;
             handoffs = self.handoffs;
@@ -462,7 +472,9 @@ impl RunState {
         let oscillating =
             0 < thresholds.oscillation_revisits && thresholds.oscillation_revisits <= revisit;
         if thresholds.advise {
-            *advice = self.advice(thresholds, failing, count, budget, near, reads, revisit, nearing, outcome);
+            *advice = self.advice(
+                thresholds, failing, count, budget, near, reads, revisit, nearing, outcome,
+            );
         }
 
         let looping =
@@ -475,7 +487,9 @@ impl RunState {
             || stuck
             || oscillating
             || spent.is_some()
-            || (!failing && 0 < thresholds.poll_alert_after && thresholds.poll_alert_after <= count))
+            || (!failing
+                && 0 < thresholds.poll_alert_after
+                && thresholds.poll_alert_after <= count))
         {
             return None;
         }
@@ -537,8 +551,16 @@ impl RunState {
             outcome,
             rule,
             advise: false,
-            event_ids: if streak { self.streak_event_ids() } else { Vec::new() },
-            args_first: if streak { self.streak_args.clone() } else { String::new() },
+            event_ids: if streak {
+                self.streak_event_ids()
+            } else {
+                Vec::new()
+            },
+            args_first: if streak {
+                self.streak_args.clone()
+            } else {
+                String::new()
+            },
             pause,
         };
         if pause == 0 {
@@ -585,7 +607,10 @@ impl RunState {
         };
         if let Some((verdict, rule, count)) = halting {
             self.halt(step, verdict, thresholds);
-            findings.push(Finding { rule, ..Finding::new(verdict, count, step.outcome) });
+            findings.push(Finding {
+                rule,
+                ..Finding::new(verdict, count, step.outcome)
+            });
         }
         findings
     }
@@ -606,7 +631,11 @@ impl RunState {
     ) -> Option<Finding> {
         if failing && budget != 0 && count == budget && self.advised & 1 == 0 {
             self.advised |= 1;
-            let verdict = if self.streak_varied { "semantic_loop" } else { "recursion" };
+            let verdict = if self.streak_varied {
+                "semantic_loop"
+            } else {
+                "recursion"
+            };
             let mut advice = Finding::advice(verdict, count, outcome);
             advice.budget = budget;
             advice.first_event_id = self.streak_first_event_id.clone();
@@ -645,7 +674,8 @@ impl RunState {
         let (cost, tokens) = (self.cost_micro, self.tokens);
         self.cost_micro = cost.saturating_add(step.cost_micro).min(SPEND_CAP);
         self.tokens = tokens.saturating_add(step.tokens).min(SPEND_CAP);
-        let crossed = |limit: i64, before: i64, after: i64| limit > 0 && before <= limit && limit < after;
+        let crossed =
+            |limit: i64, before: i64, after: i64| limit > 0 && before <= limit && limit < after;
         let spent = if crossed(thresholds.max_cost_micro, cost, self.cost_micro) {
             Some(("cost", self.cost_micro))
         } else if crossed(thresholds.max_tokens, tokens, self.tokens) {
@@ -831,7 +861,8 @@ impl RunState {
             self.streak_transient = step.transient;
             self.streak_pauses = 0;
             if failing {
-                self.streak_args.push_str(std::str::from_utf8(step.args).unwrap_or_default());
+                self.streak_args
+                    .push_str(std::str::from_utf8(step.args).unwrap_or_default());
             }
         }
         let budget = step.retry_budget.unwrap_or(thresholds.retry_budget);
@@ -855,7 +886,13 @@ impl RunState {
     }
 
     /// The period of a cycle this step completes, and of one a single occurrence short (the advice's).
-    fn cycle(&mut self, sig: StepSig, failing: bool, ts_ms: i64, thresholds: &Thresholds) -> (i64, i64) {
+    fn cycle(
+        &mut self,
+        sig: StepSig,
+        failing: bool,
+        ts_ms: i64,
+        thresholds: &Thresholds,
+    ) -> (i64, i64) {
         let occurrences = thresholds.cycle_occurrences as usize;
         let capacity = CYCLE_PERIODS[1] * occurrences;
         let sigs = &mut self.recent_sigs;
@@ -871,7 +908,11 @@ impl RunState {
         if times.len() > capacity {
             times.pop_front(); // one only, as the reference does
         }
-        let mask = if capacity >= 64 { u64::MAX } else { (1u64 << capacity) - 1 };
+        let mask = if capacity >= 64 {
+            u64::MAX
+        } else {
+            (1u64 << capacity) - 1
+        };
         self.recent_failing = ((self.recent_failing << 1) | failing as u64) & mask;
         if !repeats {
             self.advised &= !2; // no cycle goes on through this step
@@ -890,7 +931,8 @@ impl RunState {
                     continue;
                 }
                 let unit_start = n - period;
-                let repeated = (0..span).all(|i| sigs[n - span + i] == sigs[unit_start + i % period]);
+                let repeated =
+                    (0..span).all(|i| sigs[n - span + i] == sigs[unit_start + i % period]);
                 let all_this_step = (unit_start..n).all(|i| sigs[i] == sig);
                 if repeated
                     && !all_this_step
@@ -927,7 +969,12 @@ impl RunState {
         let flag = |name: &str| record.field(name)?.as_bool();
         let text = |name: &str| record.field(name)?.as_str();
         let times = |name: &str| -> Option<VecDeque<i64>> {
-            record.field(name)?.as_array()?.iter().map(Value::as_i64).collect()
+            record
+                .field(name)?
+                .as_array()?
+                .iter()
+                .map(Value::as_i64)
+                .collect()
         };
         let halted_by = match record.field("halted_by")? {
             Value::Null => None,
@@ -956,17 +1003,18 @@ impl RunState {
             },
         };
         // The handoff ping-pong in progress (absent: none).
-        let (handoffs, handoff_from, handoff_to): (i64, Digest, Digest) = match record.field("handoffs") {
-            None | Some(Value::Null) => (0, [0; 8], [0; 8]),
-            Some(value) => match value.as_array()?.as_slice() {
-                [n, from, to] => (
-                    n.as_i64()?,
-                    unhex(from.as_str()?)?.as_slice().try_into().ok()?,
-                    unhex(to.as_str()?)?.as_slice().try_into().ok()?,
-                ),
-                _ => return None,
-            },
-        };
+        let (handoffs, handoff_from, handoff_to): (i64, Digest, Digest) =
+            match record.field("handoffs") {
+                None | Some(Value::Null) => (0, [0; 8], [0; 8]),
+                Some(value) => match value.as_array()?.as_slice() {
+                    [n, from, to] => (
+                        n.as_i64()?,
+                        unhex(from.as_str()?)?.as_slice().try_into().ok()?,
+                        unhex(to.as_str()?)?.as_slice().try_into().ok()?,
+                    ),
+                    _ => return None,
+                },
+            };
         let streak_fuzzy = match record.field("streak_fuzzy") {
             None => false,
             Some(value) => value.as_bool()?,
@@ -977,7 +1025,10 @@ impl RunState {
                 .as_array()?
                 .iter()
                 .map(|entry| match entry.as_array()?.as_slice() {
-                    [key, n] => Some((unhex(key.as_str()?)?.as_slice().try_into().ok()?, n.as_i64()?)),
+                    [key, n] => Some((
+                        unhex(key.as_str()?)?.as_slice().try_into().ok()?,
+                        n.as_i64()?,
+                    )),
                     _ => None,
                 })
                 .collect::<Option<Vec<_>>>()?,
@@ -994,7 +1045,10 @@ impl RunState {
                 .as_array()?
                 .iter()
                 .map(|entry| match entry.as_array()?.as_slice() {
-                    [key, n] => Some((unhex(key.as_str()?)?.as_slice().try_into().ok()?, n.as_i64()?)),
+                    [key, n] => Some((
+                        unhex(key.as_str()?)?.as_slice().try_into().ok()?,
+                        n.as_i64()?,
+                    )),
                     _ => None,
                 })
                 .collect::<Option<Vec<_>>>()?,
@@ -1110,8 +1164,12 @@ impl RunState {
             }
             out.push(b'"');
         };
-        write!(out, "{{\"calls\":{},\"last_ts_ms\":{},\"halted_by\":", self.calls, self.last_ts_ms)
-            .expect("writing to a Vec cannot fail");
+        write!(
+            out,
+            "{{\"calls\":{},\"last_ts_ms\":{},\"halted_by\":",
+            self.calls, self.last_ts_ms
+        )
+        .expect("writing to a Vec cannot fail");
         match &self.halted_by {
             Some(id) => string(out, id),
             None => out.extend_from_slice(b"null"),
@@ -1126,20 +1184,36 @@ impl RunState {
         out.extend_from_slice(b",\"streak_key\":");
         hex_of(out, &mut self.streak_key.iter().map(|k| k.as_slice()));
         out.extend_from_slice(b",\"streak_call\":");
-        let call: &[u8] = if self.streak_key.is_some() { &self.streak_call } else { &[] };
+        let call: &[u8] = if self.streak_key.is_some() {
+            &self.streak_call
+        } else {
+            &[]
+        };
         hex_of(out, &mut std::iter::once(call));
-        write!(out, ",\"streak_varied\":{},\"streak_ts\":", self.streak_varied)
-            .expect("writing to a Vec cannot fail");
+        write!(
+            out,
+            ",\"streak_varied\":{},\"streak_ts\":",
+            self.streak_varied
+        )
+        .expect("writing to a Vec cannot fail");
         list(out, &self.streak_ts);
         out.extend_from_slice(b",\"streak_first_event_id\":");
         string(out, &self.streak_first_event_id);
-        write!(out, ",\"streak_alerted\":{},\"recent_sigs\":", self.streak_alerted)
-            .expect("writing to a Vec cannot fail");
+        write!(
+            out,
+            ",\"streak_alerted\":{},\"recent_sigs\":",
+            self.streak_alerted
+        )
+        .expect("writing to a Vec cannot fail");
         hex_of(out, &mut self.recent_sigs.iter().map(|s| s.as_slice()));
         out.extend_from_slice(b",\"recent_ts\":");
         list(out, &self.recent_ts);
-        write!(out, ",\"recent_failing\":{},\"side_effects\":", self.recent_failing)
-            .expect("writing to a Vec cannot fail");
+        write!(
+            out,
+            ",\"recent_failing\":{},\"side_effects\":",
+            self.recent_failing
+        )
+        .expect("writing to a Vec cannot fail");
         if self.side_effects.is_empty() {
             out.extend_from_slice(b"null");
         } else {
@@ -1234,7 +1308,8 @@ impl RunState {
                     .expect("writing to a Vec cannot fail");
             }
             if self.handoffs != 0 {
-                write!(out, ",\"handoffs\":[{},", self.handoffs).expect("writing to a Vec cannot fail");
+                write!(out, ",\"handoffs\":[{},", self.handoffs)
+                    .expect("writing to a Vec cannot fail");
                 hex_of(out, &mut std::iter::once(self.handoff_from.as_slice()));
                 out.push(b',');
                 hex_of(out, &mut std::iter::once(self.handoff_to.as_slice()));
@@ -1291,7 +1366,10 @@ fn ordered_side_effects(raw: &[u8]) -> Option<Vec<(String, Value)>> {
     struct EntriesSeed;
     impl<'de> serde::de::DeserializeSeed<'de> for EntriesSeed {
         type Value = Vec<(String, Value)>;
-        fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        fn deserialize<D: Deserializer<'de>>(
+            self,
+            deserializer: D,
+        ) -> Result<Self::Value, D::Error> {
             deserializer.deserialize_map(Entries)
         }
     }
@@ -1339,7 +1417,12 @@ fn chunks<const N: usize>(bytes: &[u8]) -> Option<VecDeque<[u8; N]>> {
     if !bytes.len().is_multiple_of(N) {
         return None;
     }
-    Some(bytes.chunks(N).map(|c| c.try_into().expect("N bytes")).collect())
+    Some(
+        bytes
+            .chunks(N)
+            .map(|c| c.try_into().expect("N bytes"))
+            .collect(),
+    )
 }
 
 #[cfg(test)]
@@ -1375,14 +1458,22 @@ mod tests {
         assert!(flat.is_some());
         assert_eq!(flat, map);
         assert_eq!(flat.unwrap(), (RECORD.as_bytes().to_vec(), 1063)); // written by this engine: the same bytes
-        // a repeated name: the flat reading declines, the map keeps the last, and so does `Object`
+                                                                       // a repeated name: the flat reading declines, the map keeps the last, and so does `Object`
         let repeated = RECORD.replacen("{\"calls\":4,", "{\"calls\":4,\"calls\":9,", 1);
         let (flat, map) = read_back(&repeated);
         assert_eq!(flat, None);
-        assert!(String::from_utf8(map.unwrap().0).unwrap().starts_with("{\"calls\":9,"));
+        assert!(String::from_utf8(map.unwrap().0)
+            .unwrap()
+            .starts_with("{\"calls\":9,"));
         let object = crate::fields::Object::parse(repeated.as_bytes()).unwrap();
         assert!(matches!(object, crate::fields::Object::Map(_)));
-        assert_eq!(RunState::from_record(&object, repeated.as_bytes()).unwrap().0.calls, 9);
+        assert_eq!(
+            RunState::from_record(&object, repeated.as_bytes())
+                .unwrap()
+                .0
+                .calls,
+            9
+        );
         // refused alike: a field of the wrong type, a missing one, another version
         for refused in [
             RECORD.replacen("\"calls\":4", "\"calls\":4.0", 1),
@@ -1397,12 +1488,15 @@ mod tests {
     fn the_flat_reading_declines_what_the_map_may_read_otherwise() {
         for declined in [
             RECORD.replacen("\"calls\"", "\"ca\\u006cls\"", 1), // a name with an escape
-            RECORD.replacen("\"v\":2", "\"v\":2,\"calls\":4", 1),  // a repeated name
-            format!("{RECORD} x"),                               // text after the object
-            format!("[{RECORD}]"),                               // not an object
-            RECORD[..RECORD.len() - 1].to_owned(),               // cut short
+            RECORD.replacen("\"v\":2", "\"v\":2,\"calls\":4", 1), // a repeated name
+            format!("{RECORD} x"),                              // text after the object
+            format!("[{RECORD}]"),                              // not an object
+            RECORD[..RECORD.len() - 1].to_owned(),              // cut short
         ] {
-            assert!(crate::fields::FlatObject::parse(declined.as_bytes()).is_none(), "{declined}");
+            assert!(
+                crate::fields::FlatObject::parse(declined.as_bytes()).is_none(),
+                "{declined}"
+            );
         }
         let escaped = RECORD.replacen("\"calls\"", "\"ca\\u006cls\"", 1);
         assert!(read_back(&escaped).1.is_some()); // the map reads it: the caller falls back to it
@@ -1417,7 +1511,12 @@ mod tests {
             }
             digits
                 .chunks(2)
-                .map(|pair| Some(((pair[0] as char).to_digit(16)? * 16 + (pair[1] as char).to_digit(16)?) as u8))
+                .map(|pair| {
+                    Some(
+                        ((pair[0] as char).to_digit(16)? * 16 + (pair[1] as char).to_digit(16)?)
+                            as u8,
+                    )
+                })
                 .collect()
         };
         for high in 0u8..128 {

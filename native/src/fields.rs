@@ -66,7 +66,10 @@ impl<'a> FlatObject<'a> {
 
 impl Fields for FlatObject<'_> {
     fn field(&self, name: &str) -> Option<&Value> {
-        self.0.iter().find(|(key, _)| *key == name).map(|(_, value)| value)
+        self.0
+            .iter()
+            .find(|(key, _)| *key == name)
+            .map(|(_, value)| value)
     }
     fn try_each<'s>(&'s self, mut f: impl FnMut(&'s str, &'s Value) -> Option<()>) -> Option<()> {
         for (name, value) in &self.0 {
@@ -129,14 +132,16 @@ mod tests {
     fn an_object_has_the_fields_the_map_has() {
         let texts = [
             r#"{"run_id":"r-1","ts_ms":5,"args":{"q":[1,2.5,"x"]},"tool":"search","n":null}"#,
-            r#"{"a":1,"b":2,"a":3}"#,                    // repeated: the map keeps the last
+            r#"{"a":1,"b":2,"a":3}"#, // repeated: the map keeps the last
             r#"{"b":1,"ba":2,"ab":3,"aa":4,"bb":5,"a":6}"#, // names alike in length and ends
-            r#"{"tool":"s\u00e9arch","t\u006fol":"x"}"#,   // an escaped name, repeating another
+            r#"{"tool":"s\u00e9arch","t\u006fol":"x"}"#, // an escaped name, repeating another
             r#" { "spaced" : true } "#,
             r#"{}"#,
         ];
         for text in texts {
-            let Ok(Value::Object(map)) = serde_json::from_str::<Value>(text) else { panic!("{text}") };
+            let Ok(Value::Object(map)) = serde_json::from_str::<Value>(text) else {
+                panic!("{text}")
+            };
             let object = Object::parse(text.as_bytes()).expect(text);
             assert_eq!(all(&object), all(&map), "{text}");
             for (name, value) in &map {
@@ -144,8 +149,14 @@ mod tests {
             }
             assert_eq!(object.field("absent"), None);
         }
-        assert!(matches!(Object::parse(br#"{"a":1,"b":2,"a":3}"#), Some(Object::Map(_))));
-        assert!(matches!(Object::parse(br#"{"a":1,"b":2}"#), Some(Object::Flat(_))));
+        assert!(matches!(
+            Object::parse(br#"{"a":1,"b":2,"a":3}"#),
+            Some(Object::Map(_))
+        ));
+        assert!(matches!(
+            Object::parse(br#"{"a":1,"b":2}"#),
+            Some(Object::Flat(_))
+        ));
         for refused in [&b"[1]"[..], b"{\"a\":1} {}", b"{\"a\":", b"", b"null"] {
             assert!(Object::parse(refused).is_none(), "{refused:?}");
         }
@@ -157,7 +168,11 @@ mod tests {
         let mut seen = 0;
         let result = object.try_each(|_, _| {
             seen += 1;
-            if seen == 2 { None } else { Some(()) }
+            if seen == 2 {
+                None
+            } else {
+                Some(())
+            }
         });
         assert_eq!((result, seen), (None, 2));
     }

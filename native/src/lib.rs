@@ -20,14 +20,14 @@ use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 
 use hashlink::LinkedHashMap;
-use pyo3::prelude::*;
 use pyo3::intern;
+use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use serde_json::Value;
 
 use contract::{Call, Hashed, OUTCOMES, TOOL_CLASSES};
+use detector::{checksum, short, streak_tool, tool_digest, Admission, RunState, Step, Thresholds};
 use fields::Object;
-use detector::{checksum, short, streak_tool, tool_digest, Admission, RunState, Thresholds, Step};
 use normalize::{hex, semantic_hash as hash_value, HashError};
 
 /// Cached key decisions per field filter (the reference caches as many).
@@ -39,7 +39,17 @@ const POLICY_CACHE_LIMIT: usize = 10_000;
 /// args_hash, args_verified, result_hash, result_fp, fuzzy, effective_outcome, (rule, advise, event_ids,
 /// args_first, args_last): read by the reference's `Finding.of_native` (PyO3 converts tuples of at most 12).
 type FindingTuple = (
-    &'static str, i64, i64, i64, String, String, bool, String, String, bool, &'static str,
+    &'static str,
+    i64,
+    i64,
+    i64,
+    String,
+    String,
+    bool,
+    String,
+    String,
+    bool,
+    &'static str,
     (&'static str, bool, Vec<String>, String, String, i64),
 );
 
@@ -65,7 +75,11 @@ struct CallPolicy {
 }
 
 impl CallPolicy {
-    fn from_reference(resolved: &Bound<'_, PyAny>, tool: &str, masks: &mut Masks) -> PyResult<Self> {
+    fn from_reference(
+        resolved: &Bound<'_, PyAny>,
+        tool: &str,
+        masks: &mut Masks,
+    ) -> PyResult<Self> {
         let mask = resolved.getattr("mask")?;
         let mask = if mask.is_none() {
             None
@@ -100,9 +114,14 @@ impl CallPolicy {
                 shadow: flag("shadow")?,
                 tool_class: {
                     let class: String = s.getattr("tool_class")?.extract()?;
-                    TOOL_CLASSES.iter().position(|c| *c == class).ok_or_else(|| {
-                        pyo3::exceptions::PyValueError::new_err(format!("unknown tool class {class:?}"))
-                    })? as u8
+                    TOOL_CLASSES
+                        .iter()
+                        .position(|c| *c == class)
+                        .ok_or_else(|| {
+                            pyo3::exceptions::PyValueError::new_err(format!(
+                                "unknown tool class {class:?}"
+                            ))
+                        })? as u8
                 },
                 no_progress_at: int("no_progress_at")?,
                 oscillation_revisits: int("oscillation_revisits")?,
@@ -255,7 +274,11 @@ impl Resolver {
             .policy
             .bind(py)
             .call_method1("resolve", (agent_id, tool))?;
-        let policy = Rc::new(CallPolicy::from_reference(&resolved, tool, &mut self.masks)?);
+        let policy = Rc::new(CallPolicy::from_reference(
+            &resolved,
+            tool,
+            &mut self.masks,
+        )?);
         if self.policies.len() >= POLICY_CACHE_LIMIT {
             self.policies.clear();
         }
@@ -304,8 +327,27 @@ impl Resolver {
                 .into_iter()
                 .map(|f| {
                     let outcome = OUTCOMES[f.outcome as usize];
-                    (f.verdict, f.count, 0, 0, f.first_event_id, String::new(), true, String::new(),
-                     String::new(), false, outcome, (f.rule, f.advise, f.event_ids, f.args_first, String::new(), f.pause))
+                    (
+                        f.verdict,
+                        f.count,
+                        0,
+                        0,
+                        f.first_event_id,
+                        String::new(),
+                        true,
+                        String::new(),
+                        String::new(),
+                        false,
+                        outcome,
+                        (
+                            f.rule,
+                            f.advise,
+                            f.event_ids,
+                            f.args_first,
+                            String::new(),
+                            f.pause,
+                        ),
+                    )
                 })
                 .collect());
         }
@@ -386,28 +428,40 @@ impl Resolver {
         if let Some(err) = fp_error {
             return Err(err);
         }
-        let fp_text = fp.as_ref().map_or_else(String::new, |fp| fp.text("unhashable"));
-        Ok(findings.into_iter().map(|f| {
-            let args_last = if f.event_ids.is_empty() || f.outcome == 0 || !args_kept {
-                String::new()
-            } else {
-                String::from_utf8_lossy(&self.args_scratch).into_owned() // canonical JSON: UTF-8
-            };
-            (
-                f.verdict,
-                f.count,
-                f.budget,
-                f.period,
-                f.first_event_id,
-                args.text(""),
-                verified,
-                result.text("unhashable"),
-                fp_text.clone(),
-                f.fuzzy,
-                OUTCOMES[f.outcome as usize],
-                (f.rule, f.advise, f.event_ids, f.args_first, args_last, f.pause),
-            )
-        }).collect())
+        let fp_text = fp
+            .as_ref()
+            .map_or_else(String::new, |fp| fp.text("unhashable"));
+        Ok(findings
+            .into_iter()
+            .map(|f| {
+                let args_last = if f.event_ids.is_empty() || f.outcome == 0 || !args_kept {
+                    String::new()
+                } else {
+                    String::from_utf8_lossy(&self.args_scratch).into_owned() // canonical JSON: UTF-8
+                };
+                (
+                    f.verdict,
+                    f.count,
+                    f.budget,
+                    f.period,
+                    f.first_event_id,
+                    args.text(""),
+                    verified,
+                    result.text("unhashable"),
+                    fp_text.clone(),
+                    f.fuzzy,
+                    OUTCOMES[f.outcome as usize],
+                    (
+                        f.rule,
+                        f.advise,
+                        f.event_ids,
+                        f.args_first,
+                        args_last,
+                        f.pause,
+                    ),
+                )
+            })
+            .collect())
     }
 }
 
@@ -445,7 +499,12 @@ type FactsOf<'a> = (
 );
 
 /// The facts of a new call, if any (`core.fleet`: `tree_fact`, `thread_fact`, `tool_fact`).
-fn facts_of<'a>(index: usize, call: &Call<'a>, tool_class: u8, spent: Option<i64>) -> Option<FactsOf<'a>> {
+fn facts_of<'a>(
+    index: usize,
+    call: &Call<'a>,
+    tool_class: u8,
+    spent: Option<i64>,
+) -> Option<FactsOf<'a>> {
     let tree = tree_fact(call, tool_class, spent);
     let thread = thread_fact(call);
     let tool = tool_fact(call);
@@ -455,7 +514,9 @@ fn facts_of<'a>(index: usize, call: &Call<'a>, tool_class: u8, spent: Option<i64
 /// Whether a new call has facts (`facts_of` is Some), by the conditions the builders start with, without
 /// building them.
 fn has_facts(call: &Call, tool_class: u8, spent: Option<i64>) -> bool {
-    tree_root(call, tool_class, spent).is_some() || call.thread_key.is_some() || tool_upstream(call).is_some()
+    tree_root(call, tool_class, spent).is_some()
+        || call.thread_key.is_some()
+        || tool_upstream(call).is_some()
 }
 
 /// `core.fleet.ToolFact` of one event as a tuple: tenant ("" when none), tool, upstream, window start,
@@ -510,12 +571,18 @@ fn batch_facts<'a>(
         if tree.is_some() || thread.is_some() {
             out.push((index, tree, thread, None));
         }
-        let Some(fact) = tool_fact(call) else { continue };
+        let Some(fact) = tool_fact(call) else {
+            continue;
+        };
         let offset = inputs[index].offset;
         match at.entry((inputs[index].partition, fact.0, fact.1, fact.2, fact.3)) {
             std::collections::hash_map::Entry::Vacant(slot) => {
                 slot.insert(sums.len());
-                let transient = if fact.8 != 0 { vec![offset] } else { Vec::new() };
+                let transient = if fact.8 != 0 {
+                    vec![offset]
+                } else {
+                    Vec::new()
+                };
                 sums.push((index, (fact, vec![offset], transient)));
             }
             std::collections::hash_map::Entry::Occupied(slot) => {
@@ -542,11 +609,14 @@ fn batch_facts<'a>(
             }
         }
     }
-    out.extend(sums.into_iter().map(|(index, (fact, mut offsets, mut transient))| {
-        offsets.sort_unstable();
-        transient.sort_unstable();
-        (index, None, None, Some((fact, offsets, transient)))
-    }));
+    out.extend(
+        sums.into_iter()
+            .map(|(index, (fact, mut offsets, mut transient))| {
+                offsets.sort_unstable();
+                transient.sort_unstable();
+                (index, None, None, Some((fact, offsets, transient)))
+            }),
+    );
     out
 }
 
@@ -562,7 +632,9 @@ fn is_transient(error_class: Option<&str>) -> bool {
         None => false,
         Some("http_429" | "http_5xx" | "timeout" | "connection") => true,
         Some(class) => {
-            class.len() == 8 && class.starts_with("http_5") && class[5..].bytes().all(|b| b.is_ascii_digit())
+            class.len() == 8
+                && class.starts_with("http_5")
+                && class[5..].bytes().all(|b| b.is_ascii_digit())
         }
     }
 }
@@ -582,9 +654,17 @@ fn tool_fact<'a>(call: &Call<'a>) -> Option<ToolFactTuple<'a>> {
         ts,
         1,
         i64::from(transient),
-        if call.outcome == contract::SUCCESS { ts } else { -1 },
+        if call.outcome == contract::SUCCESS {
+            ts
+        } else {
+            -1
+        },
         call.retry_after_ms,
-        if transient { vec![call.run_id] } else { Vec::new() },
+        if transient {
+            vec![call.run_id]
+        } else {
+            Vec::new()
+        },
     ))
 }
 
@@ -598,7 +678,9 @@ fn tool_upstream<'a>(call: &Call<'a>) -> Option<&'a str> {
 /// spawn (`spent`: the root's `RunState::root_spent` after the call).
 fn tree_root<'a>(call: &Call<'a>, tool_class: u8, spent: Option<i64>) -> Option<&'a str> {
     let root = call.root_run_id.unwrap_or(call.run_id);
-    (root != call.run_id || tool_class == contract::SPAWN || (spent.is_some() && call.cost_micro != 0))
+    (root != call.run_id
+        || tool_class == contract::SPAWN
+        || (spent.is_some() && call.cost_micro != 0))
         .then_some(root)
 }
 
@@ -744,7 +826,8 @@ impl Replayer {
                 let class = call.tool_class.unwrap_or(policy.thresholds.tool_class);
                 let spent = self.runs.get(call.run_id).and_then(RunState::root_spent);
                 if let Some(facts) = facts_of(index, &call, class, spent) {
-                    self.facts.push(facts.into_pyobject(py)?.into_any().unbind());
+                    self.facts
+                        .push(facts.into_pyobject(py)?.into_any().unbind());
                 }
             }
         }
@@ -785,12 +868,17 @@ impl Replayer {
         child_agent_id: Option<&str>,
         upstream: Option<&str>,
     ) -> PyResult<(bool, Vec<FindingTuple>)> {
-        let tool_class = match tool_class {
-            None => None,
-            Some(class) => Some(TOOL_CLASSES.iter().position(|c| *c == class).ok_or_else(|| {
-                pyo3::exceptions::PyValueError::new_err(format!("unknown tool class {class:?}"))
-            })? as u8),
-        };
+        let tool_class =
+            match tool_class {
+                None => None,
+                Some(class) => Some(TOOL_CLASSES.iter().position(|c| *c == class).ok_or_else(
+                    || {
+                        pyo3::exceptions::PyValueError::new_err(format!(
+                            "unknown tool class {class:?}"
+                        ))
+                    },
+                )? as u8),
+            };
         let outcome = OUTCOMES.iter().position(|o| *o == outcome).ok_or_else(|| {
             pyo3::exceptions::PyValueError::new_err(format!("unknown outcome {outcome:?}"))
         })? as u8;
@@ -950,26 +1038,34 @@ fn key_part(part: &str) -> std::borrow::Cow<'_, str> {
 }
 
 /// The items of a batch's facts (`batch_facts`), in the order given.
-fn fact_items(py: Python<'_>, facts: Vec<BatchFactsOf<'_>>, inputs: &[Input<'_>]) -> PyResult<Vec<FactItem>> {
+fn fact_items(
+    py: Python<'_>,
+    facts: Vec<BatchFactsOf<'_>>,
+    inputs: &[Input<'_>],
+) -> PyResult<Vec<FactItem>> {
     let json = |e: serde_json::Error| pyo3::exceptions::PyValueError::new_err(e.to_string());
     let mut out = Vec::with_capacity(facts.len());
     for (index, tree, thread, tool) in facts {
         let (sp, off) = (inputs[index].partition, inputs[index].offset);
         if let Some(f) = tree {
             let key = format!("tree/{}", f.0);
-            let item = serde_json::to_vec(&(sp, off, f.0, f.1, f.2, f.3, f.4, f.5, f.6, f.7, f.8, f.9, f.10, f.11))
-                .map_err(json)?;
+            let item = serde_json::to_vec(&(
+                sp, off, f.0, f.1, f.2, f.3, f.4, f.5, f.6, f.7, f.8, f.9, f.10, f.11,
+            ))
+            .map_err(json)?;
             out.push((sp, off, 0, key, PyBytes::new(py, &item).unbind()));
         }
         if let Some(f) = thread {
             let key = format!("thread/{}/{}", key_part(f.0), f.1);
-            let item = serde_json::to_vec(&(sp, off, f.0, f.1, f.2, f.3, f.4, f.5, f.6, f.7)).map_err(json)?;
+            let item = serde_json::to_vec(&(sp, off, f.0, f.1, f.2, f.3, f.4, f.5, f.6, f.7))
+                .map_err(json)?;
             out.push((sp, off, 1, key, PyBytes::new(py, &item).unbind()));
         }
         if let Some((f, offsets, transient)) = tool {
             let key = format!("tool/{}/{}/{}", key_part(f.0), key_part(f.1), f.2);
             let item = serde_json::to_vec(&(
-                sp, off, f.0, f.1, f.2, f.3, f.4, f.5, f.6, f.7, f.8, f.9, f.10, f.11, offsets, transient,
+                sp, off, f.0, f.1, f.2, f.3, f.4, f.5, f.6, f.7, f.8, f.9, f.10, f.11, offsets,
+                transient,
             ))
             .map_err(json)?;
             out.push((sp, off, 2, key, PyBytes::new(py, &item).unbind()));
@@ -1045,8 +1141,14 @@ impl BatchFolder {
             inputs.push(Input {
                 partition: record.getattr(intern!(py, "partition"))?.extract()?,
                 offset: record.getattr(intern!(py, "offset"))?.extract()?,
-                key: record.getattr(intern!(py, "key"))?.cast_into::<PyBytes>().ok(),
-                value: record.getattr(intern!(py, "value"))?.cast_into::<PyBytes>().ok(),
+                key: record
+                    .getattr(intern!(py, "key"))?
+                    .cast_into::<PyBytes>()
+                    .ok(),
+                value: record
+                    .getattr(intern!(py, "value"))?
+                    .cast_into::<PyBytes>()
+                    .ok(),
             });
         }
         // Decode each record once to route it; runs in the order they first appear, as the reference.
@@ -1237,8 +1339,11 @@ impl BatchFolder {
             }
             if let Some(digest) = call.policy_digest {
                 if digest != self.policy_digest {
-                    run.mismatches
-                        .push((index, call.agent_id.unwrap_or("").to_owned(), digest.to_owned()));
+                    run.mismatches.push((
+                        index,
+                        call.agent_id.unwrap_or("").to_owned(),
+                        digest.to_owned(),
+                    ));
                 }
             }
             run_offset = offset;
@@ -1319,14 +1424,28 @@ fn compile_mask(text: &str) -> PyResult<fancy_regex::Regex> {
     // No backtrack limit, as Python's re has none: the rules never nest quantifiers, so the work is
     // linear in the text (bounded per position), but the counter runs over a whole scan, and the
     // default million would fail a long token-free error text (an event may be 1 MiB).
-    fancy_regex::RegexBuilder::new(text).backtrack_limit(usize::MAX).build().map_err(|e| {
-        pyo3::exceptions::PyValueError::new_err(format!("volatile-token pattern does not compile: {e}"))
-    })
+    fancy_regex::RegexBuilder::new(text)
+        .backtrack_limit(usize::MAX)
+        .build()
+        .map_err(|e| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "volatile-token pattern does not compile: {e}"
+            ))
+        })
 }
 
 /// The marker of each group `g0`..`g9`, as the reference's `MARKERS`.
 const MARKERS: [&str; 10] = [
-    "<id>", "<n>", "<uuid>", "<datetime>", "<datetime>", "<hex>", "<hex>", "<num>", "<time>", "<duration>",
+    "<id>",
+    "<n>",
+    "<uuid>",
+    "<datetime>",
+    "<datetime>",
+    "<hex>",
+    "<hex>",
+    "<num>",
+    "<time>",
+    "<duration>",
 ];
 
 /// `text` with its volatile tokens replaced by their markers (the reference's `VolatileMask.text`).
@@ -1353,7 +1472,12 @@ fn mask_text(mask: &fancy_regex::Regex, text: &str) -> PyResult<String> {
 fn mask_value(mask: &fancy_regex::Regex, value: &Value) -> PyResult<Value> {
     Ok(match value {
         Value::String(text) => Value::String(mask_text(mask, text)?),
-        Value::Array(items) => Value::Array(items.iter().map(|v| mask_value(mask, v)).collect::<PyResult<_>>()?),
+        Value::Array(items) => Value::Array(
+            items
+                .iter()
+                .map(|v| mask_value(mask, v))
+                .collect::<PyResult<_>>()?,
+        ),
         Value::Object(map) => Value::Object(
             map.iter()
                 .map(|(k, v)| Ok((k.clone(), mask_value(mask, v)?)))
