@@ -502,8 +502,9 @@ def _subgraph_run(guard: Guard, base: str, holders: list[str], agent_id: str | N
 
 def _is_task_call(path: Any) -> bool:
     """Whether a ``langgraph_path`` is a functional-API ``@task`` call's: ``("__pregel_push", the
-    caller's path, index, True)`` (a ``Send``'s push names no caller)."""
-    return type(path) is tuple and len(path) >= 4 and path[0] == "__pregel_push" and type(path[1]) is tuple
+    caller's path, index, True)``; a ``Send``'s ends in False (LangGraph's own ``graph_namespace`` in
+    ``pregel/_messages.py`` reads it so)."""
+    return type(path) is tuple and len(path) == 4 and path[0] == "__pregel_push" and path[3] is True
 
 
 def _subgraph_id(base: str, namespace: str) -> str:
