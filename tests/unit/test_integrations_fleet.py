@@ -834,7 +834,9 @@ def test_langchain_a_subgraph_calling_tools_itself_and_holding_an_agent_is_one_r
     assert {own["agent_id"], worker["agent_id"]} == {"ops"}
 
 
-def test_langchain_a_functional_workflows_tasks_are_steps_of_its_run_and_a_graph_inside_a_task_a_sub_agent() -> None:
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_langchain_a_functional_workflows_tasks_are_steps_of_its_run_and_a_graph_inside_a_task_a_sub_agent(
+        mode: str) -> None:
     """An ``@entrypoint`` mapping a ``@task`` that calls a tool over 30 orders, a task calling that task,
     and a task running a graph whose node calls the tool: the tasks' calls are the thread's run, as a
     graph's own nodes' are (a task runs in its caller's graph: no child run, no tree); the graph's is a
@@ -849,29 +851,49 @@ def test_langchain_a_functional_workflows_tasks_are_steps_of_its_run_and_a_graph
     team.add_edge("ask", "tools")
     subgraph = team.compile()
 
-    @task
-    def look(order: str) -> str:
-        return str(tool.invoke({"order": order}))
-
-    @task
-    def review(order: str) -> str:
-        look(order).result()
-        subgraph.invoke({"messages": [("user", order)]})
-        return order
-
-    @entrypoint(checkpointer=InMemorySaver())
-    def workflow(orders: list[str]) -> list[str]:
-        found = [look(order).result() for order in orders]
-        review("again").result()
-        return found
-
     config = {"configurable": {"thread_id": "thread-fn"}, "callbacks": [langchain.LoopwardenCallbackHandler(guard)]}
-    assert len(workflow.invoke([str(n) for n in range(30)], config)) == 30
+    orders = [str(n) for n in range(30)]
+    if mode == "sync":
+        @task
+        def look(order: str) -> str:
+            return str(tool.invoke({"order": order}))
+
+        @task
+        def review(order: str) -> str:
+            look(order).result()
+            subgraph.invoke({"messages": [("user", order)]})
+            return order
+
+        @entrypoint(checkpointer=InMemorySaver())
+        def workflow(orders: list[str]) -> list[str]:
+            found = [look(order).result() for order in orders]
+            review("again").result()
+            return found
+
+        assert len(workflow.invoke(orders, config)) == 30
+    else:
+        @task
+        async def alook(order: str) -> str:
+            return str(await tool.ainvoke({"order": order}))
+
+        @task
+        async def areview(order: str) -> str:
+            await alook(order)
+            await subgraph.ainvoke({"messages": [("user", order)]})
+            return order
+
+        @entrypoint(checkpointer=InMemorySaver())
+        async def aworkflow(orders: list[str]) -> list[str]:
+            found = [await alook(order) for order in orders]
+            await areview("again")
+            return found
+
+        assert len(asyncio.run(aworkflow.ainvoke(orders, config))) == 30
 
     flat = [e for e in telemetry if e["run_id"] == "thread-fn"]
     assert len(flat) == 31 and {(e.get("parent_run_id"), e.get("depth")) for e in flat} == {(None, None)}
     (nested,) = [e for e in telemetry if e["run_id"] != "thread-fn"]
-    assert re.fullmatch(r"thread-fn/workflow:[0-9a-f-]{36}\|review:[0-9a-f-]{36}", nested["run_id"])
+    assert re.fullmatch(r"thread-fn/a?workflow:[0-9a-f-]{36}\|a?review:[0-9a-f-]{36}", nested["run_id"])
     assert (nested["parent_run_id"], nested["root_run_id"], nested["depth"]) == ("thread-fn", "thread-fn", 1)
 
 
