@@ -148,9 +148,7 @@ class Spawn:
 
     def __post_init__(self) -> None:
         for name in ("child_run_id", "child_agent_id", "task_hash"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_ID_LENGTH):
-                raise InvalidCall(f"spawn.{name}: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+            _check_id(f"spawn.{name}", getattr(self, name))
 
 
 @dataclass(slots=True)
@@ -474,8 +472,7 @@ class Guard(StartStop):
         for name, value in (("run_id", run_id), ("agent_id", agent_id), ("tenant", tenant),
                             ("parent_run_id", parent_run_id), ("root_run_id", root_run_id),
                             ("thread_key", thread_key), ("caused_by_run_id", caused_by_run_id)):
-            if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_ID_LENGTH):
-                raise InvalidCall(f"{name}: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+            _check_id(name, value)
         if trigger is not None and trigger not in TRIGGERS:
             raise InvalidCall(f"trigger: must be one of {', '.join(TRIGGERS)}; got {trigger!r}")
         if not local_rules and self._fleet is None:
@@ -757,12 +754,10 @@ class GuardedRun:
         paused = self._board.run_pause(self.run_id, tool, now_ms)
         if paused is not None:  # this run's own transient streak: wait what the upstream asked for
             raise ToolPaused(paused[1], self.run_id, tool, upstream, (paused[0] - now_ms) / 1000)
+        _check_id("upstream", upstream)
         if upstream is not None:
-            if not isinstance(upstream, str) or not 0 < len(upstream) <= MAX_ID_LENGTH:
-                raise InvalidCall(f"upstream: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
             self._guard.admit(self.tenant, tool, upstream, self.run_id)
-        if agent_id is not None and (not isinstance(agent_id, str) or not 0 < len(agent_id) <= MAX_ID_LENGTH):
-            raise InvalidCall(f"agent_id: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+        _check_id("agent_id", agent_id)
         agent = agent_id if agent_id is not None else self.agent_id
         arguments = dict(args or {})
         fleet_fields = self._fleet_fields
@@ -821,8 +816,7 @@ class GuardedRun:
         calls after it."""
         retry_after_ms = None
         if upstream is not None and "upstream" not in (pending.spec.fleet or {}):
-            if not isinstance(upstream, str) or not 0 < len(upstream) <= MAX_ID_LENGTH:
-                raise InvalidCall(f"upstream: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+            _check_id("upstream", upstream)
             pending = replace(pending, spec=replace(pending.spec, fleet={**(pending.spec.fleet or {}),
                                                                            "upstream": upstream}))
         if error is not None:
@@ -834,8 +828,7 @@ class GuardedRun:
             outcome, value, body = _classify(result)
             if isinstance(result, ToolOutcome) and result.state_hash is not None:
                 state_hash = result.state_hash
-        if state_hash is not None and (not isinstance(state_hash, str) or not 0 < len(state_hash) <= MAX_ID_LENGTH):
-            raise InvalidCall(f"state_hash: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+        _check_id("state_hash", state_hash)
         _check_spend(tokens, cost_usd)
         end_ms = self._clock()
         done = _Earlier(outcome, value, error, body, error_class if error is not None else None,
@@ -994,6 +987,12 @@ def _classify(value: Any) -> tuple[Outcome, Any, Any]:
     return "success", value, value
 
 
+def _check_id(name: str, value: Any) -> None:
+    """``InvalidCall`` naming ``name`` unless ``value`` is None or an identifier-sized string."""
+    if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_ID_LENGTH):
+        raise InvalidCall(f"{name}: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+
+
 def _check_spend(tokens: Any, cost_usd: Any) -> None:
     for name, value in (("tokens", tokens), ("cost_usd", cost_usd)):
         if value is not None and (type(value) not in (int, float) or not 0 <= value < float("inf")):
@@ -1018,9 +1017,7 @@ def _check_call(tool: str, retry_budget: int | None, plan_step: int | None, ids:
     if plan_step is not None and type(plan_step) is not int:
         raise InvalidCall(f"plan_step: must be an integer, got {plan_step!r}")
     for name in ("tool_call_id", "trace_id", "span_id", "parent_span_id"):
-        value = getattr(ids, name)
-        if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_ID_LENGTH):
-            raise InvalidCall(f"ids.{name}: must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+        _check_id(f"ids.{name}", getattr(ids, name))
 
 
 def classify_error(error: BaseException) -> tuple[str, int | None]:

@@ -316,7 +316,7 @@ class LoopwardenCallbackHandler(BaseCallbackHandler):
         runs in, outermost first: each node but the last (the call's own task), unless the task below it
         is a functional-API ``@task`` call (the call's own from its ``langgraph_path``; an enclosing one's
         from the chains in flight), which runs in its caller's graph."""
-        prefixes = list(itertools.accumulate(namespace.split(_NS_SEP), lambda a, b: a + _NS_SEP + b))
+        prefixes = _prefixes(namespace)
         if len(prefixes) < 2:
             return []
         tasks = set(self._tasks.copy().values())  # copy: atomic while other threads start and end chains
@@ -389,8 +389,7 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
         info = runtime.execution_info
         run_id = (info.thread_id or info.run_id) if info is not None else None
         if info is not None and run_id and _NS_SEP in info.checkpoint_ns:  # a node of a parent graph: a sub-agent
-            nodes = info.checkpoint_ns.split(_NS_SEP)[:-1]
-            holders = list(itertools.accumulate(nodes, lambda a, b: a + _NS_SEP + b))
+            holders = _prefixes(info.checkpoint_ns)[:-1]  # every node above the agent's own
             subgraph = _subgraph_run(self.guard, str(run_id), holders, self.agent_id, self.tenant)
             assert subgraph is not None and subgraph.parent_run_id is not None
             return {"loopwarden_run_id": subgraph.run_id, "loopwarden_parent_run_id": subgraph.parent_run_id,
@@ -498,6 +497,11 @@ def _subgraph_run(guard: Guard, base: str, holders: list[str], agent_id: str | N
                         agent_id if depth == len(holders) else enclosing_agent_id, tenant, parent_run_id=parent)
         parent = run.run_id
     return run
+
+
+def _prefixes(namespace: str) -> list[str]:
+    """A checkpoint namespace down to each of its nodes, outermost first (the last is itself)."""
+    return list(itertools.accumulate(namespace.split(_NS_SEP), lambda a, b: a + _NS_SEP + b))
 
 
 def _is_task_call(path: Any) -> bool:
