@@ -100,7 +100,11 @@ class Kind:
         """A fact from its fields as a message item lists them (their number and types checked before): a
         tool fact's failing runs become a tuple."""
         if self.fact is ToolFact:
-            return lambda fields: ToolFact.of(*fields)
+            # as ``ToolFact.of`` (the three lists as tuples) without its Python frames: a tool fact's build
+            # was half of its decode
+            new, size = tuple.__new__, len(self.item_fields) - 2
+            return lambda fields: (new(ToolFact, (*fields[:11], tuple(fields[11]), tuple(fields[12]), tuple(fields[13])))
+                                   if len(fields) == size else ToolFact.of(*fields))
         # the NamedTuple's own ``_make`` without its Python frame and its length check (done by the caller)
         return functools.partial(tuple.__new__, self.fact)
 
