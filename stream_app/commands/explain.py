@@ -35,8 +35,9 @@ import orjson
 
 from ..bus.kafka import KafkaClientConfig
 from ..bus.signing import WORKER_KEYS_VAR, KeyRing, SignatureRejected
-from ..core import Policy
+from ..core import InvalidEvent, Policy
 from ..core.argsdiff import UNAVAILABLE
+from ..core.contract import parse_event
 from ..core.secrets import masked_fields
 from .replay import Engine, replay
 
@@ -176,22 +177,26 @@ def _time(ts_ms: int) -> str:
 
 def _from_telemetry(path: str, ident: str, policy: Policy,
                     engine: Engine) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
-    """The matching decisions of replaying ``path``, and the calls of their runs (lines that decode to an
-    object with a ``run_id``; the replay reports bad lines on stderr as ``loopwarden replay`` does)."""
+    """The matching decisions of replaying ``path``, and the calls of their runs (the events the replay
+    accepted); the lines it refused are reported on stderr (``line N: reason``), as ``loopwarden replay``
+    reports them, and are never shown as calls."""
     with open(path, "rb") as source:
         lines = source.readlines()
-    decided = io.BytesIO()
-    replay(lines, policy, decided, io.StringIO(), engine=engine)  # its summary is not part of the story
+    decided, report = io.BytesIO(), io.StringIO()
+    replay(lines, policy, decided, report, engine=engine)
+    for problem in report.getvalue().splitlines():
+        if problem.startswith("line "):  # the replay's summary and warnings are not part of the story
+            print(f"loopwarden explain: {path}: {problem}", file=sys.stderr)
     decisions = [d for d in map(orjson.loads, decided.getvalue().splitlines()) if matches(d, ident)]
     runs = {d["run_id"] for d in decisions}
     calls: dict[str, list[dict[str, Any]]] = {run: [] for run in runs}
     for line in lines:
         try:
-            raw = orjson.loads(line)
-        except orjson.JSONDecodeError:
+            event = parse_event(line)  # what the replay refused is no call
+        except InvalidEvent:
             continue
-        if isinstance(raw, dict) and raw.get("run_id") in calls:
-            calls[raw["run_id"]].append(raw)
+        if event.run_id in calls:
+            calls[event.run_id].append(orjson.loads(line))
     return decisions, calls
 
 

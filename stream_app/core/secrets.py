@@ -45,12 +45,20 @@ def mask_secrets_in_text(text: str) -> str:
     return _SECRET_IN_TEXT[0].sub(r"\1\2***", masked)
 
 
-def masked_fields(value: object, names: FieldFilter | None = None) -> object:
+#: Nesting ``masked_fields`` shows; a container deeper is shown as ``"..."`` (arguments as telemetry carries
+#: them may nest as deep as JSON parsers allow, deeper than Python's stack).
+SHOWN_DEPTH = 32
+
+
+def masked_fields(value: object, names: FieldFilter | None = None, depth: int = 0) -> object:
     """A copy of a JSON value with the value of every field named like a secret (``names``, default
-    ``DEFAULT_REDACTED_FIELDS``) shown as ``***``, at any depth: for showing arguments to a person."""
+    ``DEFAULT_REDACTED_FIELDS``) shown as ``***``, at any depth: for showing arguments to a person.
+    Containers nested ``SHOWN_DEPTH`` levels deep are shown as ``"..."``."""
     names = names or _NAMES
+    if isinstance(value, dict | list) and depth >= SHOWN_DEPTH:
+        return "..."
     if isinstance(value, dict):
-        return {k: "***" if names.is_ignored(str(k)) else masked_fields(v, names) for k, v in value.items()}
+        return {k: "***" if names.is_ignored(str(k)) else masked_fields(v, names, depth + 1) for k, v in value.items()}
     if isinstance(value, list):
-        return [masked_fields(item, names) for item in value]
+        return [masked_fields(item, names, depth + 1) for item in value]
     return mask_secrets_in_text(value) if isinstance(value, str) else value

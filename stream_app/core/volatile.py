@@ -56,7 +56,7 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 from .errors import PolicyError
-from .normalize import DEFAULT_FILTER, FieldFilter, semantic_hash
+from .normalize import DEFAULT_FILTER, MAX_DEPTH, FieldFilter, semantic_hash
 
 #: Built-in prefixes whose following id is masked.
 DEFAULT_PREFIXES: Final = ("req_", "id=")
@@ -136,15 +136,21 @@ class VolatileMask:
         """``value`` with its volatile tokens replaced by their markers."""
         return self._regex.sub(_replace, value)
 
-    def value(self, value: Any) -> Any:
-        """A copy of ``value`` with every string masked; other values as they are."""
+    def value(self, value: Any, depth: int = 0) -> Any:
+        """A copy of ``value`` with every string masked; other values as they are. A container at
+        ``MAX_DEPTH`` (``normalize``) or deeper is left as it is: the fingerprint never reads it (the
+        semantic hash has no form for it, unless a field dropped above it drops it too), and masking
+        it would recurse as deep as the result nests (a failing result 500 levels deep overflowed
+        Python's stack and stopped the worker's agent)."""
         kind = type(value)
         if kind is str:
             return self._regex.sub(_replace, value)
+        if depth >= MAX_DEPTH:
+            return value
         if kind is dict:
-            return {k: self.value(v) for k, v in value.items()}
+            return {k: self.value(v, depth + 1) for k, v in value.items()}
         if kind is list or kind is tuple:
-            return [self.value(v) for v in value]
+            return [self.value(v, depth + 1) for v in value]
         return value
 
 

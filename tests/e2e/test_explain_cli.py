@@ -74,3 +74,26 @@ def test_a_run_is_told_from_a_telemetry_file_with_its_calls() -> None:
 def test_an_unreadable_telemetry_file_is_one_line_and_status_2() -> None:
     told = _explain("run-1", "--telemetry", "no/such/file.jsonl")
     assert told.returncode == 2 and "no/such/file.jsonl" in told.stderr and "Traceback" not in told.stderr
+
+
+def test_a_telemetry_files_bad_lines_are_reported_and_never_shown_as_calls(tmp_path: Path) -> None:
+    """The lines the replay refused are reported on stderr with their number (as ``loopwarden replay``
+    reports them), and a refused line of the run is not listed among its calls; arguments nested deeper
+    than Python's stack are shown cut, not a traceback."""
+    def call(n: int, **extra: object) -> bytes:
+        return orjson.dumps({"run_id": "r2", "event_id": f"a{n}", "tool": "send_email", "ts_ms": 1_764_000_000_000 + n,
+                             "outcome": "success", "side_effect": True, "args": {"to": "x"}, "result": "ok", **extra})
+
+    deep = b'{"to":' * 900 + b'"x"' + b"}" * 900  # deeper than orjson writes, as deep as it reads
+    lines = [call(1), call(2).replace(b'{"to":"x"}', deep),
+             orjson.dumps({"run_id": "r2", "event_id": "BOGUS", "tool": "delete_everything", "ts_ms": "yesterday",
+                           "outcome": "success", "args": {}}),
+             call(3).replace(b'{"to":"x"}', deep)]
+    path = tmp_path / "telemetry.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    told = _explain("r2", "--telemetry", str(path))
+    assert told.returncode == 0, told.stderr
+    assert f"loopwarden explain: {path}: line 3: ts_ms: must be an integer, got string" in told.stderr
+    assert "Traceback" not in told.stderr
+    assert "BOGUS" not in told.stdout and "delete_everything" not in told.stdout
+    assert "    a3  " in told.stdout and '{"to":{"to":' in told.stdout  # unhashable arguments: one call by name

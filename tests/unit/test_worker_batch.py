@@ -147,6 +147,26 @@ def test_a_bad_record_is_a_dead_letter_with_its_reason_and_the_rest_still_folds(
     assert [d.verdict for d in result.decisions if d.action == "halt"] == ["recursion"]
 
 
+@pytest.mark.parametrize("levels", [70, 150, 600])
+def test_a_failing_result_nested_deeper_than_pythons_stack_folds_as_one_without_a_form(levels: int) -> None:
+    """A failing result nested hundreds of levels deep (JSON parsers allow 1,024) once overflowed Python's
+    stack while its volatile tokens were masked: the batch raised, the worker's agent crashed on it again
+    after every restart. Such a result has no semantic form: its fingerprint is the one every result
+    without a form shares (fail closed), so four of them halt the run, and the records around it fold.
+    The native engine hands what it cannot parse (over 128 levels) to the reference: the same."""
+    deep = b"[" * levels + b'"503 req_5f1cA9"' + b"]" * levels  # beyond what orjson writes
+    worker = Worker()
+    records = [worker.telemetry(_failing("run-a", 0)),
+               *[worker.record(b"run-deep", orjson.dumps(_failing("run-deep", n, result="?")).replace(b'"?"', deep))
+                 for n in range(4)],
+               *[worker.telemetry(_failing("run-a", n)) for n in range(1, 4)]]
+    result = worker.apply(records)
+    assert result.dead_letters == []
+    assert sorted((d.run_id, d.verdict) for d in result.decisions if d.action == "halt") == [
+        ("run-a", "recursion"), ("run-deep", "recursion")]
+    assert {key for changes in result.records.values() for key, _ in changes} == {b"run-a", b"run-deep"}
+
+
 def test_a_record_keyed_by_something_else_is_rekeyed_not_folded() -> None:
     worker = Worker()
     result = worker.apply([worker.record(b"agent-7", orjson.dumps(_failing("run-a", 0)))])
