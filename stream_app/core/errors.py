@@ -7,7 +7,8 @@ The whole tree, by the module that defines each::
 
     LoopwardenError
     ├── InvalidEvent             core.errors     a telemetry event breaks the v1 contract (names the field)
-    │   └── NotJSON              core.errors       its bytes are not JSON at all (kind "json")
+    │   ├── NotJSON              core.errors       its bytes are not JSON at all (kind "json")
+    │   └── FoldFailed           worker.batch      the worker failed on it: a bug (kind "internal"), dead-lettered
     ├── NormalisationError       core.errors     a value has no canonical form
     ├── PolicyError              core.errors     a policy document is malformed (names the setting's path)
     ├── StoredRecordError        core.stored     a stored run record cannot be decoded (also RuntimeError)

@@ -16,6 +16,10 @@ For each record, in batch order:
    the run's stored state: a record at or below the offset stored with the run was folded before (the
    input is re-delivered after a crash) and is skipped, as is an event id the run has seen.
 
+A record whose decoding or folding raises what no bad input should (a bug) is dead-lettered
+(``FoldFailed``, reason ``internal``) and its run folded again from its stored record without it; the
+native engine hands a batch it fails on to the reference. Only ``StoredRecordError`` leaves ``fold``.
+
 The result holds each changed run's new stored record (one per run per batch, in the format version
 the worker writes), the decisions in the order they were made, the dead letters and re-keys by record
 index, counts for the metrics (events whose ``policy_digest`` is not the worker's policy's among
@@ -27,10 +31,11 @@ topic's items (``core/fleet``; the format: ``worker/facts.py``; the worker publi
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from ..bus.signing import SignatureRejected
 from ..bus.wire import KIND_HEADER, OPERATOR_KIND, header
@@ -46,10 +51,12 @@ from ..core import (
     parse_event,
 )
 from ..core.fleet import root_spent, thread_fact, tool_fact, tree_fact
-from ..core.stored import FORMAT_VERSION, decode_run, encode_run
+from ..core.stored import FORMAT_VERSION, StoredRecordError, decode_run, encode_run
 from .facts import Fact, FactItem, fact_items
 
-__all__ = ["BatchFold", "BatchResult", "DeadLetter", "InputRecord", "NativeBatchFold", "RawRecord", "Rekey", "Verifier",
+log = logging.getLogger(__name__)
+
+__all__ = ["BatchFold", "BatchResult", "DeadLetter", "FoldFailed", "InputRecord", "NativeBatchFold", "RawRecord", "Rekey", "Verifier",
            "is_operator"]
 
 Headers = Sequence[tuple[str, bytes]]
@@ -108,6 +115,35 @@ class Rekey:
     key: bytes
 
 
+class FoldFailed(InvalidEvent):
+    """A record whose decoding or folding raised an error no bad input should (a loopwarden bug, the
+    exception its ``cause``): dead-lettered with reason ``internal``, so the batch and the run's other
+    records still fold and the record does not stop the worker's agent after every restart."""
+
+    kind: ClassVar[str] = "internal"
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__("", f"loopwarden failed on this record ({type(cause).__name__}: {cause}"[:500] + "); "
+                         "its run was folded without it: a bug, please report it with the record")
+        self.cause = cause
+
+
+@dataclass(slots=True)
+class _RunFold:
+    """What folding one run of a batch gave (``BatchFold._fold_run``)."""
+
+    decisions: list[Decision] = field(default_factory=list)
+    applied: Counter[str] = field(default_factory=Counter)
+    duplicates: int = 0
+    mismatches: Counter[tuple[str, str]] = field(default_factory=Counter)
+    #: (source offset, fact) of the run's new events.
+    facts: list[tuple[int, Fact]] = field(default_factory=list)
+    #: The run's new stored state, if any record was folded (or passed over).
+    record: Any = None
+    #: The record index being folded (None between records).
+    at: int | None = None
+
+
 @dataclass(slots=True)
 class BatchResult:
     #: New stored records by partition: (run key, encoded record), one per run the batch changed.
@@ -164,7 +200,7 @@ class BatchFold:
         run not stored); ``now_ms`` judges operator commands' age. Raises ``StoredRecordError`` for a
         stored record this release cannot read (the worker must stop, not guess)."""
         result = BatchResult()
-        by_run: dict[tuple[int, bytes], list[tuple[int, Item]]] = {}
+        by_run: dict[tuple[int, bytes], list[tuple[int, int, Item]]] = {}
         watermarks = result.watermarks
         for index, record in enumerate(records):
             try:
@@ -172,53 +208,94 @@ class BatchFold:
             except InvalidEvent as exc:
                 result.dead_letters.append(DeadLetter(index, exc))
                 continue
+            except Exception as exc:  # a bug met on one record: that record is dead-lettered
+                log.error("decoding record %d raised %r: dead-lettered (a loopwarden bug: please report it with "
+                          "the record)", index, exc, exc_info=exc)
+                result.dead_letters.append(DeadLetter(index, FoldFailed(exc)))
+                continue
             key = item.run_id.encode()
             if record.key != key:
                 result.rekeys.append(Rekey(index, key))
                 continue
-            by_run.setdefault((record.partition, key), []).append((record.offset, item))
+            by_run.setdefault((record.partition, key), []).append((index, record.offset, item))
             if item.ts_ms > watermarks.get(record.partition, 0):
                 watermarks[record.partition] = item.ts_ms
 
-        detector = self.detector
-        policy = detector.policy
         facts: list[tuple[int, int, Fact]] = []
         for (partition, key), items in by_run.items():
-            run = decode_run(stored[(partition, key)])
-            applied = False
-            for offset, item in items:
-                if offset <= run.offset:
-                    result.duplicates += 1
-                    continue
-                if isinstance(item, OperatorCommand):
-                    evaluation = detector.operate(run.state, item)
-                else:
-                    evaluation = detector.evaluate(run.state, item)
-                    if not evaluation.duplicate:
-                        result.applied[item.outcome] += 1
-                    if not evaluation.duplicate and self.facts:
-                        fact = tree_fact(item, item.tool_class or policy.resolve(item.agent_id, item.tool)
-                                         .thresholds.tool_class, root_spent(run.state))
-                        if fact is not None:
-                            facts.append((partition, offset, fact))
-                        if item.thread_key is not None:
-                            facts.append((partition, offset, thread_fact(item)))  # type: ignore[arg-type]
-                        if item.upstream is not None:
-                            tool = tool_fact(item)
-                            if tool is not None:
-                                facts.append((partition, offset, tool))
-                    if item.policy_digest is not None and item.policy_digest != self.policy_digest:
-                        result.policy_mismatches[(item.agent_id or "", item.policy_digest)] += 1
-                run.offset = offset
-                applied = True
-                if evaluation.duplicate:
-                    result.duplicates += 1
-                result.decisions.extend(evaluation.decisions)
-            if applied:
-                result.records.setdefault(partition, []).append((key, encode_run(run, self.write_version)))
+            skipped: dict[int, BaseException] = {}
+            while True:
+                run = _RunFold()
+                try:
+                    self._fold_run(run, stored[(partition, key)], items, skipped)
+                    break
+                except StoredRecordError:
+                    raise
+                except Exception as exc:  # a bug met on one event: that event is dead-lettered
+                    if run.at is None:
+                        raise
+                    skipped[run.at] = exc
+                    log.error("folding record %d of run %r raised %r: dead-lettered, the run folded without it "
+                              "(a loopwarden bug: please report it with the record)", run.at, key, exc,
+                              exc_info=exc)
+            for index, cause in skipped.items():
+                result.dead_letters.append(DeadLetter(index, FoldFailed(cause)))
+            result.decisions.extend(run.decisions)
+            result.applied.update(run.applied)
+            result.duplicates += run.duplicates
+            result.policy_mismatches.update(run.mismatches)
+            facts.extend((partition, offset, fact) for offset, fact in run.facts)
+            if run.record is not None:
+                result.records.setdefault(partition, []).append((key, encode_run(run.record, self.write_version)))
         if facts:
             result.facts = fact_items(facts)
         return result
+
+    def _fold_run(self, out: _RunFold, stored: bytes | None, items: list[tuple[int, int, Item]],
+                  skipped: Mapping[int, BaseException]) -> None:
+        """Fold one run's ``items`` (record index, offset, item) into ``out``, from its ``stored`` record;
+        the items at ``skipped`` indexes are passed over (their offsets still consumed). ``out.at`` names
+        the item being folded when an exception leaves."""
+        detector = self.detector
+        policy = detector.policy
+        run = decode_run(stored)
+        applied = False
+        for index, offset, item in items:
+            if offset <= run.offset:
+                out.duplicates += 1
+                continue
+            if index in skipped:
+                run.offset = offset
+                applied = True
+                continue
+            out.at = index
+            if isinstance(item, OperatorCommand):
+                evaluation = detector.operate(run.state, item)
+            else:
+                evaluation = detector.evaluate(run.state, item)
+                if not evaluation.duplicate:
+                    out.applied[item.outcome] += 1
+                if not evaluation.duplicate and self.facts:
+                    fact = tree_fact(item, item.tool_class or policy.resolve(item.agent_id, item.tool)
+                                     .thresholds.tool_class, root_spent(run.state))
+                    if fact is not None:
+                        out.facts.append((offset, fact))
+                    if item.thread_key is not None:
+                        out.facts.append((offset, thread_fact(item)))  # type: ignore[arg-type]
+                    if item.upstream is not None:
+                        tool = tool_fact(item)
+                        if tool is not None:
+                            out.facts.append((offset, tool))
+                if item.policy_digest is not None and item.policy_digest != self.policy_digest:
+                    out.mismatches[(item.agent_id or "", item.policy_digest)] += 1
+            out.at = None
+            run.offset = offset
+            applied = True
+            if evaluation.duplicate:
+                out.duplicates += 1
+            out.decisions.extend(evaluation.decisions)
+        if applied:
+            out.record = run
 
     def _decode(self, record: InputRecord, now_ms: int) -> Item:
         value = record.value
@@ -272,6 +349,21 @@ class NativeBatchFold(BatchFold):
 
     def fold(self, records: Sequence[InputRecord], stored: Mapping[tuple[int, bytes], bytes | None],
              now_ms: int) -> BatchResult:
+        try:
+            return self._fold(records, stored, now_ms)
+        except StoredRecordError:
+            raise
+        except BaseException as exc:  # a Rust panic is a BaseException (pyo3's PanicException)
+            if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+                raise  # KeyboardInterrupt, SystemExit, a cancelled task
+            # a bug of the native engine met on some record: the reference folds the batch (from the same
+            # stored records: the native engine changed nothing) and dead-letters what it cannot fold
+            log.error("the native engine raised %r on a batch of %d records: the reference folds it (a loopwarden "
+                      "bug: please report it)", exc, len(records), exc_info=exc)
+            return super().fold(records, stored, now_ms)
+
+    def _fold(self, records: Sequence[InputRecord], stored: Mapping[tuple[int, bytes], bytes | None],
+              now_ms: int) -> BatchResult:
         operators = [i for i, record in enumerate(records) if record.headers and is_operator(record)]
         (new_records, findings, rekeys, deferred, applied, duplicates, watermarks,
          mismatches, facts) = self._native.fold(records if isinstance(records, list) else list(records), operators,

@@ -167,6 +167,55 @@ def test_a_failing_result_nested_deeper_than_pythons_stack_folds_as_one_without_
     assert {key for changes in result.records.values() for key, _ in changes} == {b"run-a", b"run-deep"}
 
 
+class _Poisoned(Detector):
+    """The detector with a bug that one event meets (its ``event_id`` is ``poison``): evaluating it raises
+    halfway, after the run's state took part of it."""
+
+    def evaluate(self, state: Any, event: Any) -> Any:
+        if event.event_id == "poison":
+            state.calls += 1000
+            raise RecursionError("maximum recursion depth exceeded")
+        return super().evaluate(state, event)
+
+
+class _PanickingEngine:
+    """The native engine with a bug that a batch holding the poison event meets (a Rust panic reaches
+    Python as a BaseException: pyo3's PanicException; a RuntimeError here)."""
+
+    def __init__(self, native: Any) -> None:
+        self.native = native
+
+    def fold(self, records: Any, *args: Any) -> Any:
+        if any(b'"poison"' in (r.value or b"") for r in records):
+            raise RuntimeError("native engine panicked")
+        return self.native.fold(records, *args)
+
+
+def test_a_record_that_meets_a_bug_is_dead_lettered_and_its_run_folds_without_it(engine: str) -> None:
+    """A record whose fold raises what no bad input should (a bug: the deep result above was one) is
+    dead-lettered with reason ``internal`` and the exception, and its run is folded again from its
+    stored record without it (the state the failed fold half changed is not kept): the batch, the run's
+    other events and the other runs still fold, so the record cannot stop the worker's agent after
+    every restart. The native engine hands a batch it fails on to the reference, which does this."""
+    fold = make_fold(_Poisoned())
+    if engine == "native":
+        fold._native = _PanickingEngine(fold._native)  # type: ignore[attr-defined]
+    worker = Worker(fold)
+    worker.apply([worker.telemetry(_failing("run-a", 0))])
+    records = [worker.telemetry(_failing("run-a", 1)), worker.telemetry(_failing("run-b", 0)),
+               worker.telemetry({**_failing("run-a", 9), "event_id": "poison"}),
+               *[worker.telemetry(_failing("run-a", n)) for n in range(2, 4)]]
+    result = worker.apply(records)
+    assert [(d.index, d.reason) for d in result.dead_letters] == [(2, "internal")]
+    assert "RecursionError: maximum recursion depth exceeded" in str(result.dead_letters[0].error)
+    assert [(d.run_id, d.verdict, d.trigger_event_id) for d in result.decisions if d.action == "halt"] == [
+        ("run-a", "recursion", "run-a-3")]
+    stored = decode_run(worker.stored[(records[0].partition, b"run-a")])
+    assert (stored.offset, stored.state.calls) == (records[-1].offset, 4)  # the poison's offset consumed, not its change
+    again = worker.apply(records)  # redelivered after a crash: nothing twice, the poison not dead-lettered again
+    assert (again.dead_letters, again.decisions, again.duplicates) == ([], [], 5)
+
+
 def test_a_record_keyed_by_something_else_is_rekeyed_not_folded() -> None:
     worker = Worker()
     result = worker.apply([worker.record(b"agent-7", orjson.dumps(_failing("run-a", 0)))])
