@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .bus.policy_file import load_policy
@@ -53,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="a simulated fleet guarded through the SDK and a real worker; prints what was halted"
     )
-    demo.add_argument("--runs", type=int, default=60, help="concurrent agent runs (default 60)")
+    demo.add_argument("--runs", type=count, default=60, help="concurrent agent runs (default 60)")
     demo.add_argument("--partitions", type=int, default=4, help="telemetry partitions (default 4)")
     demo.add_argument("--seed", type=int, default=7, help="random seed of the fleet")
     for action, text in (("halt", "halt a run now"), ("resume", "lift a halt; the run starts with fresh streaks")):
@@ -84,9 +85,16 @@ def _parser() -> argparse.ArgumentParser:
     simulate = commands.add_parser(
         "simulate", help="write the telemetry of a simulated mixed fleet as JSONL (input for replay)"
     )
-    simulate.add_argument("--runs", type=int, default=100, help="number of agent runs (default 100)")
+    simulate.add_argument("--runs", type=count, default=100, help="number of agent runs (default 100)")
     simulate.add_argument("--seed", type=int, default=7, help="random seed; same seed, same file")
     return parser
+
+
+def count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,15 +105,17 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except LoopwardenError as exc:
         _fail(args.command, str(exc))
-    except FileNotFoundError as exc:
-        _fail(args.command, f"{exc.filename}: {exc.strerror}")
+    except BrokenPipeError:
+        # the reader went away (``simulate | head``): no traceback, and none at exit's flush either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as exc:  # a file named on the command line that cannot be read or written
+        _fail(args.command, f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc))
     return 2
 
 
 def _fail(command: str, message: str) -> None:
     """One line on stderr; for the processes that run on the bus, in their log format."""
-    import os
-
     from .bus import logs
 
     fmt = os.environ.get("LOOPWARDEN_LOG_FORMAT", "json").strip() if command in ("worker", "notify") else "text"
@@ -122,8 +132,6 @@ def _run(args: argparse.Namespace) -> int:
         sys.stdout.buffer.writelines(orjson.dumps(event) + b"\n" for event in stream)
         return 0
     if args.command == "demo":
-        import os
-
         from .devtools.demo import main as demo_main
 
         return demo_main(os.environ.get("KAFKA_BOOTSTRAP_SERVERS"), args.runs, args.partitions, args.seed)

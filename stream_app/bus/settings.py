@@ -13,6 +13,7 @@ the variable, before anything starts.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -87,7 +88,10 @@ class SettingsTable(Sequence[Row]):
             if kind == "int":
                 return int(raw)
             if kind == "float":
-                return float(raw)
+                value = float(raw)
+                if not math.isfinite(value):  # nan passes every comparison a check makes: refused here
+                    raise ValueError(raw)
+                return value
             if kind == "bool":
                 lowered = raw.lower()
                 if lowered not in _TRUE + _FALSE:
@@ -100,5 +104,5 @@ class SettingsTable(Sequence[Row]):
             if kind == "str":
                 return raw
         except ValueError as exc:
-            raise self.error(f"{var}={raw!r}: expected {kind}") from exc
+            raise self.error(f"{var}={raw!r}: expected {'a finite number' if kind == 'float' else kind}") from exc
         raise SettingsError(f"{var}: settings of type {kind} are not supported by the table reader")

@@ -172,8 +172,13 @@ def generate(directory: str | Path, name: str) -> tuple[Path, Path, str]:
         PublicFormat,
     )
 
+    if not name or name in (".", "..") or "/" in name or "\\" in name:
+        raise KeyFileError(f"key name {name!r}: a file name, without a directory (give the folder with --out)")
     folder = Path(directory)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KeyFileError(f"{folder}: cannot make the key folder: {exc.strerror}") from exc
     private_path, public_path = folder / f"{name}.key", folder / f"{name}.pub"
     if private_path.exists() or public_path.exists():
         raise KeyFileError(f"{private_path} or {public_path} exists already; remove it or pick another name")

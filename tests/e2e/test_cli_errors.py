@@ -86,3 +86,34 @@ def test_a_bad_policy_file_is_one_line(command: str, keys: Path, tmp_path: Path,
         "policy": (["policy", "check", str(policy)], {}),
     }[command]
     _one_line(_loopwarden(*args, env=env), command, str(policy), "defaults.retry_budgte: unknown setting")
+
+
+def test_files_and_values_a_person_gets_wrong_are_one_line_each(tmp_path: Path) -> None:
+    """A directory where a file is wanted, a policy file that is not UTF-8 or not YAML, a key folder that
+    is a file, a key name with a directory in it, a worker setting that is not a finite number: each is
+    one line naming it, exit status 2 (they were tracebacks)."""
+    not_utf8, not_yaml, a_file = tmp_path / "latin1.yaml", tmp_path / "broken.yaml", tmp_path / "a-file"
+    not_utf8.write_bytes(b"\xff\xfe")
+    not_yaml.write_text("defaults: [\n")
+    a_file.touch()
+    cases: list[tuple[list[str], dict[str, str], str, tuple[str, ...]]] = [
+        (["replay", str(tmp_path)], {}, "replay", (str(tmp_path), "Is a directory")),
+        (["explain", "run-1", "--telemetry", str(tmp_path)], {}, "explain", ("Is a directory",)),
+        (["policy", "check", str(not_utf8)], {}, "policy", ("not UTF-8",)),
+        (["policy", "check", str(not_yaml)], {}, "policy", ("not valid YAML", "line 2, column 1")),
+        (["keys", "generate", "--out", str(a_file)], {}, "keys", (str(a_file), "File exists")),
+        (["keys", "generate", "--out", str(tmp_path), "--name", "../escaped"], {}, "keys", ("without a directory",)),
+        (["worker"], {"LOOPWARDEN_COMMIT_INTERVAL_S": "nan"}, "worker", ("LOOPWARDEN_COMMIT_INTERVAL_S", "finite")),
+    ]
+    for args, env, command, words in cases:
+        _one_line(_loopwarden(*args, env=env), command, *words)
+    assert not (tmp_path.parent / "escaped.key").exists()
+
+
+def test_simulate_read_in_part_ends_quietly_and_a_count_below_one_is_a_usage_error() -> None:
+    """``simulate | head`` closes the pipe early: no traceback; ``--runs 0`` is refused by the parser."""
+    piped = subprocess.run(f"{sys.executable} -m stream_app simulate --runs 3000 | head -c 100 > /dev/null",
+                           shell=True, cwd=REPO, capture_output=True, text=True, timeout=90)
+    assert "Traceback" not in piped.stderr and "BrokenPipe" not in piped.stderr, piped.stderr
+    refused = _loopwarden("simulate", "--runs", "0", env={})
+    assert refused.returncode == 2 and "--runs: must be at least 1, got 0" in refused.stderr
