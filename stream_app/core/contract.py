@@ -188,6 +188,9 @@ def _integer(obj: dict[str, Any], name: str, minimum: int | None = None) -> int 
     if value is None:
         return None
     if type(value) is not int:
+        if type(value) is float:  # orjson reads an integer past 64 bits as a float
+            beyond = " (past the 64-bit range)" if value.is_integer() else ""
+            raise InvalidEvent(name, f"must be an integer, got {value!r}{beyond}")
         raise InvalidEvent(name, f"must be an integer, got {_json_type(value)}")
     if minimum is not None and value < minimum:
         raise InvalidEvent(name, f"must be >= {minimum}, got {value}")
@@ -253,8 +256,10 @@ def _check_optional(obj: dict[str, Any], name: str) -> None:
         if type(value) is not bool:
             raise InvalidEvent(name, f"must be a boolean, got {_json_type(value)}")
     elif name in _OPTIONAL_NUMBERS:
-        if type(value) not in (int, float) or value < 0:
+        if type(value) not in (int, float):
             raise InvalidEvent(name, f"must be a number >= 0, got {_json_type(value)}")
+        if value < 0:
+            raise InvalidEvent(name, f"must be a number >= 0, got {value!r}")
     elif name == "attrs":
         if type(value) is not dict:
             raise InvalidEvent(name, f"must be an object, got {_json_type(value)}")
@@ -272,7 +277,7 @@ def parse_event(raw: bytes, max_bytes: int = MAX_EVENT_BYTES) -> TelemetryEvent:
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise NotJSON.at(exc.msg, exc.pos) from exc
+        raise NotJSON.at(exc.msg, exc.pos, raw) from exc
     return decode_event(obj)
 
 
@@ -357,7 +362,7 @@ def decode_operator_command(raw: bytes, key_id: str = "") -> OperatorCommand:
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise NotJSON.at(exc.msg, exc.pos) from exc
+        raise NotJSON.at(exc.msg, exc.pos, raw) from exc
     if type(obj) is not dict or obj.get("kind") != "operator":
         raise InvalidEvent("kind", "not an operator command")
     for name in ("run_id", "command_id", "operator", "reason"):

@@ -76,9 +76,16 @@ class NotJSON(InvalidEvent):
         super().__init__("", f"not JSON: {reason}")
 
     @classmethod
-    def at(cls, problem: str, position: int) -> NotJSON:
+    def at(cls, problem: str, position: int, raw: bytes | None = None) -> NotJSON:
         """From a JSON parser's complaint and the 0-based byte offset it points at: said as a position in
-        the message or line, not in the parser's own "line 1 column 5 (char 4)"."""
+        the message or line, not in the parser's own "line 1 column 5 (char 4)". Given the ``raw`` bytes,
+        text that is not UTF-8 is said as such at its first bad byte (orjson checks the encoding first
+        and points at byte 0, saying "surrogates not allowed" of any bad byte)."""
+        if raw is not None and "UTF-8" in problem:
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                return cls(f"invalid UTF-8 ({bad.reason}) at byte {bad.start + 1}")
         return cls(f"{problem} at byte {position + 1}")
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from jsonschema import Draft202012Validator
 
-from stream_app.core import Detector, InvalidEvent, RunTable, decode_event
+from stream_app.core import Detector, InvalidEvent, RunTable, decode_event, parse_event
 from stream_app.devtools.fleet_sim import simulate_fleet
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
@@ -30,7 +30,9 @@ def _validator(name: str) -> Draft202012Validator:
         ({"run_id": 7}, "run_id", "must be a string, got number"),
         ({"event_id": ""}, "event_id", "must not be empty"),
         ({"ts_ms": "yesterday"}, "ts_ms", "must be an integer, got string"),
-        ({"ts_ms": 1.5}, "ts_ms", "must be an integer, got number"),
+        ({"ts_ms": 1.5}, "ts_ms", "must be an integer, got 1.5"),
+        ({"ts_ms": 1e30}, "ts_ms", "must be an integer, got 1e+30 (past the 64-bit range)"),  # orjson reads 10**30 so
+        ({"cost_usd": -1}, "cost_usd", "must be a number >= 0, got -1"),
         ({"ts_ms": True}, "ts_ms", "must be an integer, got boolean"),
         ({"ts_ms": -1}, "ts_ms", "must be >= 0"),
         ({"outcome": "failed"}, "outcome", "must be one of"),
@@ -274,3 +276,21 @@ def test_a_transient_streaks_pauses_and_halt_validate() -> None:
             validator.validate(message)
             seen.append((message["action"], message["evidence"].get("pause"), message["evidence"].get("wait_ms")))
     assert seen == [("advise", None, None), ("pause", 1, 5_000), ("pause", 2, 5_000), ("halt", None, None)]
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b'{"run_id":"\xff"}', "not JSON: invalid UTF-8 (invalid start byte) at byte 12"),
+        (b'{"run_id":"ab\xc3"}', "not JSON: invalid UTF-8 (invalid continuation byte) at byte 14"),
+        (b'{"run_id": 1 2}', "not JSON: unexpected character, expected ',' or '}' at byte 14"),
+        (b'{"run_id":"r","event_id":"e","tool":"t","ts_ms":1000000000000000000000000000000,"outcome":"success",'
+         b'"args":{},"result":1}', "ts_ms: must be an integer, got 1e+30 (past the 64-bit range)"),
+    ],
+)
+def test_bytes_that_are_no_event_say_where(raw: bytes, reason: str) -> None:
+    """A bad byte is pointed at where it is (orjson checks UTF-8 first and points at byte 0 for every bad
+    byte); an integer past 64 bits, which orjson reads as a float, is shown."""
+    with pytest.raises(InvalidEvent) as info:
+        parse_event(raw)
+    assert str(info.value) == reason
