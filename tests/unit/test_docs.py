@@ -55,3 +55,17 @@ def test_the_readme_policy_example_loads_as_it_says() -> None:
     assert policy.resolve("coding-bot", "x").thresholds.iteration_ceiling == 500
     assert policy.resolve("coding-bot", "x").thresholds.max_cost_usd == 20.0
     assert policy.resolve(None, "browse_web").thresholds.max_calls == 40
+
+
+def test_the_quickstarts_table_is_the_demos_own() -> None:
+    """The table the quickstart shows has the demo's columns and its scenarios in its order (it said
+    ``edit_cycle`` and lacked a column for months after the demo changed)."""
+    from stream_app.devtools.demo import summary_table
+    from stream_app.devtools.scenarios import DEMO_MIX
+
+    block = README.split("```\nscenario ", 1)[1].split("```", 1)[0]
+    rows = ("scenario " + block).splitlines()
+    demo_header = summary_table([])[0].splitlines()[0]
+    assert rows[0].split() == demo_header.split()
+    scenarios = [row.split()[0] for row in rows[2:] if row.strip() and not row[0].isdigit() and "  " in row]
+    assert scenarios == [name for name, _ in DEMO_MIX]
