@@ -35,6 +35,7 @@ The whole tree, by the module that defines each::
     ├── UntestedFramework        worker.versions faust, mode or aiokafka at an untested version (also RuntimeError)
     ├── ProducerFailed           worker.delivery a producer the worker publishes through failed for good (also RuntimeError)
     ├── PublishFailed            worker.delivery a processed batch's decision or fact never acknowledged (also RuntimeError)
+    ├── BatchFailing             worker.delivery an input batch failed 5 times in a row: the worker stops (also RuntimeError)
     ├── EngineUnavailable        commands.replay the native engine asked for, not installed (also RuntimeError)
     ├── BadAlert                 commands.notify a message on the alerts topic that is no decision (also ValueError)
     ├── WebhookError             commands.notify a webhook post that did not succeed

@@ -119,6 +119,8 @@ IN_FLIGHT_WAIT_S = 60.0
 BUFFERED_POLL_S = 0.01
 #: An input partition with records waiting and nothing admitted for this long is reported as stalled.
 STALL_S = 15.0
+#: Failures of an input topic's batches in a row (none processed between) that stop the worker.
+FAILED_IN_A_ROW = 5
 
 
 class ProducerFailed(LoopwardenError, RuntimeError):
@@ -126,6 +128,14 @@ class ProducerFailed(LoopwardenError, RuntimeError):
     refuses new ones (its sender task died). Nothing more can be published by it, so the worker stops
     (exit status 3) and its orchestrator starts it again with a fresh producer; the batches not published
     are not committed, so they are folded again."""
+
+
+class BatchFailing(LoopwardenError, RuntimeError):
+    """An input topic's batch failed ``FAILED_IN_A_ROW`` times in a row (its agent crashed on it and was
+    restarted, and it was fetched again each time): not a passing error but one the records bring back.
+    The worker stops (exit status 3) instead of crashing on them for ever while it reports ready; the
+    error is logged with the batch's offsets. (Telemetry a fold fails on is dead-lettered by the batch
+    function itself: ``batch.FoldFailed``.)"""
 
 
 class PublishFailed(LoopwardenError, RuntimeError):
@@ -314,6 +324,8 @@ class BatchSink:
         #: Partitions whose records were dropped without a seek back (``clear``): the consumer seeks
         #: them back to their expected offsets before its next fetch (``BatchConsumer.getmany``).
         self.dropped: set[TP] = set()
+        #: Batches that failed in a row (``drain``; the sink outlives the agent's restarts).
+        self.failed = 0
         self._ready = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -791,10 +803,18 @@ async def drain(app: faust.App, sink: BatchSink, fatal: FatalStop, handle: Handl
                 record for tp_records in admitted.values() for record in tp_records]
             if await fatal.run(handle(records)):
                 consumer.processed(generation, admitted)
-        except Exception:  # the agent crashes and its supervisor restarts it: fetch the batch again
+                sink.failed = 0
+        except Exception as exc:  # the agent crashes and its supervisor restarts it: fetch the batch again
             if admitted:
                 await sequencer.rewind(admitted)
-            raise
+            sink.failed += 1
+            if sink.failed < FAILED_IN_A_ROW:
+                raise
+            offsets = ", ".join(f"{tp.partition}@{records[0].offset}" for tp, records in admitted.items() if records)
+            stop = BatchFailing(f"a batch of {sink.topic} failed {sink.failed} times in a row ({exc!r}; "
+                                f"partition@first offset: {offsets or 'none admitted'}): the worker stops")
+            stop.__cause__ = exc
+            fatal.fail(stop)  # no crash: the batches after it are dropped unacknowledged while the worker stops
         finally:
             sink.done()
 

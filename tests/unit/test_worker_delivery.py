@@ -900,3 +900,49 @@ async def test_an_error_that_is_not_about_stored_state_still_crashes_the_step() 
     with pytest.raises(KeyError):
         await fatal.run(step())
     assert fatal.reason is None
+
+
+async def test_a_batch_that_fails_again_and_again_stops_the_worker_instead_of_crashing_for_ever(tmp_path) -> None:
+    """A passing error crashes the agent and the batch is fetched again; the same batch failing
+    ``FAILED_IN_A_ROW`` times in a row (nothing processed between) stops the worker once, naming the
+    batch, and the agent stays up dropping batches unacknowledged, so the worker does not keep reporting
+    ready while it crashes on the same records for ever. A processed batch resets the count."""
+    h = await Harness(tmp_path, "poison").seeded()
+    stops: list[int] = []
+    h.fatal = delivery.FatalStop(stop=lambda: stops.append(1))
+    good = True
+
+    async def handle(records: Sequence[ConsumerRecord[bytes, bytes]]) -> None:
+        h.handled.append([r.offset for r in records])
+        if not good:
+            raise KeyError("a bug")
+
+    good = False
+    for _ in range(delivery.FAILED_IN_A_ROW - 1):
+        h.sink.offer(1, _records(100, 101))
+        with pytest.raises(KeyError):
+            await delivery.drain(h.app, h.sink, h.fatal, handle, h.stale.append)
+    good = True  # one processed batch starts the count again
+    task = asyncio.create_task(delivery.drain(h.app, h.sink, h.fatal, handle, h.stale.append))
+    h.sink.offer(1, _records(100, 101))
+    await h.settle()
+    assert stops == [] and not task.done()
+    await _stopped(task)
+    good = False
+    for _ in range(delivery.FAILED_IN_A_ROW - 1):
+        h.sink.offer(1, _records(102))
+        with pytest.raises(KeyError):
+            await delivery.drain(h.app, h.sink, h.fatal, handle, h.stale.append)
+    assert stops == []
+    task = asyncio.create_task(delivery.drain(h.app, h.sink, h.fatal, handle, h.stale.append))
+    try:
+        h.sink.offer(1, _records(102))
+        await h.settle()
+        assert stops == [1] and not task.done()  # stopping, not crashed
+        assert isinstance(h.fatal.reason, delivery.BatchFailing) and isinstance(h.fatal.reason.__cause__, KeyError)
+        assert f"failed {delivery.FAILED_IN_A_ROW} times in a row" in str(h.fatal.reason)
+        h.sink.offer(1, _records(103))
+        await h.settle()
+        assert h.handled[-1] == [102] and h.stale == [1]  # dropped unacknowledged
+    finally:
+        await _stopped(task)
