@@ -41,6 +41,10 @@ answered with a signed ``operator_halt``/``operator_resume`` decision of the sco
 the scopes topic gets the halt (with its expiry) or, on a resume, a tombstone of the key; anything else
 goes to the dead-letter topic with the reason.
 
+A key whose facts a fold fails on (a bug: an exception no fact should raise) is left as it was, its
+batch's facts not folded, and the facts records they came from are dead-lettered with reason
+``internal``; the batch's other keys fold, so the agent does not crash on it after every restart.
+
 A key with no fact for its kind's ttl of event time is forgotten by the sweep, a few per partition per
 sweep, as the runs' sweep does; once a pass over a partition is complete, the next starts only when the
 event time has passed its oldest key's time + the ttl (keys written meanwhile lower that bound), so an
@@ -68,7 +72,7 @@ from ..core.fleet import ScopeDecision
 from ..core.fleet.scope import ScopeCommand, decode_scope_command
 from ..core.policy import FleetThresholds
 from ..core.stored import StoredRecordError
-from .batch import Verifier
+from .batch import FoldFailed, Verifier
 from .delivery import Record
 from .effects import DeadLetters, DecisionProducer, Topics
 from .facts import FACTS_FORMAT, KIND_OF_SCOPE, KINDS, TOOLS, FactItem, Kind, decode_facts, message
@@ -176,6 +180,8 @@ class FleetEffects:
     async def _process(self, records: Sequence[Record]) -> None:
         # The batch's facts by (kind, partition, key), in offset order (the key as ``Kind.key_of`` gives it).
         by_key: dict[tuple[Kind, int, Any], list[tuple[Kind, int, int, Any]]] = {}
+        #: The records each key's facts came from (only read when folding a key fails).
+        sources_of: dict[tuple[Kind, int, Any], list[Record]] = {}
         for record in records:
             if record.headers and header(record.headers, KIND_HEADER) == OPERATOR_KIND:
                 try:
@@ -184,7 +190,9 @@ class FleetEffects:
                     await self.dead_letters.send(record, exc)
                     continue
                 # in order with the key's facts; no source offset: a command applied twice is one decision
-                by_key.setdefault((kind, record.partition, kind.key_of(command.key)), []).append((kind, -1, -1, command))
+                grouped = (kind, record.partition, kind.key_of(command.key))
+                by_key.setdefault(grouped, []).append((kind, -1, -1, command))
+                sources_of.setdefault(grouped, []).append(record)
                 continue
             try:
                 facts = decode_facts(record.value)
@@ -198,15 +206,19 @@ class FleetEffects:
                 group = by_key.get(grouped)
                 if group is None:
                     by_key[grouped] = [item]
+                    sources_of[grouped] = [record]
                 else:
                     group.append(item)
+                    if sources_of[grouped][-1] is not record:
+                        sources_of[grouped].append(record)
         decisions: list[tuple[Kind, ScopeDecision]] = []
         folded: dict[str, int] = {}
         redelivered: dict[str, int] = {}
         written: list[tuple[tuple[str, int, bytes], bytes, Any]] = []
         fleet = self.fleet
-        sources_named = _SOURCE_NAMES
-        for (kind, partition, _), items in by_key.items():
+        failed: list[tuple[Record, Exception]] = []
+        for grouped, items in by_key.items():
+            kind, partition, _ = grouped
             store = self.stores[kind.name]
             key_text = items[0][3].key_text  # a fact's and a command's alike
             key = (kind.name, partition, key_text.encode())
@@ -214,39 +226,23 @@ class FleetEffects:
             known = self._decoded.pop(key, None)  # put back once folded: a failed batch leaves no folded copy
             if raw is None:
                 state = kind.state()
-                self._tracked[kind.name] += 1
             elif known is not None and known[0] == raw:
                 state = known[1]  # what this worker wrote last: no decode
             else:
                 state = _decode(kind, raw, key_text)
+            mark_decisions = len(decisions)
+            try:
+                new, skipped = self._fold_key(kind, state, items, decisions)
+            except Exception as exc:  # a bug met on this key's facts: the key is left as it was, the rest folds
+                del decisions[mark_decisions:]
+                log.error("folding the facts of %s %s raised %r: its facts of this batch are dead-lettered and "
+                          "not folded (a loopwarden bug: please report it with the records)", kind.label, key_text,
+                          exc, exc_info=exc)
+                failed.extend((record, exc) for record in sources_of[grouped])
+                continue
+            if raw is None:
+                self._tracked[kind.name] += 1
             sources = state.sources
-            fold = kind.fold
-            new = skipped = 0
-            for _, source_partition, offset, fact in items:
-                if type(fact) is ScopeCommand:
-                    decisions.append((kind, fact.decision()))
-                    if kind is TOOLS and fact.action == "resume":
-                        state.pause = None  # an operator lifted it: no resume or pause again of the fold's
-                    continue
-                source = sources_named.get(source_partition)
-                if source is None:
-                    source = str(source_partition)
-                if offset <= sources.get(source, -1):
-                    skipped += 1
-                    continue
-                if kind is TOOLS:
-                    # a batch folded again after a crash, cut elsewhere: only its calls past the mark of the
-                    # fact's window count (per window: one batch's sums of two windows interleave in offsets)
-                    window_mark = f"{source}@{fact.window_ms}"
-                    window_high = sources.get(window_mark, -1)
-                    if window_high >= 0:
-                        fact = fact.past(window_high)
-                    sources[window_mark] = offset
-                sources[source] = offset
-                new += 1
-                crossed = fold(fleet, state, fact)
-                if crossed:
-                    decisions.extend([(kind, decision) for decision in crossed])
             if kind is TOOLS:
                 _trim_window_marks(sources, state)
             if skipped:
@@ -259,6 +255,8 @@ class FleetEffects:
             if state.last_ts_ms > self._watermark_ms.get(mark, 0):
                 self._watermark_ms[mark] = state.last_ts_ms
             self._keep_until(mark, state.last_ts_ms, kind.ttl_ms(fleet))
+        for source_record, cause in failed:
+            await self.dead_letters.send(source_record, FoldFailed(cause))
         if decisions:
             await self._publish(decisions)
         decoded = self._decoded
@@ -279,6 +277,42 @@ class FleetEffects:
         tracked = self._tracked_gauges
         for name, count in self._tracked.items():
             tracked[name].set(count)
+
+    def _fold_key(self, kind: Kind, state: Any, items: list[tuple[Kind, int, int, Any]],
+                  decisions: list[tuple[Kind, ScopeDecision]]) -> tuple[int, int]:
+        """Fold one key's ``items`` into its ``state`` (in place), appending the decisions they cross; the
+        facts folded and those skipped as folded before."""
+        fleet = self.fleet
+        sources_named = _SOURCE_NAMES
+        sources = state.sources
+        fold = kind.fold
+        new = skipped = 0
+        for _, source_partition, offset, fact in items:
+            if type(fact) is ScopeCommand:
+                decisions.append((kind, fact.decision()))
+                if kind is TOOLS and fact.action == "resume":
+                    state.pause = None  # an operator lifted it: no resume or pause again of the fold's
+                continue
+            source = sources_named.get(source_partition)
+            if source is None:
+                source = str(source_partition)
+            if offset <= sources.get(source, -1):
+                skipped += 1
+                continue
+            if kind is TOOLS:
+                # a batch folded again after a crash, cut elsewhere: only its calls past the mark of the
+                # fact's window count (per window: one batch's sums of two windows interleave in offsets)
+                window_mark = f"{source}@{fact.window_ms}"
+                window_high = sources.get(window_mark, -1)
+                if window_high >= 0:
+                    fact = fact.past(window_high)
+                sources[window_mark] = offset
+            sources[source] = offset
+            new += 1
+            crossed = fold(fleet, state, fact)
+            if crossed:
+                decisions.extend([(kind, decision) for decision in crossed])
+        return new, skipped
 
     def _operator(self, value: bytes | None, headers: Any) -> tuple[Kind, ScopeCommand]:
         """An operator's signed, recent scope command; else InvalidEvent."""

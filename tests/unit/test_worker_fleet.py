@@ -253,6 +253,34 @@ async def test_a_fact_with_an_optional_field_of_another_type_is_dead_lettered(fi
     assert (0, b"root") in store.data
 
 
+async def test_a_keys_facts_that_meet_a_bug_are_dead_lettered_and_the_other_keys_still_fold() -> None:
+    """Folding one key's facts raises what no fact should (a bug): that key is left as it was (no record
+    kept, no decision of it published), the records its facts came from are dead-lettered with reason
+    ``internal``, and every other key of the batch folds; the batch is not failed, so the facts agent
+    does not crash on it after every restart."""
+    effects, store, producer, dead, _ = _effects(max_tree_runs=4)
+    fold_key = effects._fold_key
+
+    def buggy(kind: Any, state: Any, items: Any, decisions: Any) -> Any:
+        out = fold_key(kind, state, items, decisions)  # folded, decisions crossed: then the bug
+        if items[0][3].key_text == "poisoned":
+            raise RecursionError("maximum recursion depth exceeded")
+        return out
+
+    effects._fold_key = buggy  # type: ignore[method-assign]
+    await effects.process([_Record(0, 0, _spawns("poisoned", 0, 3)), _Record(0, 1, _spawns("root", 0, 3))])
+    assert [(r.offset, e.kind) for r, e in dead.sent] == [(0, "internal")]
+    assert "RecursionError" in str(dead.sent[0][1])
+    controls = [orjson.loads(v) for t, _, v in producer.sent if t == "control"]
+    assert [(c["root_run_id"], c["verdict"]) for c in controls] == [("root", "tree_fanout")]  # the half alert
+    await effects.flush()
+    assert [k for _, k in store.data] == [b"root"]
+    effects._fold_key = fold_key  # type: ignore[method-assign]
+    await effects.process([_Record(0, 2, _spawns("poisoned", 0, 1))])  # the key folds from its stored state
+    await effects.flush()
+    assert TreeState.decode(store.data[(0, b"poisoned")]).sources == {"0": 0}
+
+
 async def test_facts_are_published_to_the_partition_of_their_scope_key() -> None:
     producer = _Producer()
     publisher = FactsPublisher("facts", 8, producer)  # type: ignore[arg-type]
