@@ -119,8 +119,10 @@ IN_FLIGHT_WAIT_S = 60.0
 BUFFERED_POLL_S = 0.01
 #: An input partition with records waiting and nothing admitted for this long is reported as stalled.
 STALL_S = 15.0
-#: Failures of an input topic's batches in a row (none processed between) that stop the worker.
+#: Failures of an input topic's batches in a row (none processed between) that stop the worker, and the
+#: pause before the first retry (doubled for each next one: 0.1, 0.2, 0.4, 0.8 s).
 FAILED_IN_A_ROW = 5
+RETRY_PAUSE_S = 0.1
 
 
 class ProducerFailed(LoopwardenError, RuntimeError):
@@ -131,8 +133,8 @@ class ProducerFailed(LoopwardenError, RuntimeError):
 
 
 class BatchFailing(LoopwardenError, RuntimeError):
-    """An input topic's batch failed ``FAILED_IN_A_ROW`` times in a row (its agent crashed on it and was
-    restarted, and it was fetched again each time): not a passing error but one the records bring back.
+    """An input topic's batch failed ``FAILED_IN_A_ROW`` times in a row (fetched again and retried after a
+    pause each time): not a passing error but one the records bring back.
     The worker stops (exit status 3) instead of crashing on them for ever while it reports ready; the
     error is logged with the batch's offsets. (Telemetry a fold fails on is dead-lettered by the batch
     function itself: ``batch.FoldFailed``.)"""
@@ -767,7 +769,11 @@ async def drain(app: faust.App, sink: BatchSink, fatal: FatalStop, handle: Handl
     sequencer = consumer.sequencer
     inbound = app.monitor.stream_inbound_time
     stale_batches = 0
+    pause_s = 0.0
     while True:
+        if pause_s:
+            await asyncio.sleep(pause_s)  # after a failed batch, outside it (a revoke waits for none)
+            pause_s = 0.0
         generation, batch = await sink.next()
         admitted: Records = {}
         try:
@@ -804,17 +810,23 @@ async def drain(app: faust.App, sink: BatchSink, fatal: FatalStop, handle: Handl
             if await fatal.run(handle(records)):
                 consumer.processed(generation, admitted)
                 sink.failed = 0
-        except Exception as exc:  # the agent crashes and its supervisor restarts it: fetch the batch again
+        except Exception as exc:
+            # Fetched again (the sequencer expects its first offset) and retried after a pause. The agent does
+            # not crash: faust's supervisor restarting it worked, but a worker stopping after such restarts
+            # hung in the supervisor's stop, alive and ready, for good (SIGTERM again did nothing).
             if admitted:
                 await sequencer.rewind(admitted)
             sink.failed += 1
-            if sink.failed < FAILED_IN_A_ROW:
-                raise
             offsets = ", ".join(f"{tp.partition}@{records[0].offset}" for tp, records in admitted.items() if records)
+            if sink.failed < FAILED_IN_A_ROW:
+                log.error("a batch of %s failed (%r; partition@first offset: %s): fetched again, attempt %d of %d",
+                          sink.topic, exc, offsets or "none admitted", sink.failed + 1, FAILED_IN_A_ROW, exc_info=exc)
+                pause_s = RETRY_PAUSE_S * 2 ** (sink.failed - 1)
+                continue
             stop = BatchFailing(f"a batch of {sink.topic} failed {sink.failed} times in a row ({exc!r}; "
                                 f"partition@first offset: {offsets or 'none admitted'}): the worker stops")
             stop.__cause__ = exc
-            fatal.fail(stop)  # no crash: the batches after it are dropped unacknowledged while the worker stops
+            fatal.fail(stop)  # the batches after it are dropped unacknowledged while the worker stops
         finally:
             sink.done()
 
