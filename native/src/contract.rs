@@ -11,6 +11,8 @@ const MAX_ID_LENGTH: usize = 512;
 const MAX_RETRY_BUDGET: i64 = 10_000;
 const MAX_ERROR_HEAD_BYTES: usize = 256;
 const MAX_DEPTH: i64 = 10_000;
+/// The latest event time (`MAX_TS_MS` of the reference): 9999-12-31T23:59:59.999Z.
+const MAX_TS_MS: i64 = 253_402_300_799_999;
 const TRIGGERS: [&str; 4] = ["user", "schedule", "webhook", "agent"];
 
 pub const OUTCOMES: [&str; 4] = ["success", "error", "empty", "noop"];
@@ -112,7 +114,7 @@ pub fn decode<R: Fields + ?Sized>(obj: &R) -> Option<Call<'_>> {
     let run_id = identifier(obj.field("run_id"), true)?;
     let event_id = identifier(obj.field("event_id"), true)?;
     let tool = identifier(obj.field("tool"), true)?;
-    let ts_ms = integer(obj.field("ts_ms")?).filter(|t| *t >= 0)?;
+    let ts_ms = integer(obj.field("ts_ms")?).filter(|t| (0..=MAX_TS_MS).contains(t))?;
     let outcome = match obj.field("outcome")? {
         Value::String(s) => OUTCOMES.iter().position(|o| o == s)? as u8,
         _ => return None,

@@ -52,7 +52,7 @@ def encode_control(decision: Decision, source: str) -> tuple[bytes, bytes, Heade
         ("ce_id", decision.decision_id.encode()),
         ("ce_source", source.encode()),
         ("ce_type", f"{CE_TYPE_PREFIX}{decision.action}".encode()),
-        ("ce_time", _rfc3339(decision.ts_ms).encode()),
+        ("ce_time", rfc3339(decision.ts_ms).encode()),
         ("ce_subject", decision.run_id.encode()),
         ("ce_partitionkey", decision.run_id.encode()),
         ("content-type", CONTENT_TYPE),
@@ -73,7 +73,7 @@ def encode_scope_control(decision: ScopeDecision, source: str) -> tuple[bytes, b
         ("ce_id", decision.decision_id.encode()),
         ("ce_source", source.encode()),
         ("ce_type", f"{CE_TYPE_PREFIX}{decision.scope}.{decision.action}".encode()),
-        ("ce_time", _rfc3339(decision.ts_ms).encode()),
+        ("ce_time", rfc3339(decision.ts_ms).encode()),
         ("ce_subject", f"{decision.scope}/{decision.key_text}".encode()),
         ("ce_partitionkey", key),
         ("content-type", CONTENT_TYPE),
@@ -104,5 +104,12 @@ def header(headers: Any, name: str) -> bytes | None:
     return None
 
 
-def _rfc3339(ts_ms: int) -> str:
+#: The event times a date can say (telemetry refuses others: ``core.contract.MAX_TS_MS``).
+_FIRST_MS, _LAST_MS = 0, 253_402_300_799_999
+
+
+def rfc3339(ts_ms: int) -> str:
+    """``ts_ms`` as an RFC 3339 UTC time with milliseconds (CloudEvents ``time``); a time no date can say
+    (a forged fact's, say) is said as the nearest one that can, never an error."""
+    ts_ms = min(max(ts_ms, _FIRST_MS), _LAST_MS)
     return datetime.fromtimestamp(ts_ms / 1000, tz=UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")

@@ -44,7 +44,6 @@ import urllib.request
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -53,7 +52,7 @@ from ..bus import logs
 from ..bus.kafka import KafkaClientConfig
 from ..bus.settings import SettingsError, SettingsTable
 from ..bus.signing import KeyRing, SignatureRejected
-from ..bus.wire import CE_TYPE_PREFIX
+from ..bus.wire import CE_TYPE_PREFIX, rfc3339
 from ..core import LoopwardenError
 
 if TYPE_CHECKING:
@@ -207,7 +206,7 @@ def decode_alert(value: bytes | None, headers: Any = ()) -> Alert:
     attributes.setdefault("id", decision["decision_id"])
     attributes.setdefault("source", "/loopwarden")
     attributes.setdefault("type", f"{CE_TYPE_PREFIX}{decision['action']}")
-    attributes.setdefault("time", _rfc3339(decision["ts_ms"]))
+    attributes.setdefault("time", rfc3339(decision["ts_ms"]))
     attributes.setdefault("subject", decision["run_id"])
     return Alert(decision, attributes)
 
@@ -259,10 +258,6 @@ FORMATTERS: dict[str, Callable[[Alert], tuple[bytes, str]]] = {"json": format_js
 def _slack(text: str) -> str:
     """Escape the three characters Slack's mrkdwn gives meaning to."""
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
-def _rfc3339(ts_ms: int) -> str:
-    return datetime.fromtimestamp(ts_ms / 1000, tz=UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -70,6 +70,9 @@ MAX_EVENT_BYTES: Final = 1 << 20
 #: Largest accepted retry budget; anything above is a mistake, not a policy.
 MAX_RETRY_BUDGET: Final = 10_000
 _MAX_SAFE_INT: Final = 2**63 - 1
+#: The latest event time an event may carry: 9999-12-31T23:59:59.999Z (the last a date can say; a later
+#: ``ts_ms`` broke every decision's CloudEvents time, and with it the worker).
+MAX_TS_MS: Final = 253_402_300_799_999
 
 
 @dataclass(slots=True)
@@ -209,8 +212,11 @@ def _check_required(obj: dict[str, Any]) -> None:
     """Raise the precise error for whichever required field is wrong (the slow, explaining path)."""
     for name in ("run_id", "event_id", "tool"):
         _identifier(obj, name, True)
-    if _integer(obj, "ts_ms", 0) is None:
+    ts_ms = _integer(obj, "ts_ms", 0)
+    if ts_ms is None:
         raise InvalidEvent("ts_ms", "required field is missing")
+    if ts_ms > MAX_TS_MS:
+        raise InvalidEvent("ts_ms", f"must be <= {MAX_TS_MS} (9999-12-31T23:59:59.999Z), got {ts_ms}")
     outcome = obj.get("outcome")
     if outcome is None:
         raise InvalidEvent("outcome", "required field is missing")
@@ -300,7 +306,7 @@ def decode_event(obj: Any) -> TelemetryEvent:
         type(run_id) is str and 0 < len(run_id) <= MAX_ID_LENGTH
         and type(event_id) is str and 0 < len(event_id) <= MAX_ID_LENGTH
         and type(tool) is str and 0 < len(tool) <= MAX_ID_LENGTH
-        and type(ts_ms) is int and 0 <= ts_ms <= _MAX_SAFE_INT
+        and type(ts_ms) is int and 0 <= ts_ms <= MAX_TS_MS
         and type(outcome) is str and outcome in OUTCOMES
     ):
         _check_required(obj)
@@ -372,8 +378,8 @@ def decode_operator_command(raw: bytes, key_id: str = "") -> OperatorCommand:
     if obj.get("action") not in ("halt", "resume"):
         raise InvalidEvent("action", f"must be halt or resume, got {str(obj.get('action'))[:40]!r}")
     ts_ms = obj.get("ts_ms")
-    if type(ts_ms) is not int or not 0 <= ts_ms <= _MAX_SAFE_INT:
-        raise InvalidEvent("ts_ms", "required: an integer >= 0 (epoch milliseconds)")
+    if type(ts_ms) is not int or not 0 <= ts_ms <= MAX_TS_MS:
+        raise InvalidEvent("ts_ms", f"required: an integer from 0 to {MAX_TS_MS} (epoch milliseconds)")
     return OperatorCommand(obj["run_id"], obj["action"], obj["command_id"], obj["operator"], obj["reason"],
                            ts_ms, key_id)
 

@@ -61,6 +61,11 @@ from .store import Change, RunStore
 
 log = logging.getLogger(__name__)
 
+#: How far past the wall clock a partition's event-time watermark may go (the runs' sweep, and the keyed
+#: folds' in ``fleet``): event times further ahead fold as they are but do not move the sweep's horizon
+#: (one event dated years ahead made every run of its partition silent for longer than ``run_ttl_ms``).
+MAX_AHEAD_MS = 60_000
+
 #: Sends of processed batches awaiting their acknowledgement past this many batches: the done ones are let go.
 UNACKED_PRUNE_AT = 256
 
@@ -286,9 +291,10 @@ class Effects:
         if result.duplicates:
             metrics.duplicates.inc(result.duplicates)
         watermarks = self._watermark_ms
+        ahead_ms = wall_clock_ms() + MAX_AHEAD_MS
         for partition, ts_ms in result.watermarks.items():
             if ts_ms > watermarks.get(partition, 0):
-                watermarks[partition] = ts_ms
+                watermarks[partition] = min(ts_ms, ahead_ms)
 
         sends = await self.facts.send(result.facts) if result.facts and self.facts is not None else []
         if result.decisions:

@@ -74,7 +74,7 @@ from ..core.policy import FleetThresholds
 from ..core.stored import StoredRecordError
 from .batch import FoldFailed, Verifier
 from .delivery import Record
-from .effects import DeadLetters, DecisionProducer, Topics
+from .effects import MAX_AHEAD_MS, DeadLetters, DecisionProducer, Topics
 from .facts import FACTS_FORMAT, KIND_OF_SCOPE, KINDS, TOOLS, FactItem, Kind, decode_facts, message
 from .metrics import WorkerMetrics
 from .store import Change, RunStore
@@ -233,6 +233,9 @@ class FleetEffects:
             mark_decisions = len(decisions)
             try:
                 new, skipped = self._fold_key(kind, state, items, decisions)
+                for _, decision in decisions[mark_decisions:]:
+                    encode_scope_control(decision, self.event_source)  # what _publish will send, encodable
+                record = state.encode()
             except Exception as exc:  # a bug met on this key's facts: the key is left as it was, the rest folds
                 del decisions[mark_decisions:]
                 log.error("folding the facts of %s %s raised %r: its facts of this batch are dead-lettered and "
@@ -249,11 +252,12 @@ class FleetEffects:
                 redelivered[kind.name] = redelivered.get(kind.name, 0) + skipped
             if new:
                 folded[kind.name] = folded.get(kind.name, 0) + new
-            record = state.encode()
             written.append((key, record, state))
             mark = (kind.name, partition)
             if state.last_ts_ms > self._watermark_ms.get(mark, 0):
-                self._watermark_ms[mark] = state.last_ts_ms
+                # not past the wall clock by more than a minute: one fact dated years ahead would move the
+                # sweep's horizon past every key of the partition
+                self._watermark_ms[mark] = min(state.last_ts_ms, self.clock() + MAX_AHEAD_MS)
             self._keep_until(mark, state.last_ts_ms, kind.ttl_ms(fleet))
         for source_record, cause in failed:
             await self.dead_letters.send(source_record, FoldFailed(cause))

@@ -35,6 +35,7 @@ def _validator(name: str) -> Draft202012Validator:
         ({"cost_usd": -1}, "cost_usd", "must be a number >= 0, got -1"),
         ({"ts_ms": True}, "ts_ms", "must be an integer, got boolean"),
         ({"ts_ms": -1}, "ts_ms", "must be >= 0"),
+        ({"ts_ms": 253_402_300_800_000}, "ts_ms", "must be <= 253402300799999 (9999-12-31T23:59:59.999Z)"),
         ({"outcome": "failed"}, "outcome", "must be one of"),
         ({"outcome": None}, "outcome", "required field is missing"),
         ({"args": None}, "args", "one of args or args_hash is required"),

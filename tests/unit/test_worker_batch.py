@@ -134,6 +134,7 @@ def test_a_resent_event_id_is_a_duplicate_at_a_new_offset() -> None:
         (b"[1, 2]", "payload"),
         (orjson.dumps({**_failing("run-b", 0), "ts_ms": "noon"}), "ts_ms"),
         (orjson.dumps({**_failing("run-b", 0), "outcome": "exploded"}), "outcome"),
+        (orjson.dumps({**_failing("run-b", 0), "ts_ms": 253_402_300_800_000}), "ts_ms"),  # year 10000: no date
         (b'{"pad": "' + b"x" * 2000 + b'"}', "payload"),  # over max_event_bytes
     ],
 )

@@ -388,3 +388,22 @@ async def test_a_batch_takes_the_state_lock_while_a_flushs_changelog_waits_for_t
     hold.set()
     await asyncio.wait_for(flushing, 5)
     assert [partition for partition, _ in producer.sent] == [0, 1] and data._dbs[1][b"run-b"]
+
+
+async def test_an_event_dated_years_ahead_does_not_make_its_partitions_runs_silent(store: Any) -> None:
+    """The sweep's watermark goes at most ``MAX_AHEAD_MS`` past the wall clock: one event dated in year 9999
+    (a runtime's broken clock) made every run of its partition silent for longer than ``run_ttl_ms``, so
+    each was forgotten after every batch and none was ever halted."""
+    runs, _, _ = store
+    effects, decisions = _folding(runs)
+    future = orjson.dumps({"run_id": "broken-clock", "event_id": "e", "tool": "t", "ts_ms": 253_402_300_799_000,
+                           "outcome": "success", "args": {}, "result": 1})
+    await effects.process([ConsumerRecord(TOPIC, 0, 0, 0, 0, b"broken-clock", future, None, 5, len(future), ())])
+    assert effects._watermark_ms[0] <= effects_module.wall_clock_ms() + effects_module.MAX_AHEAD_MS
+    now = effects_module.wall_clock_ms()
+    for n in range(1, 5):  # a runaway at the wall clock's time, a batch a call, each batch swept after it
+        value = orjson.dumps({"run_id": "run-a", "event_id": f"a{n}", "tool": "search", "ts_ms": now + n,
+                              "outcome": "error", "args": {"q": "x"}, "result": {"error": "down"}})
+        await effects.process([ConsumerRecord(TOPIC, 0, n, 0, 0, b"run-a", value, None, 5, len(value), ())])
+        await effects.sweep()
+    assert [key for topic, key in decisions.sent if topic == "alerts"] == [b"run-a"]  # its 4th call halted it

@@ -281,6 +281,27 @@ async def test_a_keys_facts_that_meet_a_bug_are_dead_lettered_and_the_other_keys
     assert TreeState.decode(store.data[(0, b"poisoned")]).sources == {"0": 0}
 
 
+async def test_forged_facts_past_what_a_record_or_a_date_can_hold_are_dead_lettered_or_said_at_the_nearest() -> None:
+    """Facts only workers write, forged: a tool fact's count past 64 bits cannot be stored (its key is left
+    as it was, the record dead-lettered with reason ``internal``; it stopped the worker), and a tree halt
+    at an event time in year 10000 is published with the last time a date can say (its CloudEvents time
+    raised). The batch's other keys fold either way."""
+    effects, store, producer, dead, _ = _effects(max_tree_depth=2)
+    tools = [[0, n, "", "ovf", "u", 1_796_508_840_000, "e", "r", 1_796_508_850_443, 2**64 - 1, 0, -1, 0, [], [n], []]
+             for n in (1, 2)]  # their sum is past 64 bits
+    deep = [0, 2, "far", "far-3", "e", 253_402_300_800_000, "far-2", 3, 0, False, None, None, None, None]
+    await effects.process([_Record(0, 0, orjson.dumps({"v": FACTS_FORMAT, "tools": tools})),
+                           _Record(0, 1, orjson.dumps({"v": FACTS_FORMAT, "trees": [deep]})),
+                           _Record(0, 2, _spawns("root", 0, 1))])
+    assert [(r.offset, e.kind) for r, e in dead.sent] == [(0, "internal")]
+    assert "64-bit" in str(dead.sent[0][1])
+    halts = [orjson.loads(v) for t, _, v in producer.sent if t == "control"]
+    assert [(h["root_run_id"], h["verdict"]) for h in halts] == [("far", "tree_depth")]
+    await effects.flush()
+    assert sorted(k for _, k in store.data) == [b"far", b"root"]
+    assert not effects.stores["tools"].data  # type: ignore[attr-defined]
+
+
 async def test_facts_are_published_to_the_partition_of_their_scope_key() -> None:
     producer = _Producer()
     publisher = FactsPublisher("facts", 8, producer)  # type: ignore[arg-type]
@@ -412,6 +433,29 @@ async def test_the_sweep_forgets_silent_keys_and_scans_nothing_before_one_can_be
     await effects.sweep({0})
     await effects.sweep({0})
     assert b"late" not in {k for _, k in store.data}
+
+
+async def test_a_fact_dated_years_ahead_does_not_make_every_key_of_its_partition_silent() -> None:
+    """The sweep's watermark goes at most a minute past the wall clock: one fact dated in year 9999 (a
+    runtime's broken clock) would otherwise put every tree of its partition past its ttl at once."""
+    effects, store, _, _, _ = _effects()  # tree_ttl_ms: 1 h
+    now = 1_800_000_000_000
+    effects.clock = lambda: now
+
+    def spawn(root: str, offset: int, ts_ms: int) -> bytes:
+        fact = [0, offset, root, root, f"{root}-{offset}", ts_ms, None, None, 0, True, f"{root}-kid", "w", "t", None]
+        return orjson.dumps({"v": FACTS_FORMAT, "trees": [fact]})
+
+    await effects.process([_Record(0, n, spawn(f"t{n}", n, now - 60_000 + n)) for n in range(3)])
+    await effects.process([_Record(0, 3, spawn("broken-clock", 3, 253_402_300_799_000))])
+    await effects.sweep({0})
+    await effects.sweep({0})
+    assert sorted(k for _, k in store.data) == [b"broken-clock", b"t0", b"t1", b"t2"]
+    now += 3_600_000  # an hour on: the three are silent for the ttl now
+    await effects.process([_Record(0, 4, spawn("t4", 4, now))])
+    await effects.sweep({0})
+    await effects.sweep({0})
+    assert sorted(k for _, k in store.data) == [b"broken-clock", b"t4"]
 
 
 async def test_a_sweep_pass_cut_short_by_a_recovery_starts_again_at_the_first_key() -> None:

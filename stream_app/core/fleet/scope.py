@@ -9,7 +9,7 @@ from typing import Any, Final, Literal
 
 import orjson
 
-from ..contract import MAX_ID_LENGTH, SCHEMA_VERSION
+from ..contract import MAX_ID_LENGTH, MAX_TS_MS, SCHEMA_VERSION
 from ..errors import InvalidEvent, NotJSON
 
 Scope = Literal["run", "tree", "tool", "thread"]
@@ -145,7 +145,7 @@ def decode_scope_command(raw: bytes, key_id: str = "") -> ScopeCommand:
     if obj.get("action") not in actions:
         raise InvalidEvent("action", f"must be {' or '.join(actions)}, got {str(obj.get('action'))[:40]!r}")
     ts_ms = obj.get("ts_ms")
-    if type(ts_ms) is not int or ts_ms < 0:
-        raise InvalidEvent("ts_ms", "required: an integer >= 0 (epoch milliseconds)")
+    if type(ts_ms) is not int or not 0 <= ts_ms <= MAX_TS_MS:
+        raise InvalidEvent("ts_ms", f"required: an integer from 0 to {MAX_TS_MS} (epoch milliseconds)")
     return ScopeCommand(scope, tuple(obj[name] for name in SCOPES[scope]), obj["action"], obj["command_id"],
                         obj["operator"], obj["reason"], ts_ms, key_id)
