@@ -64,9 +64,11 @@ def _parser() -> argparse.ArgumentParser:
         override.add_argument("run_id", nargs="?", help="the run to act on")
         override.add_argument("--tree", metavar="ROOT", help="act on the sub-agent tree of this root run id instead")
         override.add_argument("--thread", metavar="TENANT/THREAD",
-                              help="act on a thread instead (`/THREAD` for telemetry that names no tenant)")
+                              help="act on a thread instead (`/THREAD` for telemetry that names no tenant; a `/` "
+                                   "in the tenant as %%2F, a `%%` as %%25)")
         override.add_argument("--tool", metavar="TENANT/TOOL/UPSTREAM",
-                              help="pause (halt) or resume a tool of an upstream for a tenant instead")
+                              help="pause (halt) or resume a tool of an upstream for a tenant instead (`/` in the "
+                                   "tenant or the tool as %%2F, `%%` as %%25)")
         override.add_argument("--reason", required=True, help="why (recorded with the decision)")
         override.add_argument("--operator", help="who (default: $LOOPWARDEN_OPERATOR, else the login name)")
         override.add_argument("--key", help="operator's Ed25519 private key, PEM (default: $LOOPWARDEN_OPERATOR_KEY)")

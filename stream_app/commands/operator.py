@@ -63,9 +63,16 @@ def build_command(action: str, run_id: str, reason: str, operator: str, now_ms: 
     return OperatorCommand(run_id, action, f"op-{uuid.uuid4().hex}", operator, reason, now_ms)  # type: ignore[arg-type]
 
 
+def _unescaped(part: str) -> str:
+    """A key part as the scope key writes it (``core.fleet.scope.key_text``: ``%`` and ``/`` escaped)."""
+    return part.replace("%2F", "/").replace("%2f", "/").replace("%25", "%")
+
+
 def parse_scope(scope: str, target: str) -> tuple[str, ...]:
-    """The key of ``--tree ROOT`` or ``--thread TENANT/THREAD`` (the tenant before the first ``/``; empty
-    for telemetry that names none: ``/THREAD``); ValueError saying what is wrong."""
+    """The key of ``--tree ROOT``, ``--thread TENANT/THREAD`` or ``--tool TENANT/TOOL/UPSTREAM`` (the tenant
+    before the first ``/``, empty for telemetry that names none: ``/THREAD``), every part but the last
+    written as the scope key has it: a ``/`` in it as ``%2F``, a ``%`` as ``%25`` (tenant ``acme/eu``:
+    ``--thread acme%2Feu/pr-7``); ValueError saying what is wrong."""
     if scope == "tree":
         if not target:
             raise ValueError("--tree: the root run id of the tree")
@@ -75,12 +82,12 @@ def parse_scope(scope: str, target: str) -> tuple[str, ...]:
         if len(parts) != 3 or not parts[1] or not parts[2]:
             raise ValueError(f"--tool {target!r}: expected TENANT/TOOL/UPSTREAM (`/TOOL/UPSTREAM` when the "
                              "telemetry names no tenant)")
-        return (parts[0], parts[1], parts[2])
+        return (_unescaped(parts[0]), _unescaped(parts[1]), parts[2])
     tenant, slash, thread = target.partition("/")
     if not slash or not thread:
         raise ValueError(f"--thread {target!r}: expected TENANT/THREAD (`/THREAD` when the telemetry names no "
                          "tenant)")
-    return (tenant, thread)
+    return (_unescaped(tenant), thread)
 
 
 async def send_command(config: KafkaClientConfig, topic: str, command: OperatorCommand | ScopeCommand,

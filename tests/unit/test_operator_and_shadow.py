@@ -86,3 +86,23 @@ def test_shadow_mode_turns_suppress_into_alerts() -> None:
                   for i in range(3)])
     assert [(n, a, v, d.evidence.get("would")) for (n, d), (_, a, v) in zip(run.decisions, run.actions(), strict=True)] == [
         (2, "alert", "duplicate_call", "suppress"), (3, "alert", "duplicate_call", "suppress")]
+
+
+@pytest.mark.parametrize(("scope", "target", "key"), [
+    ("thread", "acme/pr-7", ("acme", "pr-7")),
+    ("thread", "/pr-7", ("", "pr-7")),
+    ("thread", "acme/pr/7", ("acme", "pr/7")),  # the last part as it is
+    ("thread", "acme%2Feu/pr-7", ("acme/eu", "pr-7")),  # a tenant with a slash, as its scope key writes it
+    ("thread", "100%25/pr-7", ("100%", "pr-7")),
+    ("tool", "acme%2Feu/search%2Fv2/api.example.com/v1", ("acme/eu", "search/v2", "api.example.com/v1")),
+    ("tree", "root%2F1", ("root%2F1",)),  # one part: the last, as it is
+])
+def test_an_operators_scope_target_is_read_as_its_scope_key_writes_it(scope: str, target: str,
+                                                                       key: tuple[str, ...]) -> None:
+    """``--thread`` and ``--tool`` name a key as ``key_text`` writes it, so a tenant with a ``/`` can be
+    named (it could not: the tenant ended at its first ``/``, and ``%2F`` was taken literally)."""
+    from stream_app.commands.operator import parse_scope
+    from stream_app.core.fleet.scope import key_text
+
+    assert parse_scope(scope, target) == key
+    assert key_text(key) == target
