@@ -279,17 +279,6 @@ class Effects:
             metrics.rekeyed.inc()
             record = records[rekey.index]
             await self.topics.telemetry.send(key=rekey.key, value=record.value, headers=list(record.headers))
-        for outcome, count in result.applied.items():
-            self._events_by_outcome[outcome].inc(count)
-        for (agent_id, digest), count in result.policy_mismatches.items():
-            metrics.policy_mismatch.labels(agent_id=agent_id).inc(count)
-            if digest not in self._mismatches_warned and len(self._mismatches_warned) < 1000:
-                self._mismatches_warned.add(digest)
-                log.warning("telemetry of agent %r was folded by a runtime with policy %s, not this worker's %s: "
-                            "runtime and worker may decide differently; give both the same policy file",
-                            agent_id, digest[:16], self.fold.policy_digest[:16])
-        if result.duplicates:
-            metrics.duplicates.inc(result.duplicates)
         watermarks = self._watermark_ms
         ahead_ms = wall_clock_ms() + MAX_AHEAD_MS
         for partition, ts_ms in result.watermarks.items():
@@ -304,6 +293,18 @@ class Effects:
         if sends:
             self._in_flight(sends, result.decisions)
         store.keep(result.records)
+        # counted once the batch is through (a batch failing before here is folded again: counted then)
+        for outcome, count in result.applied.items():
+            self._events_by_outcome[outcome].inc(count)
+        for (agent_id, digest), count in result.policy_mismatches.items():
+            metrics.policy_mismatch.labels(agent_id=agent_id).inc(count)
+            if digest not in self._mismatches_warned and len(self._mismatches_warned) < 1000:
+                self._mismatches_warned.add(digest)
+                log.warning("telemetry of agent %r was folded by a runtime with policy %s, not this worker's %s: "
+                            "runtime and worker may decide differently; give both the same policy file",
+                            agent_id, digest[:16], self.fold.policy_digest[:16])
+        if result.duplicates:
+            metrics.duplicates.inc(result.duplicates)
         if store.kept > KEEP_MAX_RECORDS:
             await self._acknowledged()
             sending = store.write_kept()

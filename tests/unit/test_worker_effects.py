@@ -407,3 +407,23 @@ async def test_an_event_dated_years_ahead_does_not_make_its_partitions_runs_sile
         await effects.process([ConsumerRecord(TOPIC, 0, n, 0, 0, b"run-a", value, None, 5, len(value), ())])
         await effects.sweep()
     assert [key for topic, key in decisions.sent if topic == "alerts"] == [b"run-a"]  # its 4th call halted it
+
+
+async def test_a_batch_that_failed_and_was_folded_again_is_counted_once(store: Any) -> None:
+    """The events of a batch whose decision could not be handed to the producer are counted when the
+    batch goes through, not on every attempt (6 events counted 30 times over five attempts)."""
+    runs, _, _ = store
+    effects, decisions = _folding(runs)
+    send = decisions.send
+
+    async def refused(*args: Any) -> Any:
+        raise KafkaTimeoutError()
+
+    decisions.send = refused  # type: ignore[method-assign]
+    with pytest.raises(KafkaTimeoutError):
+        await effects.process(_calls(0, "run-a", 1, 4))  # the 4th call halts it: its send fails
+    decisions.send = send  # type: ignore[method-assign]
+    await effects.process(_calls(0, "run-a", 1, 4))  # fetched again: kept records were not, folds again
+    counted = sum(sample.value for metric in effects.metrics.events.collect() for sample in metric.samples
+                  if sample.name.endswith("_total"))
+    assert counted == 4
