@@ -441,9 +441,8 @@ def tool_calls_of(raw: bytes, encoding: Encoding, run_id_from: RunIdFrom = "conv
     end-time order, and the errors of its tool spans that broke the mapping or the telemetry contract
     (each event must also encode within ``max_event_bytes``). Raise InvalidEvent when the record is not
     OTLP at all. The record's ``invoke_agent`` spans and parent links give its sub-agent trees."""
-    traces, tree = _decode(raw, encoding)
+    traces, tree, errors = _decode(raw, encoding)
     calls: list[ToolCall] = []
-    errors: list[InvalidEvent] = []
     for resource_spans in traces.resource_spans:
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
@@ -489,10 +488,11 @@ def decoder(encoding: Encoding, run_id_from: RunIdFrom = "conversation",
     return decode
 
 
-def _decode(raw: bytes, encoding: Encoding) -> tuple[TracesData, _AgentTree | None]:
-    """The record as TracesData (the collector's ``ptrace`` marshalers write exactly that message), and
-    its agent tree where it has an ``invoke_agent`` span. Of OTLP/JSON only the tool spans are parsed,
-    so the tree is read from the document."""
+def _decode(raw: bytes, encoding: Encoding) -> tuple[TracesData, _AgentTree | None, list[InvalidEvent]]:
+    """The record as TracesData (the collector's ``ptrace`` marshalers write exactly that message), its
+    agent tree where it has an ``invoke_agent`` span, and the errors of the tool spans left out of it. Of
+    OTLP/JSON only the tool spans are parsed, so the tree is read from the document; a tool span whose ids
+    are not hex is left out with an error naming the field (the record's other spans still count)."""
     if encoding == "otlp_proto":
         try:
             traces: TracesData = TracesData.FromString(raw)
@@ -500,7 +500,7 @@ def _decode(raw: bytes, encoding: Encoding) -> tuple[TracesData, _AgentTree | No
             raise InvalidEvent("", f"not OTLP protobuf (TracesData): {exc}") from exc
         agents = any(_operation_kv(span.attributes) == INVOKE_AGENT for resource_spans in traces.resource_spans
                      for scope_spans in resource_spans.scope_spans for span in scope_spans.spans)
-        return traces, _proto_tree(traces) if agents else None
+        return traces, _proto_tree(traces) if agents else None, []
     try:
         document = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -509,15 +509,22 @@ def _decode(raw: bytes, encoding: Encoding) -> tuple[TracesData, _AgentTree | No
         if type(document) is not dict:
             raise TypeError(f"a TracesData object was expected, got {type(document).__name__}")
         seen: list[tuple[Any, Any]] = []  # (span, its operation), every span of the record
+        errors: list[InvalidEvent] = []
         for resource_spans in document.get("resourceSpans") or ():
             for scope_spans in resource_spans.get("scopeSpans") or ():
                 spans = [(span, _operation_json(span)) for span in scope_spans.get("spans") or ()]
                 seen += spans
-                scope_spans["spans"] = [_proto_json_span(span) for span, operation in spans
-                                        if operation == EXECUTE_TOOL or operation in INFERENCE]
+                kept = []
+                for span, operation in spans:
+                    if operation == EXECUTE_TOOL or operation in INFERENCE:
+                        try:
+                            kept.append(_proto_json_span(span))
+                        except InvalidEvent as exc:
+                            errors.append(exc)
+                scope_spans["spans"] = kept
         tree = _json_tree(seen) if any(operation == INVOKE_AGENT for _, operation in seen) else None
         parsed: TracesData = json_format.ParseDict(document, TracesData(), ignore_unknown_fields=True)
-        return parsed, tree
+        return parsed, tree, errors
     except (json_format.ParseError, AttributeError, TypeError, ValueError) as exc:
         raise InvalidEvent("", f"not OTLP/JSON traces: {exc}"[:1000]) from exc
 
@@ -536,7 +543,10 @@ def _proto_json_span(span: dict[str, Any]) -> dict[str, Any]:
     kept: dict[str, Any] = {name: span[name] for name in _SPAN_FIELDS if name in span}
     for name in _HEX_IDS:
         if kept.get(name):
-            kept[name] = base64.b64encode(bytes.fromhex(kept[name])).decode()
+            try:
+                kept[name] = base64.b64encode(bytes.fromhex(kept[name])).decode()
+            except (TypeError, ValueError) as exc:
+                raise InvalidEvent(name, f"a tool span's {name} must be hex, got {str(kept[name])[:40]!r}") from exc
     return kept
 
 

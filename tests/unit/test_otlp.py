@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import orjson
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
@@ -172,6 +173,20 @@ def test_a_bad_tool_span_is_rejected_naming_the_attribute_and_the_others_still_c
     assert "span " in str(errors[0])
 
 
+@pytest.mark.parametrize("field", ["traceId", "spanId", "parentSpanId"])
+def test_a_tool_span_whose_ids_are_not_hex_is_rejected_naming_the_id_and_the_others_still_count(field: str) -> None:
+    """OTLP/JSON writes ids in hex: a tool span with one that is not is an error naming it, and the
+    record's other spans count (the whole record was refused, without a field)."""
+    recorder = Recorder()
+    recorder.tool("search_docs", end_ms=T0)
+    recorder.tool("lookup", end_ms=T0 + 1)
+    document = orjson.loads(encode(recorder.spans(), "otlp_json"))
+    document["resourceSpans"][0]["scopeSpans"][0]["spans"][1][field] = "zz-not-hex"
+    calls, errors = tool_calls_of(orjson.dumps(document), "otlp_json")
+    assert [c.tool for c in calls] == ["search_docs"]
+    assert [e.field for e in errors] == [field] and "must be hex" in str(errors[0])
+
+
 def test_a_call_whose_telemetry_is_too_large_is_rejected() -> None:
     recorder = Recorder()
     recorder.tool("read_file", end_ms=T0, result={"text": "x" * 5000})
@@ -235,9 +250,6 @@ def test_both_encodings_give_the_same_calls() -> None:
         ("otlp_json", b"{not json", "not JSON"),
         ("otlp_json", b"[1, 2]", "not OTLP/JSON traces"),
         ("otlp_json", b'{"resourceSpans": 3}', "not OTLP/JSON traces"),
-        ("otlp_json", b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "zz", "attributes": '
-                      b'[{"key": "gen_ai.operation.name", "value": {"stringValue": "execute_tool"}}]}]}]}]}',
-         "not OTLP/JSON traces"),  # ids are hex in OTLP/JSON
     ],
 )
 def test_a_payload_that_is_not_otlp_is_refused_as_a_whole(encoding: str, payload: bytes, reason: str) -> None:
