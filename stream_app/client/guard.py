@@ -55,6 +55,7 @@ import inspect
 import logging
 import os
 import random
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -90,6 +91,7 @@ from .lifecycle import StartStop
 from .listener import ControlBoard, DecisionCallback, HaltListener, read_scopes
 from .publisher import (
     DEFAULT_REDACTED_FIELDS,
+    UNHASHABLE,
     FinishedCall,
     TelemetryBuilder,
     TelemetryPublisher,
@@ -177,6 +179,10 @@ class _LocalRules:
     """The per-run rules, folded in this process over the telemetry it publishes."""
 
     def __init__(self, policy: Policy, board: ControlBoard) -> None:
+        #: One guard may serve runs on several threads (a framework's tool threads, a server's workers):
+        #: its folds are shared, so each step takes this lock (re-entered by ``follow``, which the board
+        #: calls back from a decision a fold applies).
+        self.lock = threading.RLock()
         self.table = RunTable(Detector(policy))
         self.trees = TreeFold(policy.fleet)
         self.threads = ThreadFold(policy.fleet)
@@ -188,6 +194,10 @@ class _LocalRules:
         board.follow_fleet(self.follow)
 
     def fold(self, event: dict[str, Any]) -> None:
+        with self.lock:
+            self._fold(event)
+
+    def _fold(self, event: dict[str, Any]) -> None:
         decoded = decode_event(event)
         evaluation = self.table.observe(decoded)
         for decision in evaluation.decisions:
@@ -214,6 +224,10 @@ class _LocalRules:
     def spawn_begins(self, run_id: str, tenant: str | None, spec: _CallSpec, ts_ms: int) -> None:
         """Fold the tree fact of a spawn-class call as it begins, as ``tree_fact`` gives it for the event
         the call will report (at no cost yet); that event (same id) then adds only its cost."""
+        with self.lock:
+            self._spawn_begins(run_id, tenant, spec, ts_ms)
+
+    def _spawn_begins(self, run_id: str, tenant: str | None, spec: _CallSpec, ts_ms: int) -> None:
         tool_class = spec.tool_class or self.policy.resolve(spec.agent_id, spec.tool).thresholds.tool_class
         if tool_class != "spawn" or spec.event_id is None:
             return
@@ -234,20 +248,22 @@ class _LocalRules:
 
     def would_stop(self, event: dict[str, Any]) -> bool:
         """Whether recording ``event`` would suppress or halt, judged on a scratch copy of the run."""
-        state = self.table.get(event["run_id"])
-        if state is None:
-            return False
-        decisions = self.table.detector.evaluate(state.copy(), decode_event(event)).decisions
+        with self.lock:
+            state = self.table.get(event["run_id"])
+            if state is None:
+                return False
+            decisions = self.table.detector.evaluate(state.copy(), decode_event(event)).decisions
         return any(d.action in ("suppress", "halt") for d in decisions)
 
     def follow(self, message: dict[str, Any]) -> None:
         """A fleet decision this fold did not make: the run's state follows it as the worker's does."""
         if message.get("scope", "run") != "run":
             return  # a tree's halt lives on the board, not in the runs' states
-        if message["action"] == "halt":
-            self.table.halt(message["run_id"], message["decision_id"])
-        elif message["action"] == "resume":
-            self.table.resume(message["run_id"])
+        with self.lock:
+            if message["action"] == "halt":
+                self.table.halt(message["run_id"], message["decision_id"])
+            elif message["action"] == "resume":
+                self.table.resume(message["run_id"])
 
 
 class _FleetLink:
@@ -321,6 +337,7 @@ class Guard(StartStop):
         self._local = local
         self._fleet = fleet
         self._runs: OrderedDict[str, GuardedRun] = OrderedDict()
+        self._runs_lock = threading.RLock()
         #: (tenant, tool, upstream, pause decision id) -> when the next call may go through (half-open).
         self._probes: OrderedDict[tuple[str, str, str, str], int] = OrderedDict()
         self._jitter = random.Random()
@@ -477,41 +494,42 @@ class Guard(StartStop):
             raise InvalidCall(f"trigger: must be one of {', '.join(TRIGGERS)}; got {trigger!r}")
         if not local_rules and self._fleet is None:
             raise InvalidCall("local_rules=False needs the fleet: an in-process guard has only local rules")
-        guarded = self._runs.get(run_id)
-        if guarded is None:
-            parent = self._runs.get(parent_run_id) if parent_run_id is not None else None
-            if root_run_id is None:
-                root_run_id = (parent.root_run_id if parent is not None else parent_run_id) or run_id
-            depth = 0 if parent_run_id is None else parent.depth + 1 if parent is not None else 1
-            halt = self.board.tree_halt(root_run_id)
-            if halt is not None:
-                raise TreeHalted(halt, run_id)
-            thread_halt = self.board.thread_halt(tenant, thread_key) if thread_key is not None else None
-            if thread_halt is not None:
-                raise ThreadHalted(thread_halt, run_id)
-            guarded = self._runs[run_id] = GuardedRun(self, run_id, agent_id, tenant,
-                                                      local_rules and self._local is not None,
-                                                      _Lineage(root_run_id, parent_run_id, depth, thread_key, trigger,
-                                                               caused_by_run_id))
-            if len(self._runs) > _MAX_RUNS:
-                self._runs.popitem(last=False)
-            self.board.watch(run_id, root_run_id)
-        else:
-            self._runs.move_to_end(run_id)
-            asked = (parent_run_id, root_run_id, thread_key, trigger, caused_by_run_id)
-            lineage = guarded._lineage
-            known = (lineage.parent_run_id, lineage.root_run_id, lineage.thread_key, lineage.trigger,
-                     lineage.caused_by_run_id)
-            if any(a is not None and a != k for a, k in zip(asked, known, strict=True)):
-                raise InvalidCall(f"run {run_id} is already guarded with parent {lineage.parent_run_id!r}, root "
-                                  f"{lineage.root_run_id!r}, thread {lineage.thread_key!r}")
-        if (guarded.agent_id, guarded.tenant) != (agent_id, tenant):
-            raise InvalidCall(
-                f"run {run_id} is already guarded as agent {guarded.agent_id!r}, tenant {guarded.tenant!r}"
-            )
-        if guarded.local_rules != (local_rules and self._local is not None):
-            raise InvalidCall(f"run {run_id} is already guarded with local_rules={guarded.local_rules}")
-        return guarded
+        with self._runs_lock:  # runs may be started from several threads
+            guarded = self._runs.get(run_id)
+            if guarded is None:
+                parent = self._runs.get(parent_run_id) if parent_run_id is not None else None
+                if root_run_id is None:
+                    root_run_id = (parent.root_run_id if parent is not None else parent_run_id) or run_id
+                depth = 0 if parent_run_id is None else parent.depth + 1 if parent is not None else 1
+                halt = self.board.tree_halt(root_run_id)
+                if halt is not None:
+                    raise TreeHalted(halt, run_id)
+                thread_halt = self.board.thread_halt(tenant, thread_key) if thread_key is not None else None
+                if thread_halt is not None:
+                    raise ThreadHalted(thread_halt, run_id)
+                guarded = self._runs[run_id] = GuardedRun(self, run_id, agent_id, tenant,
+                                                          local_rules and self._local is not None,
+                                                          _Lineage(root_run_id, parent_run_id, depth, thread_key, trigger,
+                                                                   caused_by_run_id))
+                if len(self._runs) > _MAX_RUNS:
+                    self._runs.popitem(last=False)
+                self.board.watch(run_id, root_run_id)
+            else:
+                self._runs.move_to_end(run_id)
+                asked = (parent_run_id, root_run_id, thread_key, trigger, caused_by_run_id)
+                lineage = guarded._lineage
+                known = (lineage.parent_run_id, lineage.root_run_id, lineage.thread_key, lineage.trigger,
+                         lineage.caused_by_run_id)
+                if any(a is not None and a != k for a, k in zip(asked, known, strict=True)):
+                    raise InvalidCall(f"run {run_id} is already guarded with parent {lineage.parent_run_id!r}, root "
+                                      f"{lineage.root_run_id!r}, thread {lineage.thread_key!r}")
+            if (guarded.agent_id, guarded.tenant) != (agent_id, tenant):
+                raise InvalidCall(
+                    f"run {run_id} is already guarded as agent {guarded.agent_id!r}, tenant {guarded.tenant!r}"
+                )
+            if guarded.local_rules != (local_rules and self._local is not None):
+                raise InvalidCall(f"run {run_id} is already guarded with local_rules={guarded.local_rules}")
+            return guarded
 
 
 @dataclass(frozen=True, slots=True)
@@ -559,6 +577,9 @@ class GuardedRun:
         self._seq = 0
         self._advice_taken: str | None = None
         self._earlier: OrderedDict[tuple[str, str], _Earlier] = OrderedDict()
+        #: Side-effecting calls running now, by key: an identical one begun meanwhile waits for the first
+        #: and is its duplicate (the outcome, or None when the first never finished).
+        self._flying: dict[tuple[str, str], asyncio.Future[_Earlier | None]] = {}
 
     @property
     def decision(self) -> dict[str, Any] | None:
@@ -683,6 +704,7 @@ class GuardedRun:
         with the ``child_agent_id`` of the handoff before.
         Sync tools run on the event loop's thread; wrap a blocking one in ``asyncio.to_thread``.
         """
+        _check_spend(tokens, cost_usd)  # before the tool runs: refused after, a retry would run it again
         pending = await self.begin(tool, args, side_effect=side_effect, retry_budget=retry_budget,
                                    plan_step=plan_step, ids=ids, tool_class=tool_class, target=target, spawn=spawn,
                                    upstream=upstream, agent_id=agent_id)
@@ -694,12 +716,16 @@ class GuardedRun:
             if inspect.isawaitable(value):
                 value = await value
         except asyncio.CancelledError:
+            self.abandon(pending)
             if self._halt_cancelled(asyncio.current_task()):
                 raise self._halted_error(self.decision or {}) from None  # the tool was cut off: nothing to report
             raise
         except Exception as exc:
             await self.finish(pending, error=exc, latency_ms=(time.perf_counter() - started) * 1000,
                               tokens=tokens, cost_usd=cost_usd)
+            raise
+        except BaseException:
+            self.abandon(pending)
             raise
         return await self.finish(pending, value, latency_ms=(time.perf_counter() - started) * 1000,
                                  tokens=tokens, cost_usd=cost_usd)
@@ -782,7 +808,16 @@ class GuardedRun:
         )
         thresholds = self._builder.policy.resolve(agent, tool).thresholds
         side_effecting = side_effect if side_effect is not None else thresholds.side_effect
-        earlier = self._recall(spec.key, now_ms) if side_effecting else None
+        # Arguments without a JSON form all hash alike: such a call is no one's duplicate (handing it
+        # another call's result would drop its side effect).
+        keyed = side_effecting and spec.args_hash != UNHASHABLE
+        earlier = self._recall(spec.key, now_ms) if keyed else None
+        flight = self._flying.get(spec.key) if keyed and earlier is None else None
+        if flight is not None:
+            # an identical call is running: it is this one's first occurrence (its outcome, when it ends)
+            earlier = await asyncio.shield(flight)
+            self._raise_if_halted()
+            now_ms = self._clock()
         if earlier is not None:
             repeat = self._event(spec, earlier, now_ms, 0.0, repeat=True)
             suppressed = self._board.is_suppressed(self.run_id, tool, spec.args_hash, now_ms)
@@ -803,7 +838,22 @@ class GuardedRun:
             # its tree learns of it now, so a spawn too deep, or one too many, halts the tree before the
             # child's first call. The event reported as the call ends has the same id and is not folded again.
             self._local.spawn_begins(self.run_id, self.tenant, spec, now_ms)
-        return PendingCall(spec, side_effecting, thresholds.side_effect_window_ms, None)
+        flight = None
+        if keyed and spec.key not in self._flying:
+            flight = self._flying[spec.key] = asyncio.get_running_loop().create_future()
+        return PendingCall(spec, side_effecting, thresholds.side_effect_window_ms, None, flight)
+
+    def abandon(self, pending: PendingCall) -> None:
+        """The call begun as ``pending`` will not be finished (its tool was cancelled): identical calls
+        waiting for it go ahead and run."""
+        self._land(pending, None)
+
+    def _land(self, pending: PendingCall, done: _Earlier | None) -> None:
+        flight = pending.flight
+        if flight is not None and not flight.done():
+            flight.set_result(done)
+        if flight is not None and self._flying.get(pending.spec.key) is flight:
+            del self._flying[pending.spec.key]
 
     async def finish(self, pending: PendingCall, result: Any = None, *, error: Exception | None = None,
                      latency_ms: float = 0.0, state_hash: str | None = None, tokens: int | float | None = None,
@@ -823,7 +873,7 @@ class GuardedRun:
             outcome: Outcome = "error"
             value: Any = None
             error_class, retry_after_ms = classify_error(error)
-            body: Any = {"error_class": type(error).__name__, "message": str(error)}
+            body: Any = {"error_class": type(error).__name__[:MAX_ID_LENGTH], "message": _text(error)}
         else:
             outcome, value, body = _classify(result)
             if isinstance(result, ToolOutcome) and result.state_hash is not None:
@@ -833,8 +883,9 @@ class GuardedRun:
         end_ms = self._clock()
         done = _Earlier(outcome, value, error, body, error_class if error is not None else None,
                         end_ms + pending.window_ms, state_hash, tokens, cost_usd, retry_after_ms)
-        if pending.side_effecting:
+        if pending.side_effecting and pending.spec.args_hash != UNHASHABLE:
             self._remember(pending.spec.key, done)
+        self._land(pending, done)
         await self._record(self._event(pending.spec, done, end_ms, latency_ms))
         return value
 
@@ -890,7 +941,7 @@ class GuardedRun:
                 retry_budget=spec.retry_budget,
                 plan_step=spec.plan_step,
                 error_class=done.error_class,
-                error_message=str(done.error) if done.error is not None else None,
+                error_message=_text(done.error) if done.error is not None else None,
                 trace_id=spec.ids.trace_id,
                 span_id=spec.ids.span_id,
                 parent_span_id=spec.ids.parent_span_id,
@@ -947,6 +998,8 @@ class PendingCall:
     window_ms: int
     #: Set when the call is a suppressed duplicate: ``earlier.replay()`` is its answer; do not run it.
     earlier: _Earlier | None
+    #: A side-effecting call's flight: identical calls begun while it runs wait for its outcome.
+    flight: asyncio.Future[_Earlier | None] | None = None
 
     @property
     def args(self) -> dict[str, Any]:
@@ -1026,11 +1079,11 @@ def classify_error(error: BaseException) -> tuple[str, int | None]:
     and the model SDKs raise) gives ``http_<status>``, a timeout ``timeout``, a refused or dropped
     connection ``connection``; anything else its type's name. The wait is a ``retry_after`` attribute
     (seconds) or the response's ``Retry-After`` header (seconds)."""
-    response = getattr(error, "response", None)
+    response = _attribute(error, "response")
     status = None
     for holder in (error, response):
         for name in ("status_code", "status"):
-            value = getattr(holder, name, None) if holder is not None else None
+            value = _attribute(holder, name) if holder is not None else None
             if type(value) is int and 100 <= value <= 599:
                 status = value
                 break
@@ -1043,15 +1096,32 @@ def classify_error(error: BaseException) -> tuple[str, int | None]:
     elif isinstance(error, ConnectionError):
         error_class = "connection"
     else:
-        error_class = type(error).__name__
-    wait: Any = getattr(error, "retry_after", None)
+        error_class = type(error).__name__[:MAX_ID_LENGTH]
+    wait: Any = _attribute(error, "retry_after")
     if wait is None and response is not None:
-        headers = getattr(response, "headers", None)
+        headers = _attribute(response, "headers")
         with contextlib.suppress(Exception):
             wait = headers.get("retry-after") if headers is not None else None
     try:
         seconds = float(wait) if wait is not None else None
-    except (TypeError, ValueError):
-        seconds = None  # an HTTP date: left to the pause's default wait
+    except Exception:  # noqa: BLE001 - an HTTP date (the pause's default wait), or a value whose float() fails
+        seconds = None
     retry_after_ms = int(seconds * 1000) if seconds is not None and 0 <= seconds < 86_400 else None
     return error_class, retry_after_ms
+
+
+def _attribute(holder: object, name: str) -> Any:
+    """``holder.name``, or None when it has none or reading it raises (a property of a tool's exception
+    that fails must not replace the exception the tool raised)."""
+    try:
+        return getattr(holder, name, None)
+    except Exception:  # noqa: BLE001 - a tool's exception's property: whatever it raises, it has none
+        return None
+
+
+def _text(error: BaseException) -> str:
+    """``str(error)``, or its type's name when that raises."""
+    try:
+        return str(error)
+    except Exception:  # noqa: BLE001 - a tool's exception's __str__: whatever it raises, it has no text
+        return f"<{type(error).__name__}: its message could not be read>"

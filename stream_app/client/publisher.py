@@ -28,6 +28,8 @@ import logging
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import PurePath
 from typing import TYPE_CHECKING, Any, Final
 
 import orjson
@@ -245,9 +247,19 @@ def _json_form(value: Any) -> Any:
 
 
 def _json_default(value: Any) -> Any:
-    """JSON forms of common tool values orjson does not know: bytes, and pydantic v2 models."""
+    """JSON forms of common tool values orjson does not know (it knows dataclasses, datetimes, UUIDs and
+    enums): bytes (base64), a ``Decimal`` (its exact text: ``Decimal("10.50")`` is not ``10.5``), a path
+    (its text), a set (its members' forms, sorted by their canonical JSON), and pydantic v2 models. Arguments
+    with none hash alike (``UNHASHABLE``): a charge of ``Decimal`` amounts was one call whatever the
+    amount."""
     if isinstance(value, bytes | bytearray | memoryview):
         return base64.b64encode(value).decode()
+    if isinstance(value, Decimal | PurePath):
+        return str(value)
+    if isinstance(value, set | frozenset):
+        forms = [orjson.loads(orjson.dumps(item, default=_json_default, option=orjson.OPT_NON_STR_KEYS))
+                 for item in value]
+        return sorted(forms, key=lambda form: orjson.dumps(form, option=orjson.OPT_SORT_KEYS))
     dump = getattr(value, "model_dump", None)
     if callable(dump):
         return dump(mode="json")
