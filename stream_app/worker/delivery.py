@@ -119,8 +119,8 @@ IN_FLIGHT_WAIT_S = 60.0
 BUFFERED_POLL_S = 0.01
 #: An input partition with records waiting and nothing admitted for this long is reported as stalled.
 STALL_S = 15.0
-#: Failures of an input topic's batches in a row (none processed between) that stop the worker, and the
-#: pause before the first retry (doubled for each next one: 0.1, 0.2, 0.4, 0.8 s).
+#: Failures in a row of an input partition's batches at one offset (none processed past it between) that
+#: stop the worker, and the pause before the first retry (doubled for each next one: 0.1, 0.2, 0.4, 0.8 s).
 FAILED_IN_A_ROW = 5
 RETRY_PAUSE_S = 0.1
 
@@ -326,8 +326,10 @@ class BatchSink:
         #: Partitions whose records were dropped without a seek back (``clear``): the consumer seeks
         #: them back to their expected offsets before its next fetch (``BatchConsumer.getmany``).
         self.dropped: set[TP] = set()
-        #: Batches that failed in a row (``drain``; the sink outlives the agent's restarts).
-        self.failed = 0
+        #: Per partition, the offset its failing batches start at and how many failed there in a row
+        #: (``drain``): a partition's count ends only when a batch processes that offset, so batches of other
+        #: partitions going through meanwhile do not reset it.
+        self.failed: dict[TP, tuple[int, int]] = {}
         self._ready = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -809,21 +811,28 @@ async def drain(app: faust.App, sink: BatchSink, fatal: FatalStop, handle: Handl
                 record for tp_records in admitted.values() for record in tp_records]
             if await fatal.run(handle(records)):
                 consumer.processed(generation, admitted)
-                sink.failed = 0
+                for tp in admitted:
+                    sink.failed.pop(tp, None)
         except Exception as exc:
             # Fetched again (the sequencer expects its first offset) and retried after a pause. The agent does
             # not crash: faust's supervisor restarting it worked, but a worker stopping after such restarts
             # hung in the supervisor's stop, alive and ready, for good (SIGTERM again did nothing).
             if admitted:
                 await sequencer.rewind(admitted)
-            sink.failed += 1
+            failed = 1
+            for tp, tp_records in admitted.items():
+                if tp_records:
+                    at, count = sink.failed.get(tp, (tp_records[0].offset, 0))
+                    count = count + 1 if at == tp_records[0].offset else 1
+                    sink.failed[tp] = (tp_records[0].offset, count)
+                    failed = max(failed, count)
             offsets = ", ".join(f"{tp.partition}@{records[0].offset}" for tp, records in admitted.items() if records)
-            if sink.failed < FAILED_IN_A_ROW:
+            if failed < FAILED_IN_A_ROW:
                 log.error("a batch of %s failed (%r; partition@first offset: %s): fetched again, attempt %d of %d",
-                          sink.topic, exc, offsets or "none admitted", sink.failed + 1, FAILED_IN_A_ROW, exc_info=exc)
-                pause_s = RETRY_PAUSE_S * 2 ** (sink.failed - 1)
+                          sink.topic, exc, offsets or "none admitted", failed + 1, FAILED_IN_A_ROW, exc_info=exc)
+                pause_s = RETRY_PAUSE_S * 2 ** (failed - 1)
                 continue
-            stop = BatchFailing(f"a batch of {sink.topic} failed {sink.failed} times in a row ({exc!r}; "
+            stop = BatchFailing(f"a batch of {sink.topic} failed {failed} times in a row at the same offset ({exc!r}; "
                                 f"partition@first offset: {offsets or 'none admitted'}): the worker stops")
             stop.__cause__ = exc
             fatal.fail(stop)  # the batches after it are dropped unacknowledged while the worker stops

@@ -951,3 +951,42 @@ async def test_a_batch_that_fails_again_and_again_stops_the_worker_instead_of_cr
         assert h.handled[-1] == [102] and h.stale == [1]  # dropped unacknowledged
     finally:
         await _stopped(task)
+
+
+async def test_a_partition_failing_at_one_offset_stops_the_worker_while_other_partitions_go_through(tmp_path) -> None:
+    """Counted per partition at the offset its failing batches start at: batches of another partition
+    processed in between do not start the count again (one count for the topic was reset by them, and
+    a stuck partition was retried for ever)."""
+    h = Harness(tmp_path, "poison-p0")
+    h.committed[TP(TOPIC, 1)] = 10  # partition 1 assigned too
+    h.consumer._set_active_tps(set(h.committed))
+    await h.consumer.perform_seek()
+    stops: list[int] = []
+    h.fatal = delivery.FatalStop(stop=lambda: stops.append(1))
+
+    async def handle(records: Sequence[ConsumerRecord[bytes, bytes]]) -> None:
+        h.handled.append([(r.partition, r.offset) for r in records])
+        if any(r.partition == 0 for r in records):
+            raise KeyError("a bug met in partition 0")
+
+    async def attempt(batch: delivery.Records) -> None:
+        seen = len(h.handled) + len(h.stale)
+        h.sink.offer(1, batch)
+        for _ in range(400):
+            await asyncio.sleep(0.01)
+            if len(h.handled) + len(h.stale) > seen:
+                break
+        await h.settle()
+
+    task = asyncio.create_task(delivery.drain(h.app, h.sink, h.fatal, handle, h.stale.append))
+    try:
+        for n in range(delivery.FAILED_IN_A_ROW):
+            assert stops == []
+            await attempt(_records(100))
+            await attempt(_records(10 + n, partition=1))  # goes through
+        assert stops == [1] and isinstance(h.fatal.reason, delivery.BatchFailing)
+        assert "0@100" in str(h.fatal.reason)
+        assert [batch for batch in h.handled if batch[0][0] == 1] == [
+            [(1, 10 + n)] for n in range(delivery.FAILED_IN_A_ROW - 1)]  # went through between (the 5th: stopping)
+    finally:
+        await _stopped(task)
