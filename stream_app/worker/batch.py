@@ -51,7 +51,7 @@ from ..core import (
     parse_event,
 )
 from ..core.fleet import root_spent, thread_fact, tool_fact, tree_fact
-from ..core.stored import FORMAT_VERSION, StoredRecordError, decode_run, encode_run
+from ..core.stored import FORMAT_VERSION, StoredRecordError, StoredRun, decode_run, encode_run
 from .facts import Fact, FactItem, fact_items
 
 log = logging.getLogger(__name__)
@@ -142,6 +142,8 @@ class _RunFold:
     record: Any = None
     #: The record index being folded (None between records).
     at: int | None = None
+    #: Record index -> the exception folding it raised (careful folds: ``BatchFold._fold_run``).
+    failed: dict[int, BaseException] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -223,72 +225,72 @@ class BatchFold:
 
         facts: list[tuple[int, int, Fact]] = []
         for (partition, key), items in by_run.items():
-            skipped: dict[int, BaseException] = {}
-            while True:
-                run = _RunFold()
-                try:
-                    self._fold_run(run, stored[(partition, key)], items, skipped)
-                    break
-                except StoredRecordError:
+            raw = stored[(partition, key)]
+            run = _RunFold()
+            try:
+                self._fold_run(run, raw, items, careful=False)
+            except StoredRecordError:
+                raise
+            except Exception:
+                if run.at is None:
                     raise
-                except Exception as exc:  # a bug met on one event: that event is dead-lettered
-                    if run.at is None:
-                        raise
-                    skipped[run.at] = exc
-                    log.error("folding record %d of run %r raised %r: dead-lettered, the run folded without it "
-                              "(a loopwarden bug: please report it with the record)", run.at, key, exc,
-                              exc_info=exc)
-            for index, cause in skipped.items():
-                result.dead_letters.append(DeadLetter(index, FoldFailed(cause)))
+                # a bug met on one event: the run is folded again, each event on a copy of the state
+                # before it, and those that fail are dead-lettered (their offsets consumed)
+                run = _RunFold()
+                self._fold_run(run, raw, items, careful=True)
+            try:
+                new_record = None if run.record is None else encode_run(run.record, self.write_version)
+            except Exception as exc:  # a bug: the run's new state has no stored form; the run is left as it was
+                log.error("the new state of run %r cannot be stored (%r): its %d records of the batch are "
+                          "dead-lettered (a loopwarden bug: please report it with the records)", key, exc,
+                          len(items), exc_info=exc)
+                result.dead_letters.extend(DeadLetter(index, FoldFailed(exc)) for index, _, _ in items)
+                continue
+            result.dead_letters.extend(DeadLetter(index, FoldFailed(cause)) for index, cause in run.failed.items())
             result.decisions.extend(run.decisions)
             result.applied.update(run.applied)
             result.duplicates += run.duplicates
             result.policy_mismatches.update(run.mismatches)
             facts.extend((partition, offset, fact) for offset, fact in run.facts)
-            if run.record is not None:
-                result.records.setdefault(partition, []).append((key, encode_run(run.record, self.write_version)))
+            if new_record is not None:
+                result.records.setdefault(partition, []).append((key, new_record))
         if facts:
             result.facts = fact_items(facts)
         return result
 
     def _fold_run(self, out: _RunFold, stored: bytes | None, items: list[tuple[int, int, Item]],
-                  skipped: Mapping[int, BaseException]) -> None:
-        """Fold one run's ``items`` (record index, offset, item) into ``out``, from its ``stored`` record;
-        the items at ``skipped`` indexes are passed over (their offsets still consumed). ``out.at`` names
-        the item being folded when an exception leaves."""
-        detector = self.detector
-        policy = detector.policy
+                  careful: bool) -> None:
+        """Fold one run's ``items`` (record index, offset, item) into ``out``, from its ``stored`` record.
+        Not ``careful``: an exception leaves, ``out.at`` naming the item being folded. ``careful``: each item
+        is folded on a copy of the state before it, and one that raises is passed over (the copy kept, its
+        offset consumed) and listed in ``out.failed``."""
         run = decode_run(stored)
         applied = False
         for index, offset, item in items:
             if offset <= run.offset:
                 out.duplicates += 1
                 continue
-            if index in skipped:
+            out.at = index
+            before = run.state.copy() if careful else None
+            try:
+                evaluation, item_facts = self._fold_item(run, offset, item)
+            except Exception as exc:
+                if before is None:
+                    raise
+                run.state = before
+                out.failed[index] = exc
+                log.error("folding record %d of run %r raised %r: dead-lettered, the run folded without it (a "
+                          "loopwarden bug: please report it with the record)", index, item.run_id, exc, exc_info=exc)
                 run.offset = offset
                 applied = True
                 continue
-            out.at = index
-            if isinstance(item, OperatorCommand):
-                evaluation = detector.operate(run.state, item)
-            else:
-                evaluation = detector.evaluate(run.state, item)
+            out.at = None
+            if not isinstance(item, OperatorCommand):
                 if not evaluation.duplicate:
                     out.applied[item.outcome] += 1
-                if not evaluation.duplicate and self.facts:
-                    fact = tree_fact(item, item.tool_class or policy.resolve(item.agent_id, item.tool)
-                                     .thresholds.tool_class, root_spent(run.state))
-                    if fact is not None:
-                        out.facts.append((offset, fact))
-                    if item.thread_key is not None:
-                        out.facts.append((offset, thread_fact(item)))  # type: ignore[arg-type]
-                    if item.upstream is not None:
-                        tool = tool_fact(item)
-                        if tool is not None:
-                            out.facts.append((offset, tool))
                 if item.policy_digest is not None and item.policy_digest != self.policy_digest:
                     out.mismatches[(item.agent_id or "", item.policy_digest)] += 1
-            out.at = None
+            out.facts.extend(item_facts)
             run.offset = offset
             applied = True
             if evaluation.duplicate:
@@ -296,6 +298,26 @@ class BatchFold:
             out.decisions.extend(evaluation.decisions)
         if applied:
             out.record = run
+
+    def _fold_item(self, run: StoredRun, offset: int, item: Item) -> tuple[Any, list[tuple[int, Fact]]]:
+        """One item folded into ``run``'s state: its evaluation and the facts it makes."""
+        if isinstance(item, OperatorCommand):
+            return self.detector.operate(run.state, item), []
+        evaluation = self.detector.evaluate(run.state, item)
+        facts: list[tuple[int, Fact]] = []
+        if not evaluation.duplicate and self.facts:
+            policy = self.detector.policy
+            fact = tree_fact(item, item.tool_class or policy.resolve(item.agent_id, item.tool)
+                             .thresholds.tool_class, root_spent(run.state))
+            if fact is not None:
+                facts.append((offset, fact))
+            if item.thread_key is not None:
+                facts.append((offset, thread_fact(item)))  # type: ignore[arg-type]
+            if item.upstream is not None:
+                tool = tool_fact(item)
+                if tool is not None:
+                    facts.append((offset, tool))
+        return evaluation, facts
 
     def _decode(self, record: InputRecord, now_ms: int) -> Item:
         value = record.value

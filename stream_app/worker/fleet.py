@@ -192,7 +192,7 @@ class FleetEffects:
                 # in order with the key's facts; no source offset: a command applied twice is one decision
                 grouped = (kind, record.partition, kind.key_of(command.key))
                 by_key.setdefault(grouped, []).append((kind, -1, -1, command))
-                sources_of.setdefault(grouped, []).append(record)
+                sources_of.setdefault(grouped, []).append(record)  # aligned with the key's items
                 continue
             try:
                 facts = decode_facts(record.value)
@@ -209,8 +209,7 @@ class FleetEffects:
                     sources_of[grouped] = [record]
                 else:
                     group.append(item)
-                    if sources_of[grouped][-1] is not record:
-                        sources_of[grouped].append(record)
+                    sources_of[grouped].append(record)
         decisions: list[tuple[Kind, ScopeDecision]] = []
         folded: dict[str, int] = {}
         redelivered: dict[str, int] = {}
@@ -231,17 +230,30 @@ class FleetEffects:
             else:
                 state = _decode(kind, raw, key_text)
             mark_decisions = len(decisions)
-            try:
-                new, skipped = self._fold_key(kind, state, items, decisions)
-                for _, decision in decisions[mark_decisions:]:
-                    encode_scope_control(decision, self.event_source)  # what _publish will send, encodable
-                record = state.encode()
-            except Exception as exc:  # a bug met on this key's facts: the key is left as it was, the rest folds
-                del decisions[mark_decisions:]
-                log.error("folding the facts of %s %s raised %r: its facts of this batch are dead-lettered and "
-                          "not folded (a loopwarden bug: please report it with the records)", kind.label, key_text,
-                          exc, exc_info=exc)
-                failed.extend((record, exc) for record in sources_of[grouped])
+            passed: dict[int, Exception] = {}
+            while True:
+                at: list[int] = []
+                try:
+                    new, skipped = self._fold_key(kind, state, items, decisions, passed, at)
+                    for _, decision in decisions[mark_decisions:]:
+                        encode_scope_control(decision, self.event_source)  # what _publish will send, encodable
+                    record = state.encode()
+                    break
+                except Exception as exc:  # a bug met on this key's facts
+                    del decisions[mark_decisions:]
+                    log.error("folding the facts of %s %s raised %r (a loopwarden bug: please report it with the "
+                              "records)", kind.label, key_text, exc, exc_info=exc)
+                    if not at or at[0] in passed:  # not one fact's (its record or a decision): none of them
+                        passed = dict.fromkeys(range(len(items)), exc)
+                        record = None
+                        break
+                    passed[at[0]] = exc  # that fact is dead-lettered; the key folds again without it
+                    state = kind.state() if raw is None else _decode(kind, raw, key_text)
+            sources = sources_of[grouped]
+            for index, cause in passed.items():
+                if not any(sources[index] is earlier for earlier, _ in failed):
+                    failed.append((sources[index], cause))
+            if record is None:
                 continue
             if raw is None:
                 self._tracked[kind.name] += 1
@@ -283,15 +295,21 @@ class FleetEffects:
             tracked[name].set(count)
 
     def _fold_key(self, kind: Kind, state: Any, items: list[tuple[Kind, int, int, Any]],
-                  decisions: list[tuple[Kind, ScopeDecision]]) -> tuple[int, int]:
-        """Fold one key's ``items`` into its ``state`` (in place), appending the decisions they cross; the
-        facts folded and those skipped as folded before."""
+                  decisions: list[tuple[Kind, ScopeDecision]], passed: Mapping[int, Exception] | None = None,
+                  at: list[int] | None = None) -> tuple[int, int]:
+        """Fold one key's ``items`` into its ``state`` (in place), appending the decisions they cross, but
+        those at ``passed`` indexes; the facts folded and those skipped as folded before. ``at`` gets the
+        index of the item being folded when an exception leaves."""
         fleet = self.fleet
         sources_named = _SOURCE_NAMES
         sources = state.sources
         fold = kind.fold
         new = skipped = 0
-        for _, source_partition, offset, fact in items:
+        for index, (_, source_partition, offset, fact) in enumerate(items):
+            if passed and index in passed:
+                continue
+            if at is not None:
+                at[:] = [index]
             if type(fact) is ScopeCommand:
                 decisions.append((kind, fact.decision()))
                 if kind is TOOLS and fact.action == "resume":
@@ -316,6 +334,8 @@ class FleetEffects:
             crossed = fold(fleet, state, fact)
             if crossed:
                 decisions.extend([(kind, decision) for decision in crossed])
+        if at is not None:
+            at.clear()  # folded: what fails after is no one fact's
         return new, skipped
 
     def _operator(self, value: bytes | None, headers: Any) -> tuple[Kind, ScopeCommand]:

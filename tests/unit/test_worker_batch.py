@@ -217,6 +217,32 @@ def test_a_record_that_meets_a_bug_is_dead_lettered_and_its_run_folds_without_it
     assert (again.dead_letters, again.decisions, again.duplicates) == ([], [], 5)
 
 
+class _Unstorable(Detector):
+    """A detector with a bug that leaves a run's state without a stored form (a count past 64 bits)."""
+
+    def evaluate(self, state: Any, event: Any) -> Any:
+        evaluation = super().evaluate(state, event)
+        if event.event_id == "poison":
+            state.tokens = 2**80
+        return evaluation
+
+
+@pytest.mark.parametrize("engine", ["python"], indirect=True)  # the reference's own guard
+def test_a_run_whose_new_state_cannot_be_stored_is_left_as_it_was_and_its_records_dead_lettered(engine: str) -> None:
+    """Encoding a run's new record fails (a bug; no input is known to do it): that run's records of the
+    batch are dead-lettered (``internal``), its stored record stays as it was and its decisions are not
+    made; the batch's other runs fold (the batch failed, and with it every run in it, five times over)."""
+    worker = Worker(make_fold(_Unstorable()))
+    records = [*[worker.telemetry(_failing("run-a", n)) for n in range(3)],
+               worker.telemetry({**_failing("run-a", 3), "event_id": "poison"}),
+               *[worker.telemetry(_failing("run-b", n)) for n in range(4)]]
+    result = worker.apply(records)
+    assert sorted((d.index, d.reason) for d in result.dead_letters) == [(0, "internal"), (1, "internal"),
+                                                                       (2, "internal"), (3, "internal")]
+    assert [(d.run_id, d.verdict) for d in result.decisions if d.action == "halt"] == [("run-b", "recursion")]
+    assert {key for changes in result.records.values() for key, _ in changes} == {b"run-b"}
+
+
 def test_a_record_keyed_by_something_else_is_rekeyed_not_folded() -> None:
     worker = Worker()
     result = worker.apply([worker.record(b"agent-7", orjson.dumps(_failing("run-a", 0)))])

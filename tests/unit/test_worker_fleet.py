@@ -261,8 +261,8 @@ async def test_a_keys_facts_that_meet_a_bug_are_dead_lettered_and_the_other_keys
     effects, store, producer, dead, _ = _effects(max_tree_runs=4)
     fold_key = effects._fold_key
 
-    def buggy(kind: Any, state: Any, items: Any, decisions: Any) -> Any:
-        out = fold_key(kind, state, items, decisions)  # folded, decisions crossed: then the bug
+    def buggy(kind: Any, state: Any, items: Any, decisions: Any, *args: Any) -> Any:
+        out = fold_key(kind, state, items, decisions, *args)  # folded, decisions crossed: then the bug
         if items[0][3].key_text == "poisoned":
             raise RecursionError("maximum recursion depth exceeded")
         return out
@@ -279,6 +279,33 @@ async def test_a_keys_facts_that_meet_a_bug_are_dead_lettered_and_the_other_keys
     await effects.process([_Record(0, 2, _spawns("poisoned", 0, 1))])  # the key folds from its stored state
     await effects.flush()
     assert TreeState.decode(store.data[(0, b"poisoned")]).sources == {"0": 0}
+
+
+async def test_only_the_fact_that_meets_a_bug_is_dead_lettered_and_its_keys_other_facts_fold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Folding one fact raises (a bug in the tree fold, met by one run's fact): the key is folded again
+    from its stored state without that fact, whose record alone is dead-lettered; the key's facts from
+    other records of the batch, before and after it, count."""
+    from stream_app.core.fleet import trees
+
+    place = trees._place
+
+    def buggy(state: Any, fact: Any, cap: int) -> Any:
+        if fact.run_id == "poison":
+            raise RecursionError("maximum recursion depth exceeded")
+        return place(state, fact, cap)
+
+    monkeypatch.setattr(trees, "_place", buggy)
+    effects, store, _, dead, _ = _effects(max_tree_runs=100)
+    poison = [0, 5, "root", "poison", "p", 1005, "root", 1, 0, False, None, None, None, None]
+    await effects.process([_Record(0, 0, _spawns("root", 0, 2)),
+                           _Record(0, 1, orjson.dumps({"v": FACTS_FORMAT, "trees": [poison]})),
+                           _Record(0, 2, _spawns("root", 6, 2))])
+    assert [(r.offset, e.kind) for r, e in dead.sent] == [(1, "internal")]
+    await effects.flush()
+    state = TreeState.decode(store.data[(0, b"root")])
+    assert "poison" not in state.depth and len(state.depth) == 5  # the root and its 4 children
+    assert state.sources == {"0": 7}
 
 
 async def test_forged_facts_past_what_a_record_or_a_date_can_hold_are_dead_lettered_or_said_at_the_nearest() -> None:
