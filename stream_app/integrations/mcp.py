@@ -29,6 +29,7 @@ refuse it), and is reported with the name its answer gives; pass ``upstream`` to
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -40,12 +41,14 @@ from opentelemetry.trace import get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import BaseModel
 
-from ..client import CallIds, Guard, RunHalted, ToolOutcome, ToolPaused
+from ..client import CallIds, Guard, InvalidCall, RunHalted, ToolOutcome, ToolPaused
 from ..core import Outcome
 from ..core.contract import MAX_ID_LENGTH
 
 #: ``_meta`` key under which a client names its run (reverse-DNS prefixed, as MCP asks of ``_meta`` keys).
 RUN_ID_META_KEY: Final = "dev.loopwarden/run_id"
+
+logger = logging.getLogger(__name__)
 
 RunIdFunction = Callable[[ServerRequestContext[Any, Any]], str | None]
 
@@ -82,6 +85,11 @@ class LoopGuardMiddleware(ServerMiddleware[Any]):
             pending = await run.begin(tool, arguments, ids=call_ids(ctx), upstream=self.upstream)
         except (RunHalted, ToolPaused) as refused:
             return CallToolResult(content=[TextContent(type="text", text=str(refused))], is_error=True)
+        except InvalidCall as invalid:
+            # A call the telemetry contract cannot describe (an empty tool name, one of 600 characters): the
+            # server answers it as it would unguarded (an unknown tool is its own tool error), unrecorded.
+            logger.debug("MCP call not guarded: %s", invalid)
+            return self._learn(await call_next(ctx))
         if pending.earlier is not None:
             earlier: HandlerResult = pending.earlier.replay()
             return earlier
@@ -135,7 +143,7 @@ def server_name(result: HandlerResult) -> str | None:
 def run_id_from_meta(ctx: ServerRequestContext[Any, Any]) -> str | None:
     """The run the client named in ``_meta["dev.loopwarden/run_id"]``, if any."""
     named = (ctx.meta or {}).get(RUN_ID_META_KEY)
-    return named if isinstance(named, str) else None
+    return named if isinstance(named, str) and 0 < len(named) <= MAX_ID_LENGTH else None  # else the process's run
 
 
 def call_ids(ctx: ServerRequestContext[Any, Any]) -> CallIds:

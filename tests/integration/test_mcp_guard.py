@@ -87,6 +87,20 @@ async def test_fourth_identical_failure_halts_and_the_next_call_is_refused_witho
     assert guard.run("run-7").calls == 4  # the refused call ran nothing and reported nothing
 
 
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_client_naming_a_run_or_tool_the_contract_cannot_describe_is_answered_as_unguarded(mode: str) -> None:
+    """A run id of 513 characters in ``_meta`` is no run's name: the call goes to the process's own run
+    (it was an ``InvalidCall``, an internal error to the client, for a call that works unguarded). A tool
+    name the telemetry cannot carry (600 characters) is answered by the server as it answers any unknown
+    tool, a tool error, not the protocol error the guard made of it."""
+    server, _, runs = guarded_server(Guard.in_process())
+    async with Client(server, mode=mode) as client:
+        named = await client.call_tool("reindex", {"collection": "docs"}, meta={RUN_ID_META_KEY: "r" * 513})
+        unknown = await client.call_tool("x" * 600, {})
+    assert named.is_error and "index store unavailable" in text(named) and runs.calls == 1
+    assert unknown.is_error and "x" * 600 in text(unknown)
+
+
 async def test_each_run_is_judged_on_its_own() -> None:
     """Runs named by their clients are independent: one run's halt does not refuse another's calls, and
     calls without a run id belong to the server process's run."""
