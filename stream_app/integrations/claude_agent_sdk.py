@@ -119,7 +119,7 @@ class ClaudeAgentGuard:
             return {"hookSpecificOutput": _deny(f"{paused}. The call was not made; retry it later or do something "
                                                 f"else.")}
         if pending.earlier is not None:
-            earlier = orjson.dumps(pending.earlier.replay(), default=str).decode()
+            earlier = _shown(pending.earlier)
             return {"hookSpecificOutput": _deny(
                 f"loopwarden: this repeats an earlier call of {call['tool_name']} with the same input; the tool "
                 f"acts on the outside world, so it was not run again. Its result was: {earlier}")}
@@ -218,6 +218,19 @@ def is_error(response: Any) -> bool:
     return isinstance(response, Mapping) and (
         response.get("is_error") is True or response.get("isError") is True or response.get("success") is False
     )
+
+
+def _shown(earlier: Any) -> str:
+    """The earlier call's answer as the model reads it: its result as JSON (anything JSON cannot say as
+    its text: an integer past 64 bits, say), or the error it failed with."""
+    try:
+        result = earlier.replay()
+    except Exception as exc:  # noqa: BLE001 - the earlier call failed: that is its answer
+        return f"it failed: {type(exc).__name__}: {exc}"
+    try:
+        return orjson.dumps(result, default=str).decode()
+    except TypeError:
+        return repr(result)
 
 
 def _deny(reason: str) -> PreToolUseHookSpecificOutput:

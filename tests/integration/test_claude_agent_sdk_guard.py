@@ -191,6 +191,20 @@ async def test_a_duplicate_side_effect_is_denied_with_the_earlier_result() -> No
     assert denial["permissionDecisionReason"].endswith(f"Its result was: {orjson.dumps(receipt).decode()}")
 
 
+async def test_a_duplicate_whose_earlier_result_json_cannot_say_is_denied_with_its_text() -> None:
+    """An earlier response holding an integer past 64 bits (an amount in wei): the repeat is denied with
+    the response's text (the hook raised orjson's TypeError instead of answering)."""
+    _, hooks = guarded(Policy.from_mapping({"tools": {"mcp__chain__transfer": {"side_effect": True}}}))
+    agent = Agent(hooks)
+    transfer = {"to": "0xabc", "wei": "100000000000000000000000000000"}
+    receipt = {"tx": "0x1", "wei": 10**29}
+    await agent.call("mcp__chain__transfer", transfer, receipt)
+    before, _ = await agent.call("mcp__chain__transfer", transfer, receipt)
+    assert agent.ran == 1
+    denial = before["hookSpecificOutput"]
+    assert denial["permissionDecision"] == "deny" and str(10**29) in denial["permissionDecisionReason"]
+
+
 async def test_sessions_are_separate_runs() -> None:
     """One session's halt does not deny another session's calls."""
     _, hooks = guarded()
