@@ -813,6 +813,8 @@ class GuardedRun:
         keyed = side_effecting and spec.args_hash != UNHASHABLE
         earlier = self._recall(spec.key, now_ms) if keyed else None
         flight = self._flying.get(spec.key) if keyed and earlier is None else None
+        if flight is not None and flight.get_loop() is not asyncio.get_running_loop():
+            flight = None  # begun on another loop (a sync framework's bridge runs each step on its own): not awaitable here
         if flight is not None:
             # an identical call is running: it is this one's first occurrence (its outcome, when it ends)
             earlier = await asyncio.shield(flight)

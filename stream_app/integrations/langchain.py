@@ -61,6 +61,7 @@ invocation, like a ``DuplicateSuppressed``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import hashlib
 import itertools
@@ -184,7 +185,12 @@ class _Bridge:
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         if self.loop is None:
             with self._lock:
-                return asyncio.run(coroutine)
+                if _running_loop() is None:
+                    return asyncio.run(coroutine)
+                # a sync call made where a loop runs (a notebook, a sync tool invoked in ``async def``):
+                # asyncio.run cannot nest, so the guard's step runs on a thread of its own meanwhile
+                with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loopwarden") as step:
+                    return step.submit(asyncio.run, coroutine).result()
         if _running_loop() is self.loop:
             coroutine.close()
             raise UsageError(

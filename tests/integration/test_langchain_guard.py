@@ -279,6 +279,18 @@ async def test_a_sync_call_on_the_guards_own_loop_is_refused_rather_than_blockin
         tool.invoke(SEARCH_ARGS, {"callbacks": [handler]})
 
 
+async def test_a_sync_call_where_a_loop_runs_is_guarded_with_an_in_process_guard() -> None:
+    """A sync tool invoked inside ``async def`` (a notebook's cell, an async app calling a sync agent): the
+    handler's private loop cannot nest in the running one, so its steps run on a thread of their own (it
+    raised "asyncio.run() cannot be called from a running event loop", leaking a coroutine)."""
+    guard = Guard.in_process()
+    telemetry = telemetry_of(guard)
+    tool = search_tool(Counted(lambda n: f"found {n}"))
+
+    assert tool.invoke(SEARCH_ARGS, {"callbacks": [LoopwardenCallbackHandler(guard)]}) == "found 1"
+    assert [e["outcome"] for e in telemetry] == ["success"]
+
+
 def test_readme_example_halts_the_runaway_agent(capsys: pytest.CaptureFixture[str]) -> None:
     """The README's LangChain example, with a scripted model that keeps calling the failing tool."""
     namespace: dict[str, Any] = {"model": model(calling("search_docs", {"query": "refund policy"}))}
