@@ -866,6 +866,14 @@ class GuardedRun:
         learned while the call ran, for a call that named none at ``begin`` (an MCP server's name comes
         with its first answer): the call is reported with it, so it counts in the same streak as the
         calls after it."""
+        try:
+            return await self._finish(pending, result, error, latency_ms, state_hash, tokens, cost_usd, upstream)
+        finally:
+            self._land(pending, None)  # the call was refused (a bad argument): a call waiting for it runs
+
+    async def _finish(self, pending: PendingCall, result: Any, error: Exception | None, latency_ms: float,
+                      state_hash: str | None, tokens: int | float | None, cost_usd: int | float | None,
+                      upstream: str | None) -> Any:
         retry_after_ms = None
         if upstream is not None and "upstream" not in (pending.spec.fleet or {}):
             _check_id("upstream", upstream)

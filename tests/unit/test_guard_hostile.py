@@ -151,3 +151,20 @@ def test_one_guard_serves_runs_on_many_threads() -> None:
     for thread in threads:
         thread.join()
     assert errors == []
+
+
+def test_a_call_refused_at_its_finish_lets_the_identical_call_waiting_for_it_run() -> None:
+    """Two hooks (``begin``, ``finish``): a finish refused for a bad figure leaves no call waiting for it
+    for ever; the waiting one runs."""
+    async def main() -> list[str]:
+        run = Guard.in_process().run("hooks")
+        first = await run.begin("send", {"to": "a@x"}, side_effect=True)
+        waiting = asyncio.create_task(run.begin("send", {"to": "a@x"}, side_effect=True))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        with pytest.raises(InvalidCall):
+            await run.finish(first, "sent", tokens=-1)
+        second = await asyncio.wait_for(waiting, 1)
+        return ["replayed" if second.earlier is not None else "runs"]
+
+    assert asyncio.run(main()) == ["runs"]
