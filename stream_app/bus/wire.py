@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from ..core import Decision, OperatorCommand
+from ..core.contract import MAX_TS_MS
 from ..core.fleet import ScopeDecision
 from ..core.fleet.scope import ScopeCommand
 
@@ -104,12 +105,8 @@ def header(headers: Any, name: str) -> bytes | None:
     return None
 
 
-#: The event times a date can say (telemetry refuses others: ``core.contract.MAX_TS_MS``).
-_FIRST_MS, _LAST_MS = 0, 253_402_300_799_999
-
-
 def rfc3339(ts_ms: int) -> str:
     """``ts_ms`` as an RFC 3339 UTC time with milliseconds (CloudEvents ``time``); a time no date can say
     (a forged fact's, say) is said as the nearest one that can, never an error."""
-    ts_ms = min(max(ts_ms, _FIRST_MS), _LAST_MS)
+    ts_ms = min(max(ts_ms, 0), MAX_TS_MS)  # the event times telemetry may carry
     return datetime.fromtimestamp(ts_ms / 1000, tz=UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")

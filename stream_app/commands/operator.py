@@ -38,7 +38,7 @@ from ..bus.kafka import KafkaClientConfig
 from ..bus.signing import WORKER_KEYS_VAR, KeyRing, SignatureRejected, Signer
 from ..bus.wire import encode_operator, encode_scope_operator, header
 from ..core import OperatorCommand
-from ..core.fleet.scope import ScopeCommand
+from ..core.fleet.scope import ScopeCommand, key_part
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaConsumer
@@ -63,11 +63,6 @@ def build_command(action: str, run_id: str, reason: str, operator: str, now_ms: 
     return OperatorCommand(run_id, action, f"op-{uuid.uuid4().hex}", operator, reason, now_ms)  # type: ignore[arg-type]
 
 
-def _unescaped(part: str) -> str:
-    """A key part as the scope key writes it (``core.fleet.scope.key_text``: ``%`` and ``/`` escaped)."""
-    return part.replace("%2F", "/").replace("%2f", "/").replace("%25", "%")
-
-
 def parse_scope(scope: str, target: str) -> tuple[str, ...]:
     """The key of ``--tree ROOT``, ``--thread TENANT/THREAD`` or ``--tool TENANT/TOOL/UPSTREAM`` (the tenant
     before the first ``/``, empty for telemetry that names none: ``/THREAD``), every part but the last
@@ -82,12 +77,12 @@ def parse_scope(scope: str, target: str) -> tuple[str, ...]:
         if len(parts) != 3 or not parts[1] or not parts[2]:
             raise ValueError(f"--tool {target!r}: expected TENANT/TOOL/UPSTREAM (`/TOOL/UPSTREAM` when the "
                              "telemetry names no tenant)")
-        return (_unescaped(parts[0]), _unescaped(parts[1]), parts[2])
+        return (key_part(parts[0]), key_part(parts[1]), parts[2])
     tenant, slash, thread = target.partition("/")
     if not slash or not thread:
         raise ValueError(f"--thread {target!r}: expected TENANT/THREAD (`/THREAD` when the telemetry names no "
                          "tenant)")
-    return (_unescaped(tenant), thread)
+    return (key_part(tenant), thread)
 
 
 async def send_command(config: KafkaClientConfig, topic: str, command: OperatorCommand | ScopeCommand,

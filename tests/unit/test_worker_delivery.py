@@ -102,6 +102,17 @@ class Harness:
         for _ in range(20):
             await asyncio.sleep(0)
 
+    async def offered(self, batch: delivery.Records) -> None:
+        """Offer ``batch`` to a running drain and wait until it is handled or dropped (after the pause that
+        follows a failed batch: at most 0.8 s)."""
+        seen = len(self.handled) + len(self.stale)
+        self.sink.offer(1, batch)
+        for _ in range(400):
+            await asyncio.sleep(0.01)
+            if len(self.handled) + len(self.stale) > seen:
+                break
+        await self.settle()
+
     def commit_offset(self) -> int | None:
         return self.consumer._new_offset(PARTITION)
 
@@ -923,13 +934,7 @@ async def test_a_batch_that_fails_again_and_again_stops_the_worker_instead_of_cr
             raise KeyError("a bug")
 
     async def attempt(*offsets: int) -> None:
-        seen = len(h.handled) + len(h.stale)
-        h.sink.offer(1, _records(*offsets))
-        for _ in range(400):  # handled or dropped, after the pause that follows a failure (at most 0.8 s)
-            await asyncio.sleep(0.01)
-            if len(h.handled) + len(h.stale) > seen:
-                break
-        await h.settle()
+        await h.offered(_records(*offsets))
 
     task = asyncio.create_task(delivery.drain(h.app, h.sink, h.fatal, handle, h.stale.append))
     try:
@@ -969,21 +974,12 @@ async def test_a_partition_failing_at_one_offset_stops_the_worker_while_other_pa
         if any(r.partition == 0 for r in records):
             raise KeyError("a bug met in partition 0")
 
-    async def attempt(batch: delivery.Records) -> None:
-        seen = len(h.handled) + len(h.stale)
-        h.sink.offer(1, batch)
-        for _ in range(400):
-            await asyncio.sleep(0.01)
-            if len(h.handled) + len(h.stale) > seen:
-                break
-        await h.settle()
-
     task = asyncio.create_task(delivery.drain(h.app, h.sink, h.fatal, handle, h.stale.append))
     try:
         for n in range(delivery.FAILED_IN_A_ROW):
             assert stops == []
-            await attempt(_records(100))
-            await attempt(_records(10 + n, partition=1))  # goes through
+            await h.offered(_records(100))
+            await h.offered(_records(10 + n, partition=1))  # goes through
         assert stops == [1] and isinstance(h.fatal.reason, delivery.BatchFailing)
         assert "0@100" in str(h.fatal.reason)
         assert [batch for batch in h.handled if batch[0][0] == 1] == [

@@ -80,6 +80,11 @@ def key_text(key: tuple[str, ...]) -> str:
     return "/".join([*(part.replace("%", "%25").replace("/", "%2F") for part in head), last])
 
 
+def key_part(text: str) -> str:
+    """A key part but the last as ``key_text`` writes it, read back (``%2F`` a ``/``, ``%25`` a ``%``)."""
+    return text.replace("%2F", "/").replace("%2f", "/").replace("%25", "%")
+
+
 #: Scopes an operator halts (a tool: pauses) and resumes through their keyed fold (``loopwarden halt
 #: --tree|--thread|--tool``).
 OPERATED_SCOPES: Final = ("tree", "thread", "tool")
