@@ -127,8 +127,9 @@ pub fn decision_id(run_id: &str, trigger_event_id: &str, action: &str, verdict: 
     crate::normalize::hex(&hasher.finalize()[..16])
 }
 
-/// Everything the detector remembers about one run.
-#[derive(Default)]
+/// Everything the detector remembers about one run. Compared (`PartialEq`) where the batch fold's cache of
+/// decoded states is checked against a fresh decode of the record (`BatchFolder`'s `verify`).
+#[derive(Default, Debug, PartialEq)]
 pub struct RunState {
     calls: i64,
     pub last_ts_ms: i64,

@@ -1083,11 +1083,12 @@ struct Input<'py> {
 }
 
 /// The worker's batch fold (`stream_app/worker/batch.py:BatchFold.fold`) for telemetry: stored records
-/// and raw messages in, new records and findings out, with the per-run offset guard. Stateless between
-/// calls (the state is in the records) but for the policy cache. A run this engine does not fold
-/// wholly (a record it cannot decode, an operator command, a stored record it cannot read, a policy it
-/// cannot store) is deferred, every record of it, to the reference, which folds it, dead-letters what
-/// is bad and raises what must stop the worker.
+/// and raw messages in, new records and findings out, with the per-run offset guard. The state is in
+/// the records: between calls it keeps only the policy cache and `Decoded`, the states of the records it
+/// wrote last (a cache of their decoding, used only for a stored record byte for byte the one it
+/// wrote). A run this engine does not fold wholly (a record it cannot decode, an operator command, a
+/// stored record it cannot read, a policy it cannot store) is deferred, every record of it, to the
+/// reference, which folds it, dead-letters what is bad and raises what must stop the worker.
 #[pyclass(unsendable)]
 struct BatchFolder {
     resolver: Resolver,
@@ -1097,18 +1098,85 @@ struct BatchFolder {
     record: Vec<u8>,
     /// Whether `fold` lists the facts of the rules across runs (`BatchFold.facts`).
     facts: bool,
+    decoded: Decoded,
 }
+
+/// Runs' states as this engine last wrote their records, most recently written last, at most `capacity`.
+///
+/// A run in a batch is folded from its stored record: reading it (JSON, ~1.3 KB, into a `RunState`) was
+/// a quarter of the native fold's time on the bench's corpus, most runs having an event in many
+/// batches. A stored record equal, byte for byte, to the one this engine wrote last for the run is
+/// the state it wrote it from, so that state is folded on instead: `RunState::from_record` of the
+/// record gives the same state (`verify` checks it on every hit; the differential tests turn it on).
+/// Any other record (the reference's, another worker's after a rebalance, the last one again when a
+/// batch is folded twice) is read as before. Only records of the current format are kept: an older
+/// `write_version` drops fields the state has.
+struct Decoded {
+    runs: LinkedHashMap<Vec<u8>, (Vec<u8>, RunState, i64)>,
+    capacity: usize,
+    /// Decode every hit's record too and fail the batch if its state differs (tests).
+    verify: bool,
+    /// The look-up key: partition (8 bytes) and run key.
+    at: Vec<u8>,
+    hits: u64,
+    misses: u64,
+}
+
+impl Decoded {
+    fn key(&mut self, partition: i64, key: &[u8]) {
+        self.at.clear();
+        self.at.extend_from_slice(&partition.to_le_bytes());
+        self.at.extend_from_slice(key);
+    }
+
+    /// The state and offset `raw` was written from, taken out of the cache, if this engine wrote it last.
+    fn take(&mut self, partition: i64, key: &[u8], raw: &[u8]) -> Option<(RunState, i64)> {
+        if self.capacity == 0 {
+            return None;
+        }
+        self.key(partition, key);
+        match self.runs.remove(self.at.as_slice()) {
+            Some((record, state, offset)) if record == raw => {
+                self.hits += 1;
+                Some((state, offset))
+            }
+            _ => {
+                self.misses += 1;
+                None
+            }
+        }
+    }
+
+    /// `state` (at `offset`) is the one `record` was written from.
+    fn put(&mut self, partition: i64, key: &[u8], record: Vec<u8>, state: RunState, offset: i64) {
+        if self.capacity == 0 {
+            return;
+        }
+        self.key(partition, key);
+        self.runs.insert(self.at.clone(), (record, state, offset));
+        while self.runs.len() > self.capacity {
+            self.runs.pop_front();
+        }
+    }
+}
+
+/// Runs whose decoded state `BatchFolder` keeps by default (~2 KB each with its record: ~40 MB of the
+/// native heap when full, measured with `heap_bytes` on the bench corpus).
+const DECODED_RUNS: usize = 20_000;
 
 #[pymethods]
 impl BatchFolder {
     #[new]
-    #[pyo3(signature = (policy, policy_digest, write_version, max_event_bytes, facts=true))]
+    #[pyo3(signature = (policy, policy_digest, write_version, max_event_bytes, facts=true,
+                        decoded_runs=DECODED_RUNS, verify_decoded=false))]
     fn new(
         policy: Py<PyAny>,
         policy_digest: String,
         write_version: i64,
         max_event_bytes: usize,
         facts: bool,
+        decoded_runs: usize,
+        verify_decoded: bool,
     ) -> PyResult<Self> {
         if !(0..=detector::FORMAT_VERSION).contains(&write_version) {
             return Err(pyo3::exceptions::PyValueError::new_err(format!(
@@ -1123,7 +1191,29 @@ impl BatchFolder {
             max_event_bytes,
             record: Vec::with_capacity(1024),
             facts,
+            decoded: Decoded {
+                runs: LinkedHashMap::new(),
+                // a record of an older format is not the state it was written from
+                capacity: if write_version == detector::FORMAT_VERSION {
+                    decoded_runs
+                } else {
+                    0
+                },
+                verify: verify_decoded,
+                at: Vec::new(),
+                hits: 0,
+                misses: 0,
+            },
         })
+    }
+
+    /// (hits, misses, runs kept) of the decoded states' cache since this folder was made.
+    fn decoded_stats(&self) -> (u64, u64, usize) {
+        (
+            self.decoded.hits,
+            self.decoded.misses,
+            self.decoded.runs.len(),
+        )
     }
 
     /// Fold ``records`` (objects with ``partition``, ``offset``, ``key``, ``value``) into the stored runs
@@ -1285,9 +1375,24 @@ impl BatchFolder {
                     return Ok(None);
                 };
                 let raw = raw.as_bytes();
-                match Object::parse(raw).and_then(|record| RunState::from_record(&record, raw)) {
-                    Some(found) => found,
-                    None => return Ok(None),
+                let read =
+                    || Object::parse(raw).and_then(|record| RunState::from_record(&record, raw));
+                match self.decoded.take(partition, key, raw) {
+                    Some(kept) => {
+                        if self.decoded.verify && read().as_ref() != Some(&kept) {
+                            return Err(pyo3::exceptions::PyAssertionError::new_err(format!(
+                                "the decoded state kept for run {:?} is not its record's: {:?} vs {:?}",
+                                String::from_utf8_lossy(key),
+                                kept,
+                                read()
+                            )));
+                        }
+                        kept
+                    }
+                    None => match read() {
+                        Some(found) => found,
+                        None => return Ok(None),
+                    },
                 }
             }
         };
@@ -1353,6 +1458,8 @@ impl BatchFolder {
             self.record.clear();
             state.write_record(run_offset, self.write_version, &mut self.record);
             run.record = Some(self.record.clone());
+            self.decoded
+                .put(partition, key, self.record.clone(), state, run_offset);
         }
         Ok(Some(run))
     }

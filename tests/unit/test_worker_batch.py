@@ -453,7 +453,9 @@ def test_the_native_engine_folds_batch_by_batch_as_the_reference(engine: str, se
     result is the same from both engines, records included (decoded: bytes may differ), and each run's
     decisions are in the same order."""
     signer, keys = operator
-    python, native = (Worker(cls(Detector(), operator_keys=keys)) for cls in (BatchFold, NativeBatchFold))
+    # verify_decoded: each state the native engine folds on from its cache is checked against its record's
+    python, native = Worker(BatchFold(Detector(), operator_keys=keys)), Worker(
+        NativeBatchFold(Detector(), operator_keys=keys, verify_decoded=True))
     placed, seen = Placed(), {}
     decisions: dict[str, list[list[str]]] = {"python": [], "native": []}
     for batch in _corpus(signer, seed):
@@ -463,6 +465,8 @@ def test_the_native_engine_folds_batch_by_batch_as_the_reference(engine: str, se
         for name, result in (("python", expected), ("native", got)):
             decisions[name].append([d.decision_id for d in result.decisions if d.run_id == "run-000001"])
     assert decisions["native"] == decisions["python"]
+    hits, misses, _ = native.fold._native.decoded_stats()  # type: ignore[attr-defined]
+    assert hits > misses  # most runs were folded on from the state the engine wrote (and checked)
     assert python.stored.keys() == native.stored.keys()
     assert {k: _record(v) for k, v in python.stored.items()} == {k: _record(v) for k, v in native.stored.items()}
 
@@ -481,6 +485,29 @@ def test_each_engine_reads_the_records_the_other_wrote(engine: str, seed: int, o
         mixed.fold = folds[n % 2]
         assert _comparable(mixed.apply(records)) == _comparable(reference.apply(records))
     assert {k: _record(v) for k, v in mixed.stored.items()} == {k: _record(v) for k, v in reference.stored.items()}
+
+
+@pytest.mark.parametrize("engine", ["native"], indirect=True)
+def test_a_batch_folded_again_from_the_records_before_it_decides_as_the_first_time(engine: str) -> None:
+    """A batch whose result was never written (a failed publish: the batch is fetched and folded again)
+    folds from the stored records before it, not from the states the native engine kept of the records it
+    wrote for it; and so does a run whose record someone else wrote since (the reference, another worker)."""
+    fold = NativeBatchFold(Detector(), verify_decoded=True)
+    worker = Worker(fold)
+    worker.apply([worker.telemetry(_failing("run-a", n)) for n in range(2)])
+    before = dict(worker.stored)
+    third, fourth = [worker.telemetry(_failing("run-a", 2))], [worker.telemetry(_failing("run-a", 3))]
+    first = worker.apply(third)
+    assert [d.verdict for d in first.decisions] == ["recursion"]
+    worker.stored = dict(before)  # not written: the batch again, from the records before it
+    assert _comparable(worker.apply(third)) == _comparable(first)
+    # the reference wrote the run's record since (the same batch, folded from the same records)
+    reference = Worker(BatchFold(Detector()))
+    reference.stored = dict(before)
+    reference.apply(third)
+    worker.stored = dict(reference.stored)
+    assert _comparable(worker.apply(fourth)) == _comparable(reference.apply(fourth))
+    assert fold._native.decoded_stats()[1] >= 1  # type: ignore[attr-defined]  # read from the record
 
 
 @pytest.mark.parametrize("engine", ["native"], indirect=True)
