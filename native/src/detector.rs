@@ -454,7 +454,11 @@ impl RunState {
             self.handoff_to = step.child_agent;
             handoffs = self.handoffs;
         } else if !failing {
+            // the agents too: the record keeps none without a ping-pong in progress, so a state kept
+            // decoded (`BatchFolder`'s cache) stays the one its record reads back as
             self.handoffs = 0;
+            self.handoff_from = [0; 8];
+            self.handoff_to = [0; 8];
         }
         let mut side_key = [0u8; 12];
         side_key[..8].copy_from_slice(&step.call);

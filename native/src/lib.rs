@@ -1114,6 +1114,11 @@ struct BatchFolder {
 struct Decoded {
     runs: LinkedHashMap<Vec<u8>, (Vec<u8>, RunState, i64)>,
     capacity: usize,
+    /// The kept records' bytes: at most `max_bytes` (`DECODED_BYTES`: a policy with long windows makes
+    /// records of tens of KB), each run's state about as large as its record (~3 KB a run on the bench's
+    /// corpus).
+    bytes: usize,
+    max_bytes: usize,
     /// Decode every hit's record too and fail the batch if its state differs (tests).
     verify: bool,
     /// The look-up key: partition (8 bytes) and run key.
@@ -1137,10 +1142,14 @@ impl Decoded {
         self.key(partition, key);
         match self.runs.remove(self.at.as_slice()) {
             Some((record, state, offset)) if record == raw => {
+                self.bytes -= record.len();
                 self.hits += 1;
                 Some((state, offset))
             }
-            _ => {
+            found => {
+                if let Some((record, _, _)) = found {
+                    self.bytes -= record.len();
+                }
                 self.misses += 1;
                 None
             }
@@ -1153,22 +1162,31 @@ impl Decoded {
             return;
         }
         self.key(partition, key);
-        self.runs.insert(self.at.clone(), (record, state, offset));
-        while self.runs.len() > self.capacity {
-            self.runs.pop_front();
+        self.bytes += record.len();
+        if let Some((replaced, _, _)) = self.runs.insert(self.at.clone(), (record, state, offset)) {
+            self.bytes -= replaced.len();
+        }
+        while self.runs.len() > self.capacity || self.bytes > self.max_bytes {
+            match self.runs.pop_front() {
+                Some((_, (evicted, _, _))) => self.bytes -= evicted.len(),
+                None => break,
+            }
         }
     }
 }
 
-/// Runs whose decoded state `BatchFolder` keeps by default (~2 KB each with its record: ~40 MB of the
-/// native heap when full, measured with `heap_bytes` on the bench corpus).
+/// Runs whose decoded state `BatchFolder` keeps by default (~3.2 KB each with its record on the bench's
+/// corpus and the default policy, measured with `heap_bytes`: ~64 MB of the native heap when full).
 const DECODED_RUNS: usize = 20_000;
+/// Bytes of kept records at most (their states about as much again): ~64 MB of the native heap whatever
+/// the policy's windows make a record weigh.
+const DECODED_BYTES: usize = 32 << 20;
 
 #[pymethods]
 impl BatchFolder {
     #[new]
     #[pyo3(signature = (policy, policy_digest, write_version, max_event_bytes, facts=true,
-                        decoded_runs=DECODED_RUNS, verify_decoded=false))]
+                        decoded_runs=DECODED_RUNS, decoded_bytes=DECODED_BYTES, verify_decoded=false))]
     fn new(
         policy: Py<PyAny>,
         policy_digest: String,
@@ -1176,6 +1194,7 @@ impl BatchFolder {
         max_event_bytes: usize,
         facts: bool,
         decoded_runs: usize,
+        decoded_bytes: usize,
         verify_decoded: bool,
     ) -> PyResult<Self> {
         if !(0..=detector::FORMAT_VERSION).contains(&write_version) {
@@ -1200,6 +1219,8 @@ impl BatchFolder {
                     0
                 },
                 verify: verify_decoded,
+                bytes: 0,
+                max_bytes: decoded_bytes,
                 at: Vec::new(),
                 hits: 0,
                 misses: 0,
@@ -1367,14 +1388,17 @@ impl BatchFolder {
         stored: &Bound<'_, PyDict>,
     ) -> PyResult<Option<FoldedRun>> {
         let lookup = (partition, PyBytes::new(py, key));
-        let (mut state, mut run_offset) = match stored.get_item(lookup)? {
+        let stored_record = stored.get_item(lookup)?;
+        let mut unchanged: Option<&[u8]> = None; // the stored record, while the fold changes nothing
+        let (mut state, mut run_offset) = match &stored_record {
             None => (RunState::default(), -1),
             Some(raw) if raw.is_none() => (RunState::default(), -1),
             Some(raw) => {
-                let Ok(raw) = raw.cast_into::<PyBytes>() else {
+                let Ok(raw) = raw.cast::<PyBytes>() else {
                     return Ok(None);
                 };
                 let raw = raw.as_bytes();
+                unchanged = Some(raw);
                 let read =
                     || Object::parse(raw).and_then(|record| RunState::from_record(&record, raw));
                 match self.decoded.take(partition, key, raw) {
@@ -1460,6 +1484,10 @@ impl BatchFolder {
             run.record = Some(self.record.clone());
             self.decoded
                 .put(partition, key, self.record.clone(), state, run_offset);
+        } else if let Some(raw) = unchanged {
+            // only redeliveries: kept again, as read (or as kept), for the next batch
+            self.decoded
+                .put(partition, key, raw.to_vec(), state, run_offset);
         }
         Ok(Some(run))
     }

@@ -10,6 +10,7 @@ batch by batch.
 from __future__ import annotations
 
 import ast
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -349,6 +350,7 @@ def _corpus(signer: Signer, seed: int) -> list[list[tuple[bytes | None, bytes | 
     rng = random.Random(seed)
     _, stream = simulate_fleet(150, seed=seed)
     stream += simulate_trees(4, seed=seed)[1] + simulate_threads(8, seed=seed)[1] + simulate_storm(6, seed=seed)[:300]
+    stream += _handoffs(rng, 8)
     messages: list[tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]] = []
     for n, event in enumerate(stream):
         event = dict(event)
@@ -377,6 +379,31 @@ def _corpus(signer: Signer, seed: int) -> list[list[tuple[bytes | None, bytes | 
             batches.append(messages[max(0, at - 30):at + size])  # redelivered from before the last commit
         at += size
     return batches
+
+
+def _handoffs(rng: Any, runs: int) -> list[dict[str, Any]]:
+    """Runs of agents handing off to each other (back and forth, refused now and then) between tool and
+    model calls."""
+    events: list[dict[str, Any]] = []
+    for r in range(runs):
+        run_id, ts_ms = f"hand-{r}", 1_764_000_000_000
+        for i in range(rng.randrange(3, 20)):
+            ts_ms += rng.randrange(1, 2000)
+            event: dict[str, Any] = {"run_id": run_id, "event_id": f"{run_id}-{i}", "ts_ms": ts_ms}
+            kind = rng.choice(["handoff", "handoff", "call", "model"])
+            if kind == "handoff":
+                source, target = rng.sample(["a", "b", "c"], 2)
+                ok = rng.random() < 0.7
+                event.update(tool=f"transfer_to_{target}", outcome="success" if ok else "error", args={},
+                             tool_class="handoff", result="handed off" if ok else f"refused {i}", agent_id=source,
+                             child_agent_id=target)
+            elif kind == "call":
+                event.update(tool="lookup", outcome=rng.choice(["success", "error"]), args={"o": rng.randrange(3)},
+                             result=f"r{rng.randrange(3)}")
+            else:
+                event.update(tool="gpt", kind="model_call", outcome="success", args={}, result="thinking")
+            events.append(event)
+    return events
 
 
 class Placed:
@@ -508,6 +535,33 @@ def test_a_batch_folded_again_from_the_records_before_it_decides_as_the_first_ti
     worker.stored = dict(reference.stored)
     assert _comparable(worker.apply(fourth)) == _comparable(reference.apply(fourth))
     assert fold._native.decoded_stats()[1] >= 1  # type: ignore[attr-defined]  # read from the record
+
+
+@pytest.mark.parametrize("engine", ["native"], indirect=True)
+def test_the_native_engine_keeps_a_runs_state_over_a_batch_of_redeliveries_and_within_its_memory_bound(
+        engine: str) -> None:
+    """A batch that only redelivers a run's events keeps its state decoded for the next batch; and however
+    large the policy's windows make the records, the kept ones stay within their bound in bytes."""
+    from loopwarden_native import BatchFolder
+
+    fold = NativeBatchFold(Detector(), verify_decoded=True)
+    worker = Worker(fold)
+    first = [worker.telemetry(_failing("run-a", n)) for n in range(2)]
+    worker.apply(first)
+    worker.apply(first)  # redelivered: nothing new
+    worker.apply([worker.telemetry(_failing("run-a", 2))])
+    assert fold._native.decoded_stats()[:2] == (2, 0)  # type: ignore[attr-defined]
+
+    # the bound in bytes (32 MiB by default), here 100 KB: ~170 runs' records of ~600 bytes
+    fold = NativeBatchFold(Detector())
+    fold._native = BatchFolder(fold.detector.policy, fold.policy_digest, fold.write_version, fold.max_event_bytes,
+                               fold.facts, decoded_bytes=100_000)
+    worker = Worker(fold)
+    for first in range(0, 1000, 250):
+        worker.apply([worker.telemetry(_failing(f"run-{r}", n)) for r in range(first, first + 250) for n in range(2)])
+    record_bytes = statistics.mean(len(v) for v in worker.stored.values())
+    kept = fold._native.decoded_stats()[2]
+    assert 100_000 - record_bytes < kept * record_bytes <= 100_000
 
 
 @pytest.mark.parametrize("engine", ["native"], indirect=True)
