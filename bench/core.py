@@ -238,27 +238,39 @@ def _batches(runs: int) -> list[list[Any]]:
     return [records[i:i + BATCH] for i in range(0, len(records), BATCH)]
 
 
+def _unkept() -> Any:
+    """The native fold without its kept decoded states (every stored record read again each batch)."""
+    from loopwarden_native import BatchFolder
+
+    from stream_app.worker.batch import NativeBatchFold
+
+    fold = NativeBatchFold(Detector())
+    fold._native = BatchFolder(fold.detector.policy, fold.policy_digest, fold.write_version,
+                               fold.max_event_bytes, fold.facts, decoded_runs=0)
+    return fold
+
+
 def batch_fold_costs(runs: int = 4_000, repeat: int = 3) -> dict[str, Any]:
-    """Microseconds per event of ``BatchFold.fold`` (Python) and ``NativeBatchFold.fold``, and per run
-    touched of the stored-record codec (Python: decode_run + encode_run), medians of ``repeat`` passes."""
+    """Microseconds per event of ``BatchFold.fold`` (Python) and ``NativeBatchFold.fold`` (with and without
+    the decoded states it keeps: passes of the two interleaved), and per run touched of the stored-record
+    codec (Python: decode_run + encode_run), medians of ``repeat`` passes."""
     from stream_app.core.stored import decode_run, encode_run
     from stream_app.worker.batch import BatchFold, NativeBatchFold
 
     batches = _batches(runs)
     events = sum(map(len, batches))
     out: dict[str, Any] = {"events": events, "batch": BATCH, "runs": runs}
-    engines: list[tuple[str, type[BatchFold]]] = [("python", BatchFold)]
+    engines: list[tuple[str, Any]] = [("python", lambda: BatchFold(Detector()))]
     try:
         import loopwarden_native  # noqa: F401
-        engines.append(("native", NativeBatchFold))
+        engines.append(("native", lambda: NativeBatchFold(Detector())))
+        engines.append(("native_unkept", _unkept))
     except ImportError:
         pass
-    for name, cls in engines:
-        passes = []
-        touched = 0
-        final: dict[tuple[int, bytes], bytes] = {}
-        for _ in range(repeat):
-            fold = cls(Detector())
+    passes: dict[str, list[float]] = {name: [] for name, _ in engines}
+    for n in range(repeat):
+        for name, make in engines if n % 2 == 0 else engines[::-1]:  # order alternated: neither always first
+            fold = make()
             store: dict[tuple[int, bytes], bytes] = {}
             touched = 0
             elapsed = 0.0
@@ -270,17 +282,17 @@ def batch_fold_costs(runs: int = 4_000, repeat: int = 3) -> dict[str, Any]:
                 for partition, items in result.records.items():
                     touched += len(items)
                     store.update(((partition, key), value) for key, value in items)
-            passes.append(elapsed / events * 1e6)
-            final = store
-        out[f"{name}_us_per_event"] = statistics.median(passes)
-        out["runs_written_per_batch"] = touched / len(batches)
-        if name == "python":
-            records = list(final.values())
-            started = time.perf_counter()
-            for raw in records:
-                encode_run(decode_run(raw))
-            out["python_codec_us_per_run"] = (time.perf_counter() - started) / len(records) * 1e6
-            out["stored_record_bytes_mean"] = sum(map(len, records)) / len(records)
+            passes[name].append(elapsed / events * 1e6)
+            out["runs_written_per_batch"] = touched / len(batches)
+            if name == "python" and "python_codec_us_per_run" not in out:
+                records = list(store.values())
+                started = time.perf_counter()
+                for raw in records:
+                    encode_run(decode_run(raw))
+                out["python_codec_us_per_run"] = (time.perf_counter() - started) / len(records) * 1e6
+                out["stored_record_bytes_mean"] = sum(map(len, records)) / len(records)
+    for name, times in passes.items():
+        out[f"{name}_us_per_event"] = statistics.median(times)
     return out
 
 
@@ -365,8 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     first, last = growth[0], growth[-1]
     print(f"core.cost_per_call_us at {first['calls']:,} -> {last['calls']:,} calls: ours {first['ours_us']:.1f} -> "
           f"{last['ours_us']:.1f}, naive {first['naive_us']:.1f} -> {last['naive_us']:.1f}")
-    print(f"core.batch_fold_us_per_event (batches of {BATCH}, python / native): "
-          f"{fold_costs['python_us_per_event']:.1f} / {fold_costs.get('native_us_per_event', float('nan')):.1f}; "
+    print(f"core.batch_fold_us_per_event (batches of {BATCH}, python / native / native without its kept states): "
+          f"{fold_costs['python_us_per_event']:.1f} / {fold_costs.get('native_us_per_event', float('nan')):.1f} / "
+          f"{fold_costs.get('native_unkept_us_per_event', float('nan')):.1f}; "
           f"{fold_costs['runs_written_per_batch']:.0f} runs written per batch, Python codec "
           f"{fold_costs['python_codec_us_per_run']:.1f} us per run ({fold_costs['stored_record_bytes_mean']:.0f} B)")
     if args.json:

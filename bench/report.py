@@ -819,11 +819,15 @@ class Page:
         return [f"- **The fold** (`bench.core`, no Kafka: the fleet mix in batches of {fold['batch']:,}):"
                 f" {fold['python_us_per_event']:.1f} us per event in the Python reference"
                 + (f", {native:.1f} us in the native engine ({fold['python_us_per_event'] / native:.1f}x less)" if native else "")
+                + (f"; {unkept:.1f} us in the native engine without the decoded states it keeps of the records it"
+                   f" wrote (each stored record read again: {unkept / native:.2f}x; passes interleaved)"
+                   if native and (unkept := fold.get("native_unkept_us_per_event")) else "")
                 + f". A batch writes {fold['runs_written_per_batch']:.0f} runs (the mix interleaves thousands of runs,"
                 f" so most events touch a run of their own in their batch); decoding and re-encoding one stored run"
                 f" ({fold['stored_record_bytes_mean']:.0f} B) costs {fold['python_codec_us_per_run']:.1f} us in Python,"
                 " which the native engine does in Rust inside the same call (reading events and records by field"
-                " name without serde_json's sorted maps: `native/src/fields.rs`). With the folds across runs"
+                " name without serde_json's sorted maps: `native/src/fields.rs`), and not at all for a record it"
+                " wrote last: it keeps that record's state (`Decoded` in `native/src/lib.rs`). With the folds across runs"
                 " on, a batch's facts borrow their fields from the events' calls until encoded (`batch_facts`)."
                 " *Recommendation*: each field is still a `serde_json::Value` (strings and arrays allocated):"
                 " borrowing them from the message is the next cut."]
