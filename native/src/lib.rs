@@ -1331,11 +1331,7 @@ impl BatchFolder {
                     mismatches.extend(run.mismatches);
                     facts.extend(run.facts);
                     if let Some(record) = run.record {
-                        out_records.push((
-                            *partition,
-                            PyBytes::new(py, key).unbind(),
-                            PyBytes::new(py, &record).unbind(),
-                        ));
+                        out_records.push((*partition, PyBytes::new(py, key).unbind(), record));
                     }
                 }
                 None => {
@@ -1363,7 +1359,7 @@ impl BatchFolder {
 
 /// What folding one run gave.
 struct FoldedRun {
-    record: Option<Vec<u8>>,
+    record: Option<Py<PyBytes>>,
     findings: Vec<(usize, FindingTuple)>,
     applied: [u64; 4],
     duplicates: u64,
@@ -1481,7 +1477,7 @@ impl BatchFolder {
         if changed {
             self.record.clear();
             state.write_record(run_offset, self.write_version, &mut self.record);
-            run.record = Some(self.record.clone());
+            run.record = Some(PyBytes::new(py, &self.record).unbind());
             self.decoded
                 .put(partition, key, self.record.clone(), state, run_offset);
         } else if let Some(raw) = unchanged {

@@ -232,7 +232,7 @@ class FleetEffects:
             mark_decisions = len(decisions)
             passed: dict[int, Exception] = {}
             while True:
-                at: list[int] = []
+                at = [-1]
                 try:
                     new, skipped = self._fold_key(kind, state, items, decisions, passed, at)
                     for _, decision in decisions[mark_decisions:]:
@@ -243,7 +243,7 @@ class FleetEffects:
                     del decisions[mark_decisions:]
                     log.error("folding the facts of %s %s raised %r (a loopwarden bug: please report it with the "
                               "records)", kind.label, key_text, exc, exc_info=exc)
-                    if not at or at[0] in passed:  # not one fact's (its record or a decision): none of them
+                    if at[0] < 0 or at[0] in passed:  # not one fact's (its record or a decision): none of them
                         passed = dict.fromkeys(range(len(items)), exc)
                         record = None
                         break
@@ -298,8 +298,8 @@ class FleetEffects:
                   decisions: list[tuple[Kind, ScopeDecision]], passed: Mapping[int, Exception] | None = None,
                   at: list[int] | None = None) -> tuple[int, int]:
         """Fold one key's ``items`` into its ``state`` (in place), appending the decisions they cross, but
-        those at ``passed`` indexes; the facts folded and those skipped as folded before. ``at`` gets the
-        index of the item being folded when an exception leaves."""
+        those at ``passed`` indexes; the facts folded and those skipped as folded before. ``at[0]`` is the
+        index of the item being folded when an exception leaves (-1: none)."""
         fleet = self.fleet
         sources_named = _SOURCE_NAMES
         sources = state.sources
@@ -309,7 +309,7 @@ class FleetEffects:
             if passed and index in passed:
                 continue
             if at is not None:
-                at[:] = [index]
+                at[0] = index
             if type(fact) is ScopeCommand:
                 decisions.append((kind, fact.decision()))
                 if kind is TOOLS and fact.action == "resume":
@@ -335,7 +335,7 @@ class FleetEffects:
             if crossed:
                 decisions.extend([(kind, decision) for decision in crossed])
         if at is not None:
-            at.clear()  # folded: what fails after is no one fact's
+            at[0] = -1  # folded: what fails after is no one fact's
         return new, skipped
 
     def _operator(self, value: bytes | None, headers: Any) -> tuple[Kind, ScopeCommand]:
