@@ -549,7 +549,7 @@ type BatchFactsOf<'a> = (
     Option<ToolSum<'a>>,
 );
 
-/// A batch's facts, one new event's at a time (``(index, tool class, root spent)`` in the order folded:
+/// A batch's facts, one new event's at a time (``(index, tool class, root_cost)`` in the order folded:
 /// each event known to have facts), built from the events' calls with their tool facts summed per
 /// (source partition, key, window) into one, at the index of the contribution with the highest source
 /// offset (its event the trigger: the same whatever order the runs were folded in;
@@ -675,7 +675,7 @@ fn tool_upstream<'a>(call: &Call<'a>) -> Option<&'a str> {
 
 /// The root of the tree a call's tree fact is about, or None when it tells the tree nothing: a run
 /// outside any tree, or a root's call that starts no child and costs nothing or comes before its first
-/// spawn (`spent`: the root's `RunState::root_spent` after the call).
+/// spawn (`spent`: `root_cost`, None until the root has spawned).
 fn tree_root<'a>(call: &Call<'a>, tool_class: u8, spent: Option<i64>) -> Option<&'a str> {
     let root = call.root_run_id.unwrap_or(call.run_id);
     (root != call.run_id
@@ -701,8 +701,20 @@ type TreeFactTuple<'a> = (
     Option<&'a str>,
 );
 
+/// What a root's tree fact adds to its tree's spend (`core.fleet.trees.root_cost`), from its run's
+/// `RunState::root_spent` before and after the call: nothing before its first spawn, all it spent so far
+/// at that spawn, what the call added after it.
+fn root_cost(before: Option<i64>, after: Option<i64>) -> Option<i64> {
+    match (before, after) {
+        (_, None) => None,
+        (None, Some(after)) => Some(after),
+        (Some(before), Some(after)) => Some(after - before),
+    }
+}
+
 /// The tree fact of a new call (`core.fleet.trees.tree_fact`), or None when it is in no tree: a root's
-/// fact carries what its run spent so far (`spent`, when known), a sub-agent's its call's cost.
+/// fact carries what it adds to the tree's spend (`spent`: `root_cost`, when known), a sub-agent's its
+/// call's cost.
 fn tree_fact<'a>(call: &Call<'a>, tool_class: u8, spent: Option<i64>) -> Option<TreeFactTuple<'a>> {
     let spawn = tool_class == contract::SPAWN;
     let root = tree_root(call, tool_class, spent)?;
@@ -818,14 +830,15 @@ impl Replayer {
                 return Ok((index, findings));
             };
             let duplicates = self.duplicates;
+            let before = self.runs.get(call.run_id).and_then(RunState::root_spent);
             for finding in self.fold_call(py, &call, None)? {
                 findings.push((index, finding));
             }
             if self.duplicates == duplicates {
                 let policy = self.resolver.resolve(py, call.agent_id, call.tool)?;
                 let class = call.tool_class.unwrap_or(policy.thresholds.tool_class);
-                let spent = self.runs.get(call.run_id).and_then(RunState::root_spent);
-                if let Some(facts) = facts_of(index, &call, class, spent) {
+                let after = self.runs.get(call.run_id).and_then(RunState::root_spent);
+                if let Some(facts) = facts_of(index, &call, class, root_cost(before, after)) {
                     self.facts
                         .push(facts.into_pyobject(py)?.into_any().unbind());
                 }
@@ -931,7 +944,7 @@ impl Replayer {
     }
 
     /// What a run spent so far (micro-USD) once it made a spawn-class call, else None (also for a run
-    /// not tracked): what its tree fact carries (`core.fleet.trees.root_spent`).
+    /// not tracked): `core.fleet.trees.root_spent`, read before and after a call for `root_cost`.
     fn root_spent(&self, run_id: &str) -> Option<i64> {
         self.runs.get(run_id).and_then(RunState::root_spent)
     }
@@ -1049,8 +1062,9 @@ fn fact_items(
         let (sp, off) = (inputs[index].partition, inputs[index].offset);
         if let Some(f) = tree {
             let key = format!("tree/{}", f.0);
+            // the last field: `TreeFact.root_total` (a root's cost is what to add, not its run's total)
             let item = serde_json::to_vec(&(
-                sp, off, f.0, f.1, f.2, f.3, f.4, f.5, f.6, f.7, f.8, f.9, f.10, f.11,
+                sp, off, f.0, f.1, f.2, f.3, f.4, f.5, f.6, f.7, f.8, f.9, f.10, f.11, false,
             ))
             .map_err(json)?;
             out.push((sp, off, 0, key, PyBytes::new(py, &item).unbind()));
@@ -1364,7 +1378,7 @@ struct FoldedRun {
     applied: [u64; 4],
     duplicates: u64,
     mismatches: Vec<(usize, String, String)>,
-    /// The new events with facts: (index, tool class, root spent), built once the batch is folded
+    /// The new events with facts: (index, tool class, `root_cost`), built once the batch is folded
     /// (`batch_facts`).
     facts: Vec<(usize, u8, Option<i64>)>,
 }
@@ -1436,6 +1450,7 @@ impl BatchFolder {
             if policy.thresholds.cycle_occurrences > detector::MAX_STORED_CYCLE_OCCURRENCES {
                 return Ok(None);
             }
+            let before = state.root_spent();
             let admission = state.admit(call.event_id, call.ts_ms, &policy.thresholds);
             match admission {
                 Admission::Duplicate => run.duplicates += 1,
@@ -1457,7 +1472,7 @@ impl BatchFolder {
             }
             if self.facts && !matches!(admission, Admission::Duplicate) {
                 let class = call.tool_class.unwrap_or(policy.thresholds.tool_class);
-                let spent = state.root_spent();
+                let spent = root_cost(before, state.root_spent());
                 if has_facts(call, class, spent) {
                     run.facts.push((index, class, spent)); // built, borrowed, once the batch is folded
                 }

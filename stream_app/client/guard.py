@@ -81,6 +81,7 @@ from ..core.fleet import (
     ToolFold,
     TreeFact,
     TreeFold,
+    root_cost,
     root_spent,
     thread_fact,
     tool_fact,
@@ -199,15 +200,21 @@ class _LocalRules:
 
     def _fold(self, event: dict[str, Any]) -> None:
         decoded = decode_event(event)
+        state = self.table.get(decoded.run_id)
+        spent_before = 0 if state is None else state.cost_micro
+        spent = None if state is None else root_spent(state)
         evaluation = self.table.observe(decoded)
         for decision in evaluation.decisions:
             self.board.apply(decision.to_control(), source="local")
         if not evaluation.duplicate:
             tool_class = decoded.tool_class or self.policy.resolve(decoded.agent_id, decoded.tool).thresholds.tool_class
             state = self.table.get(decoded.run_id)
-            fact = tree_fact(decoded, tool_class, None if state is None else root_spent(state))
+            fact = tree_fact(decoded, tool_class, root_cost(spent, None if state is None else root_spent(state)))
             if fact is not None and self._begun_spawns.pop(decoded.event_id, False):
-                # Folded as the spawn began; what it cost is known only now.
+                # Folded as the spawn began (a root's first spawn with what its run had spent before it);
+                # what the call cost is known only now.
+                if fact.run_id == fact.root and state is not None:
+                    fact = fact._replace(cost_micro=state.cost_micro - spent_before)
                 fact = fact._replace(spawn=False, child_run_id=None, child_agent_id=None,
                                      task_hash=None) if fact.cost_micro else None
             if fact is not None:
@@ -236,10 +243,12 @@ class _LocalRules:
         if len(self._begun_spawns) > _MAX_RUNS:
             self._begun_spawns.popitem(last=False)
         root = fields.get("root_run_id") or run_id
-        state = self.table.get(run_id) if root == run_id else None  # a root's fact: what it spent so far
+        state = self.table.get(run_id) if root == run_id else None
+        # a root's first spawn: what its run spent before it (``root_cost``); later ones add their own cost
+        cost = 0 if state is None or state.spawned else state.cost_micro
         self._observe_tree(TreeFact(
             root, run_id, spec.event_id, ts_ms, fields.get("parent_run_id"), fields.get("depth"),
-            0 if state is None else state.cost_micro, True, fields.get("child_run_id"),
+            cost, True, fields.get("child_run_id"),
             fields.get("child_agent_id"), fields.get("task_hash"), tenant))
 
     def _observe_tree(self, fact: TreeFact) -> None:

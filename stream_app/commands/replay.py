@@ -46,6 +46,7 @@ from ..core.fleet import (
     ToolFold,
     TreeFact,
     TreeFold,
+    root_cost,
     root_spent,
     thread_fact,
     tool_fact,
@@ -216,6 +217,8 @@ def _replay_python(lines: Iterable[bytes], policy: Policy, writer: _Writer) -> N
         runs.add(event.run_id)
         if event.ts_ms > summary.newest_ts_ms:
             summary.newest_ts_ms = event.ts_ms
+        state = table.get(event.run_id)
+        spent = None if state is None else root_spent(state)
         evaluation = table.observe(event)
         if evaluation.duplicate:
             summary.duplicates += 1
@@ -223,7 +226,7 @@ def _replay_python(lines: Iterable[bytes], policy: Policy, writer: _Writer) -> N
         for decision in evaluation.decisions:
             writer.decision(decision)
         state = table.get(event.run_id)
-        folds.event(writer, event, None if state is None else root_spent(state))
+        folds.event(writer, event, root_cost(spent, None if state is None else root_spent(state)))
         if number % 4096 == 0:
             writer.progress(number, len(table))
     summary.runs = len(runs)
@@ -300,11 +303,12 @@ def _replay_native(lines: Iterable[bytes], policy: Policy, writer: _Writer, engi
             except InvalidEvent as exc:
                 writer.bad_line(done + stop + 1, exc)
             else:
+                spent = engine.root_spent(event.run_id)
                 duplicate, event_findings = _observe(engine, event, policy)
                 for finding in event_findings:
                     decide(event, finding)
                 if not duplicate:
-                    folds.event(writer, event, engine.root_spent(event.run_id))
+                    folds.event(writer, event, root_cost(spent, engine.root_spent(event.run_id)))
             start = stop + 1
         done += len(chunk)
         writer.progress(done, len(engine))

@@ -50,7 +50,7 @@ from ..core import (
     explain,
     parse_event,
 )
-from ..core.fleet import root_spent, thread_fact, tool_fact, tree_fact
+from ..core.fleet import root_cost, root_spent, thread_fact, tool_fact, tree_fact
 from ..core.stored import FORMAT_VERSION, StoredRecordError, StoredRun, decode_run, encode_run
 from .facts import Fact, FactItem, fact_items
 
@@ -303,12 +303,13 @@ class BatchFold:
         """One item folded into ``run``'s state: its evaluation and the facts it makes."""
         if isinstance(item, OperatorCommand):
             return self.detector.operate(run.state, item), []
+        spent = root_spent(run.state)
         evaluation = self.detector.evaluate(run.state, item)
         facts: list[tuple[int, Fact]] = []
         if not evaluation.duplicate and self.facts:
             policy = self.detector.policy
             fact = tree_fact(item, item.tool_class or policy.resolve(item.agent_id, item.tool)
-                             .thresholds.tool_class, root_spent(run.state))
+                             .thresholds.tool_class, root_cost(spent, root_spent(run.state)))
             if fact is not None:
                 facts.append((offset, fact))
             if item.thread_key is not None:

@@ -88,12 +88,18 @@ class Kind:
 
     @functools.cached_property
     def legacy_shapes(self) -> frozenset[tuple[type, ...]]:
-        """A tool fact as the release before offset ranges wrote it: without its two offsets lists (it is
-        folded as one whose offsets are unknown: at or below the high-water offset, skipped; past it,
-        counted whole). Other kinds: none."""
-        if self.fact is not ToolFact:
+        """A fact as an earlier release wrote it: a tool fact without its two offsets lists (it is folded as
+        one whose offsets are unknown: at or below the high-water offset, skipped; past it, counted whole);
+        a tree fact without ``root_total`` (a root's cost was its run's total: folded as one). Threads:
+        none."""
+        if self.fact is ThreadFact:
             return frozenset()
-        return frozenset(itertools.product(*(options for _, options in self.item_fields[:-2])))
+        return frozenset(itertools.product(*(options for _, options in self.item_fields[:-self.legacy_cut])))
+
+    @property
+    def legacy_cut(self) -> int:
+        """The fields an earlier release's item lacks (at its end)."""
+        return 2 if self.fact is ToolFact else 1 if self.fact is TreeFact else 0
 
     @functools.cached_property
     def from_fields(self) -> Callable[[list[Any]], Any]:
@@ -106,7 +112,11 @@ class Kind:
             return lambda fields: (new(ToolFact, (*fields[:11], tuple(fields[11]), tuple(fields[12]), tuple(fields[13])))
                                    if len(fields) == size else ToolFact.of(*fields))
         # the NamedTuple's own ``_make`` without its Python frame and its length check (done by the caller)
-        return functools.partial(tuple.__new__, self.fact)
+        make = functools.partial(tuple.__new__, self.fact)
+        if self.fact is TreeFact:
+            size = len(self.item_fields) - 2
+            return lambda fields: make(fields) if len(fields) == size else make((*fields, True))
+        return make
 
     @functools.cached_property
     def key_of(self) -> Callable[[Any], Any]:
@@ -199,11 +209,12 @@ def decode_facts(value: bytes | None) -> list[tuple[Kind, int, int, Any]]:
             raise InvalidEvent(kind.name, "must be a list of facts")
         shapes, make, size = kind.shapes, kind.from_fields, len(kind.item_fields)
         listed = kind is TOOLS  # a tool fact's last three fields list runs and offsets
+        legacy_size = size - kind.legacy_cut
         for item in items:
             legacy = False
             if type(item) is not list or tuple(map(type, item)) not in shapes:
-                legacy = listed and type(item) is list and tuple(map(type, item)) in kind.legacy_shapes
-                if not legacy and (type(item) is not list or len(item) not in (size, size - 2 if listed else size)):
+                legacy = type(item) is list and tuple(map(type, item)) in kind.legacy_shapes
+                if not legacy and (type(item) is not list or len(item) not in (size, legacy_size)):
                     raise InvalidEvent(kind.name, f"a fact must be a list of {size} fields")
                 if not legacy:
                     raise InvalidEvent(kind.name, f"a fact's fields must be of their types ({_names(kind)})")

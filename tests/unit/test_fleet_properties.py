@@ -514,6 +514,28 @@ def test_a_trees_budget_counts_the_roots_calls_before_and_after_its_spawn_in_bot
     assert [d for d in map(orjson.loads, replay_both(alone, policy).splitlines()) if d.get("scope") == "tree"] == []
 
 
+def test_a_root_forgotten_while_its_subagent_works_adds_what_it_spends_after_to_its_tree_in_both_engines() -> None:
+    """The root spends $0.25, spawns a sub-agent and waits past ``run_ttl_ms`` (its run's state is
+    forgotten) while the sub-agent spends $0.20 over minutes; back, it spends $0.30, spawns again and
+    spends $0.30 more: $1.05 is past a $1 tree budget at its last call, in both engines. (The root's
+    facts once carried its run's total and the fold kept the largest: $0.60 + $0.20, never past.)"""
+    def line(run: str, n: int, ts_ms: int, **fields: Any) -> bytes:
+        event = {"run_id": run, "event_id": f"{run}-{n}", "tool": "claude", "kind": "model_call", "ts_ms": ts_ms,
+                 "outcome": "success", "args": {}, "result": n, **fields}
+        return orjson.dumps(event) + b"\n"
+    policy = Policy.from_mapping({"defaults": {"run_ttl_ms": 60_000}, "fleet": {"max_tree_cost_usd": 1},
+                                  "tools": {"Task": {"tool_class": "spawn"}}})
+    spawn = {"tool": "Task", "kind": "tool_call", "child_run_id": "kid", "task_hash": "a" * 16}
+    kid = {"root_run_id": "root", "parent_run_id": "root", "depth": 1}
+    lines = [line("root", 1, 1_000, cost_usd=0.25), line("root", 2, 2_000, **spawn),
+             *(line("kid", n, n * 30_000, cost_usd=0.05, **kid) for n in range(1, 5)),
+             line("root", 3, 150_000, cost_usd=0.3), line("root", 4, 151_000, **spawn),
+             line("root", 5, 152_000, cost_usd=0.3)]
+    decided = [d for d in map(orjson.loads, replay_both(lines, policy).splitlines()) if d.get("scope") == "tree"]
+    assert [(d["verdict"], d["trigger_event_id"], d["evidence"]["cost_usd"]) for d in decided] == \
+        [("tree_budget", "root-5", 1.05)]
+
+
 def test_a_halted_root_that_spawns_anyway_brings_what_it_spent_to_its_tree_in_both_engines() -> None:
     """A root halted by its own $0.60 budget at $0.70 whose runtime spawns anyway (fleet mode: the halt
     arrives after the call) makes a tree of $0.70 + its sub-agent's $0.40: past a $1 tree budget at the

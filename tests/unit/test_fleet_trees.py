@@ -95,19 +95,35 @@ def test_the_call_that_takes_the_tree_past_its_cost_budget_halts_it() -> None:
     assert _fold([*facts[:2], _fact("c3", 3, parent="root", cost=200_000)], max_tree_cost_usd=1.0) == []  # not past
 
 
-def test_the_roots_spending_counts_once_however_often_and_in_whatever_order_it_is_reported() -> None:
-    """A root's fact carries what the root spent so far (its calls before its first spawn too), a
-    sub-agent's its call's own cost: the tree's sum is the largest the root reported plus the sub-agents'."""
-    root = [_fact("root", 1, spawn=True, child="c1", cost=300_000), _fact("root", 5, cost=600_000)]
+def test_the_roots_spending_is_summed_as_the_subagents_in_whatever_order_it_is_reported() -> None:
+    """A root's first fact (its first spawn) carries what the root spent so far (its calls before the
+    spawn too), each later one what its call added, a sub-agent's its call's own cost: the tree's spend is
+    their sum, and the decision the same in any order (its trigger the fact that crossed it)."""
+    root = [_fact("root", 1, spawn=True, child="c1", cost=300_000), _fact("root", 5, cost=300_000)]
     kid = [_fact("c1", 2, parent="root", cost=300_000), _fact("c1", 6, parent="root", cost=200_000)]
     assert _fold([root[0], kid[0], root[1]], max_tree_cost_usd=1.0) == []  # 0.6 + 0.3
     decisions = _fold([root[0], kid[0], root[1], kid[1]], max_tree_cost_usd=1.0)  # 0.6 + 0.5
     assert [(d.verdict, d.trigger_event_id, d.evidence["cost_usd"]) for d in decisions] == \
         [("tree_budget", "c1-6", 1.1)]
-    again = _fold([root[1], kid[1], root[0], root[1], kid[0]], max_tree_cost_usd=1.0)
+    again = _fold([root[1], kid[1], root[0], kid[0]], max_tree_cost_usd=1.0)
     assert [(d.decision_id, d.trigger_event_id) for d in again] == [(decisions[0].decision_id, "c1-2")]
-    root_past = _fold([*kid, root[0], _fact("root", 7, cost=600_001)], max_tree_cost_usd=1.1)
+    root_past = _fold([*kid, root[0], _fact("root", 7, cost=300_001)], max_tree_cost_usd=1.1)
     assert [(d.verdict, d.trigger_event_id) for d in root_past] == [("tree_budget", "root-7")]
+
+
+def test_a_roots_fact_of_the_release_before_carries_its_runs_total_and_the_largest_counts() -> None:
+    """Facts written before ``root_total`` (a root's fact then carried its run's total so far): folded as
+    then, the largest of the root's plus the sub-agents' sum, however often and in whatever order; a
+    root's newer facts add to that."""
+    root = [_fact("root", 1, spawn=True, child="c1", cost=300_000)._replace(root_total=True),
+            _fact("root", 5, cost=600_000)._replace(root_total=True)]
+    kid = [_fact("c1", 2, parent="root", cost=300_000), _fact("c1", 6, parent="root", cost=200_000)]
+    assert _fold([root[0], kid[0], root[1]], max_tree_cost_usd=1.0) == []  # 0.6 + 0.3
+    decisions = _fold([root[1], kid[1], root[0], root[1], kid[0]], max_tree_cost_usd=1.0)
+    assert [(d.verdict, d.trigger_event_id, d.evidence["cost_usd"]) for d in decisions] == \
+        [("tree_budget", "c1-2", 1.1)]
+    newer = _fold([root[1], kid[0], _fact("root", 7, cost=100_001)], max_tree_cost_usd=1.0)  # 0.6 + 0.3 + 0.1+
+    assert [(d.verdict, d.trigger_event_id) for d in newer] == [("tree_budget", "root-7")]
 
 
 def test_each_rule_fires_once_per_tree_and_shadow_mode_alerts() -> None:
@@ -211,7 +227,8 @@ def _trees(draw: st.DrawFn) -> list[TreeFact]:
         task = draw(st.sampled_from(["a" * 16, "b" * 16, "c" * 64, "d" * 64, "e" * 40]))  # short hashes kept, long keyed
         facts.append(_fact(parent, n, spawn=True, child=child if draw(st.booleans()) else None, agent="w",
                            task=task, cost=draw(st.integers(0, 300_000)),
-                           parent=None if parent == "root" else "?"))
+                           parent=None if parent == "root" else "?")._replace(
+                               root_total=parent == "root" and draw(st.booleans())))  # a root's: either release
         runs.append(child)
         if draw(st.booleans()):
             facts.append(_fact(child, 1000 + n, parent=parent, depth=draw(st.none() | st.integers(0, 8)),
@@ -254,7 +271,7 @@ def test_a_call_of_a_known_run_skips_placing_it_with_the_same_state_and_decision
     def placing_every_fact(state: TreeState, fact: TreeFact) -> tuple[ScopeDecision, ...]:
         state.last_ts_ms = max(state.last_ts_ms, fact.ts_ms)
         deeper = trees._place(state, fact, cap)
-        if fact.run_id == fact.root:  # a root's fact: what it spent so far
+        if fact.root_total and fact.run_id == fact.root:  # a root's fact of the release before: its total
             state.root_cost = max(state.root_cost, fact.cost_micro)
         else:
             state.cost_micro += fact.cost_micro

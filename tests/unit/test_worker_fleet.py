@@ -407,6 +407,31 @@ async def test_a_tool_fact_of_the_release_before_offset_ranges_is_still_folded()
     assert metrics.fleet_facts.labels(fold="tools", state="redelivered")._value.get() == 1
 
 
+async def test_a_tree_fact_of_the_release_before_root_total_is_folded_as_then() -> None:
+    """During a rolling upgrade the facts topic holds tree facts one field short: a root's then carried its
+    run's total so far (the fold keeps the largest), a sub-agent's its call's cost; a newer root fact
+    adds what its call spent. $0.40 then $0.70 (totals), a sub-agent's $0.20, then $0.15 added: $1.05,
+    past a $1 budget at the last fact, not before (summing the totals would cross at $0.70)."""
+    effects, store, producer, dead, _ = _effects(max_tree_cost_usd=1.0)
+
+    def item(offset: int, run: str, cost: int, *newer: bool) -> list[Any]:
+        parent = None if run == "root" else "root"
+        return [0, offset, "root", run, f"{run}-{offset}", 1000 + offset, parent, None, cost, offset == 1,
+                "kid" if offset == 1 else None, None, None, "acme", *newer]
+
+    old = [item(1, "root", 400_000), item(2, "kid", 200_000), item(3, "root", 700_000)]
+    await effects.process([_Record(0, 0, orjson.dumps({"v": FACTS_FORMAT, "trees": old}))])
+    assert dead.sent == [] and [t for t, _, _ in producer.sent if t == "control"] == []
+    await effects.process([_Record(0, 1, orjson.dumps({"v": FACTS_FORMAT, "trees": [item(4, "root", 150_000, False)]}))])
+    await effects.flush()
+    assert dead.sent == []
+    halts = [orjson.loads(v) for t, _, v in producer.sent if t == "control"]
+    assert [(h["verdict"], h["trigger_event_id"], h["evidence"]["cost_usd"]) for h in halts] == \
+        [("tree_budget", "root-4", 1.05)]
+    [state] = [TreeState.decode(v) for v in store.data.values()]
+    assert (state.root_cost, state.cost_micro) == (700_000, 350_000)
+
+
 async def test_a_batch_folded_again_with_its_edges_cut_elsewhere_counts_each_call_once() -> None:
     """A worker published the tool facts of telemetry offsets 100-109 as one sum (its offset range) and
     crashed before its run state was written; the next owner folds 100-104 and 105-114 (another poll,
@@ -564,7 +589,8 @@ def test_both_engines_encode_a_batchs_facts_byte_for_byte_alike() -> None:
     events = [event(run, n, "error" if n % 3 else "success") for n in range(12) for run in ("A", "B")]
     events += [event("A", 20, "success", tool_class="spawn", child_run_id="C", child_agent_id="coder",
                      task_hash="t" * 64, tenant=None, thread_key=None, upstream=None)]
-    # a root spending before and after its spawn (its facts: what it spent so far, from the spawn on)
+    # a root spending before and after its spawn (its facts: at the spawn what it spent so far, then what
+    # each call added; each item ends with ``root_total`` false)
     root = {"root_run_id": None, "parent_run_id": None, "depth": None, "thread_key": None, "upstream": None}
     events += [event("R", n, "success", **root, cost_usd=cost, tool_class="spawn" if n == 31 else None)
                for n, cost in ((30, 0.25), (31, 0.5), (32, 0.125), (33, None))]
@@ -575,8 +601,8 @@ def test_both_engines_encode_a_batchs_facts_byte_for_byte_alike() -> None:
     reference = BatchFold(Detector(Policy())).fold(records, stored, 0)
     native = NativeBatchFold(Detector(Policy())).fold(records, stored, 0)
     assert {kind for _, _, kind, _, _ in reference.facts} == {0, 1, 2}
-    assert [(orjson.loads(item)[4], orjson.loads(item)[8]) for *_, key, item in reference.facts if key == "tree/R"] \
-        == [("R-31", 750_000), ("R-32", 875_000)]
+    assert [(orjson.loads(item)[4], orjson.loads(item)[8], orjson.loads(item)[-1]) for *_, key, item
+            in reference.facts if key == "tree/R"] == [("R-31", 750_000, False), ("R-32", 125_000, False)]
     assert any(b"\\u00fc" not in item and "ü".encode() in item for *_, item in reference.facts)
     assert sorted(native.facts) == sorted(reference.facts)
     assert native.records == reference.records and b'"spawned":true' in dict(reference.records[0])[b"R"]
@@ -584,9 +610,10 @@ def test_both_engines_encode_a_batchs_facts_byte_for_byte_alike() -> None:
         "tree/root-ü", "tree/R", "thread/a%2Fb%25c/issue/7 \"ü\"", "tool/a%2Fb%25c/se\"arch%2F%25q/api.exämple.com"}
 
 
-def test_a_root_that_spawned_in_an_earlier_batch_sends_what_it_spent_with_either_engine_reading_the_record() -> None:
+def test_a_root_that_spawned_in_an_earlier_batch_sends_what_its_call_added_with_either_engine_reading_the_record() -> None:
     """``spawned`` lives in the run's record: a root's costly call in the next batch is a tree fact carrying
-    what the root spent so far, whichever engine wrote the record and whichever reads it."""
+    what the call added to the root's spend (its spawn's fact carried all it spent before), whichever
+    engine wrote the record and whichever reads it."""
     pytest.importorskip("loopwarden_native")
     from stream_app.worker.batch import NativeBatchFold
 
@@ -603,7 +630,7 @@ def test_a_root_that_spawned_in_an_earlier_batch_sends_what_it_spent_with_either
         stored = {(0, b"R"): dict(written.records[0])[b"R"]}
         for reader in engines:
             facts = reader(Detector(Policy())).fold(second, stored, 0).facts
-            assert [(orjson.loads(item)[4], orjson.loads(item)[8]) for *_, item in facts] == [("R-2", 875_000)], \
+            assert [(orjson.loads(item)[4], orjson.loads(item)[8]) for *_, item in facts] == [("R-2", 125_000)], \
                 (writer, reader)
 
 

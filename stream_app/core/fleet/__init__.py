@@ -25,8 +25,8 @@ from __future__ import annotations
 from .scope import SCOPES, ScopeDecision, scope_decision_id
 from .threads import ThreadFact, ThreadFold, ThreadState, thread_fact
 from .tools import ToolFact, ToolFold, ToolState, is_transient, tool_fact
-from .trees import TreeFact, TreeFold, TreeState, root_spent, tree_fact
+from .trees import TreeFact, TreeFold, TreeState, root_cost, root_spent, tree_fact
 
 __all__ = ["SCOPES", "ScopeDecision", "ThreadFact", "ThreadFold", "ThreadState", "ToolFact", "ToolFold", "ToolState",
-           "TreeFact", "TreeFold", "TreeState", "is_transient", "root_spent", "scope_decision_id", "thread_fact", "tool_fact",
+           "TreeFact", "TreeFold", "TreeState", "is_transient", "root_cost", "root_spent", "scope_decision_id", "thread_fact", "tool_fact",
            "tree_fact"]

@@ -15,12 +15,15 @@ set of decisions depends on the facts and not on the order they came in:
 * ``tree_fanout``: the event that makes the tree's known runs (the root, every run that sent an event,
   every child a spawn named) exceed ``max_tree_runs``; an ``alert`` when they pass half of it.
 * ``tree_budget``: the call whose ``cost_usd`` takes the tree's sum (integer micro-USD) strictly past
-  ``max_tree_cost_usd``. The sum is what the root spent (its every call, from its first: a root's fact
-  carries its run's spending so far, and the fold keeps the largest it heard of, so a fact heard twice
-  or late counts once) and what its sub-agents' calls cost. A root's call is a fact once the root has
-  made a spawn-class call (``RunState.spawned``, set by a halted run's spawn too, whose runtime went on
-  in fleet mode: what it spent until its halt then reaches the tree): a run spawning nothing sends no
-  tree fact.
+  ``max_tree_cost_usd``. The sum is what the root spent (its every call, from its first: a root's first
+  spawn's fact carries what its run spent so far, each later fact what its call added, ``root_cost``)
+  and what its sub-agents' calls cost. A root's call is a fact once the root has made a spawn-class
+  call (``RunState.spawned``, set by a halted run's spawn too, whose runtime went on in fleet mode: what
+  it spent until its halt then reaches the tree): a run spawning nothing sends no tree fact. A root
+  whose run state was forgotten (``run_ttl_ms`` of silence, waiting for its sub-agents) starts again
+  from its next spawn, whose fact brings what it spent since: it adds to what the tree counted. What a
+  forgotten root spends without spawning again does not reach its tree. Facts of the release before
+  carried a root's total (``TreeFact.root_total``): the largest of those counts.
 
 Every decision halts (or alerts on) the whole tree: a runtime refuses the calls of every run of it and
 new children at ``Guard.run``.
@@ -62,6 +65,9 @@ class TreeFact(NamedTuple):
     child_agent_id: str | None
     task_hash: str | None
     tenant: str | None
+    #: A root's ``cost_micro`` is its run's total so far, not what to add: the facts of the release before
+    #: 2026-12-06 (their items one field shorter), folded as then, keeping the largest.
+    root_total: bool = False
 
     @property
     def key_text(self) -> str:
@@ -71,9 +77,9 @@ class TreeFact(NamedTuple):
 def tree_fact(event: TelemetryEvent, tool_class: str, spent: int | None = None) -> TreeFact | None:
     """The fact of ``event`` (its resolved ``tool_class``), or None when it tells the tree nothing: a
     run outside any tree, or a root's call that starts no child and costs nothing, or comes before its
-    first spawn (its spending until then comes with that spawn). ``spent`` is, for the root, what its run
-    has spent so far (``root_spent`` of its state after the event; None without its state): a root's fact
-    carries that, a sub-agent's fact its call's own cost."""
+    first spawn (its spending until then comes with that spawn). ``spent`` is, for the root, what its
+    fact adds to the tree's spend (``root_cost``; None without its state): a sub-agent's fact carries its
+    call's cost."""
     spawn = tool_class == "spawn"
     root = event.root_run_id or event.run_id
     cost = micro_usd(event.cost_usd)
@@ -101,7 +107,8 @@ class TreeState:
         self.children: dict[str, list[str]] = {}
         #: Runs that spawned a child without naming it: a child one level below them, wherever they end up.
         self.anonymous: set[str] = set()
-        #: What the sub-agents' calls cost (summed), and the largest spending the root's facts reported.
+        #: What the tree's calls cost (summed), and the largest total a root's fact of the release before
+        #: reported (``TreeFact.root_total``).
         self.cost_micro = 0
         self.root_cost = 0
         #: ``task_key`` -> the runs that spawned it (up to ``tree_task_repeats``).
@@ -193,8 +200,20 @@ class TreeFold:
 
 
 def root_spent(state: RunState) -> int | None:
-    """What ``tree_fact`` needs of a run's state: what it spent, once it has spawned (else None)."""
+    """What a run spent, once it has spawned (else None): ``root_cost``'s reading of its state."""
     return state.cost_micro if state.spawned else None
+
+
+def root_cost(before: int | None, after: int | None) -> int | None:
+    """What a root's tree fact adds to its tree's spend, from its run's ``root_spent`` before and after the
+    call: nothing before its first spawn (None); at that spawn, all the run spent so far; after it, what
+    the call added. Summed by the fold, so a root whose run state was forgotten (``run_ttl_ms`` of
+    silence while its sub-agents work) and spawns again adds what it spends from then on to what its
+    tree already counted, instead of starting again from 0 (the release before sent the run's total and
+    the fold kept the largest)."""
+    if after is None:
+        return None
+    return after if before is None else after - before
 
 
 def fold(fleet: FleetThresholds, state: TreeState, fact: TreeFact) -> tuple[ScopeDecision, ...]:
@@ -213,7 +232,7 @@ def fold(fleet: FleetThresholds, state: TreeState, fact: TreeFact) -> tuple[Scop
         # (run, depth) of the first run (or unnamed child, one below its spawner) this fact puts at the cap
         deeper = _place(state, fact, cap)
     if fact.cost_micro:
-        if run_id == root:
+        if fact.root_total and run_id == root:
             state.root_cost = max(state.root_cost, fact.cost_micro)
         else:
             state.cost_micro = min(state.cost_micro + fact.cost_micro, SPEND_CAP)
