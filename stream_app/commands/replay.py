@@ -242,7 +242,8 @@ class _Folds:
         self.tools = ToolFold(policy.fleet)
 
     def event(self, writer: _Writer, event: TelemetryEvent, spent: int | None) -> None:
-        """``spent``: ``root_spent`` of the event's run after it."""
+        """``spent``: what the event adds to its tree's spend if its run is a root (``root_cost``: None
+        until the run has spawned)."""
         if (event.root_run_id is not None and event.root_run_id != event.run_id) or event.tool_class in (None, "spawn") \
                 or (spent is not None and event.cost_usd):
             tool_class = event.tool_class or self.policy.resolve(event.agent_id, event.tool).thresholds.tool_class
