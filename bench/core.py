@@ -158,7 +158,7 @@ def native_bytes_per_run(runs: int, calls: int, volatile: bool = False) -> float
     before = heap_bytes()
     engine = Replayer(BENCH_POLICY, runs, 1 << 20)
     engine.feed(lines, 0)
-    held = heap_bytes() - before
+    held: int = heap_bytes() - before
     assert len(engine) == runs
     return held / runs
 
