@@ -330,8 +330,9 @@ impl Finding {
 }
 
 impl RunState {
-    /// What the run spent so far (micro-USD), once it made a spawn-class call, else None: a root's tree
-    /// fact carries it (the reference's `core.fleet.trees.root_spent`).
+    /// What the run spent so far (micro-USD), once it made a spawn-class call, else None (the reference's
+    /// `core.fleet.trees.root_spent`): read before and after a call, it gives what a root's tree fact
+    /// adds (`root_cost`).
     pub fn root_spent(&self) -> Option<i64> {
         self.spawned.then_some(self.cost_micro)
     }

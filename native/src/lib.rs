@@ -718,9 +718,11 @@ fn root_cost(before: Option<i64>, after: Option<i64>) -> Option<i64> {
 fn tree_fact<'a>(call: &Call<'a>, tool_class: u8, spent: Option<i64>) -> Option<TreeFactTuple<'a>> {
     let spawn = tool_class == contract::SPAWN;
     let root = tree_root(call, tool_class, spent)?;
-    let cost = match spent {
-        Some(spent) if root == call.run_id => spent,
-        _ => call.cost_micro,
+    // a root not yet a spawner (a model call said to be a spawn) adds nothing: its first spawn brings it
+    let cost = if root == call.run_id {
+        spent.unwrap_or(0)
+    } else {
+        call.cost_micro
     };
     Some((
         root,

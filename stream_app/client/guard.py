@@ -192,6 +192,8 @@ class _LocalRules:
         self.board = board
         #: Spawn events whose tree fact was folded as they began, by event id (the most recent).
         self._begun_spawns: OrderedDict[str, bool] = OrderedDict()
+        #: Roots whose first spawn began before their run had a state: spawned from their first event on.
+        self._spawning: OrderedDict[str, None] = OrderedDict()
         board.follow_fleet(self.follow)
 
     def fold(self, event: dict[str, Any]) -> None:
@@ -201,20 +203,22 @@ class _LocalRules:
     def _fold(self, event: dict[str, Any]) -> None:
         decoded = decode_event(event)
         state = self.table.get(decoded.run_id)
-        spent_before = 0 if state is None else state.cost_micro
         spent = None if state is None else root_spent(state)
         evaluation = self.table.observe(decoded)
         for decision in evaluation.decisions:
             self.board.apply(decision.to_control(), source="local")
+        state = self.table.get(decoded.run_id)
+        if self._spawning and state is not None and decoded.run_id in self._spawning:
+            # its first spawn began before its first event (bringing nothing): a spawner from that event on
+            del self._spawning[decoded.run_id]
+            state.spawned = True
+            spent = 0 if spent is None else spent
         if not evaluation.duplicate:
             tool_class = decoded.tool_class or self.policy.resolve(decoded.agent_id, decoded.tool).thresholds.tool_class
-            state = self.table.get(decoded.run_id)
             fact = tree_fact(decoded, tool_class, root_cost(spent, None if state is None else root_spent(state)))
             if fact is not None and self._begun_spawns.pop(decoded.event_id, False):
-                # Folded as the spawn began (a root's first spawn with what its run had spent before it);
-                # what the call cost is known only now.
-                if fact.run_id == fact.root and state is not None:
-                    fact = fact._replace(cost_micro=state.cost_micro - spent_before)
+                # Folded as the spawn began (a root's spend until then with it); what the call cost is
+                # known only now.
                 fact = fact._replace(spawn=False, child_run_id=None, child_agent_id=None,
                                      task_hash=None) if fact.cost_micro else None
             if fact is not None:
@@ -243,9 +247,18 @@ class _LocalRules:
         if len(self._begun_spawns) > _MAX_RUNS:
             self._begun_spawns.popitem(last=False)
         root = fields.get("root_run_id") or run_id
-        state = self.table.get(run_id) if root == run_id else None
-        # a root's first spawn: what its run spent before it (``root_cost``); later ones add their own cost
-        cost = 0 if state is None or state.spawned else state.cost_micro
+        cost = 0
+        if root == run_id:
+            # A root's first spawn brings what its run spent before it (``root_cost``), and from then on the
+            # run is a spawner: its calls while the spawn runs add their own cost, and a spawn begun
+            # meanwhile (another in parallel, this one again after a cancel) brings nothing more.
+            state = self.table.get(run_id)
+            if state is None:
+                self._spawning[run_id] = None
+                if len(self._spawning) > _MAX_RUNS:
+                    self._spawning.popitem(last=False)
+            elif not state.spawned:
+                cost, state.spawned = state.cost_micro, True
         self._observe_tree(TreeFact(
             root, run_id, spec.event_id, ts_ms, fields.get("parent_run_id"), fields.get("depth"),
             cost, True, fields.get("child_run_id"),

@@ -536,6 +536,24 @@ def test_a_root_forgotten_while_its_subagent_works_adds_what_it_spends_after_to_
         [("tree_budget", "root-5", 1.05)]
 
 
+def test_a_roots_model_call_said_to_be_a_spawn_adds_nothing_its_first_spawn_brings_it_in_both_engines() -> None:
+    """A root's model call with ``tool_class: spawn`` (the contract accepts it; it makes no spawner) is a
+    spawn fact adding nothing: the root's first spawn-class tool call brings all it spent, that call's
+    $0.50 included, once ($0.50 is not past a $0.90 tree budget; counted twice it would be)."""
+    def line(n: int, **fields: Any) -> bytes:
+        event = {"run_id": "root", "event_id": f"root-{n}", "tool": "claude", "kind": "model_call", "ts_ms": n,
+                 "outcome": "success", "args": {}, "result": n, **fields}
+        return orjson.dumps(event) + b"\n"
+    policy = Policy.from_mapping({"fleet": {"max_tree_cost_usd": 0.9}, "tools": {"Task": {"tool_class": "spawn"}}})
+    lines = [line(1, tool_class="spawn", cost_usd=0.5), line(2, tool="Task", kind="tool_call", child_run_id="kid"),
+             line(3, cost_usd=0.25)]
+    assert [d for d in map(orjson.loads, replay_both(lines, policy).splitlines()) if d.get("scope") == "tree"] == []
+    decided = [d for d in map(orjson.loads, replay_both([*lines, line(4, cost_usd=0.25)], policy).splitlines())
+               if d.get("scope") == "tree"]
+    assert [(d["verdict"], d["trigger_event_id"], d["evidence"]["cost_usd"]) for d in decided] == \
+        [("tree_budget", "root-4", 1.0)]
+
+
 def test_a_halted_root_that_spawns_anyway_brings_what_it_spent_to_its_tree_in_both_engines() -> None:
     """A root halted by its own $0.60 budget at $0.70 whose runtime spawns anyway (fleet mode: the halt
     arrives after the call) makes a tree of $0.70 + its sub-agent's $0.40: past a $1 tree budget at the

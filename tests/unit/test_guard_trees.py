@@ -140,6 +140,50 @@ async def test_a_trees_budget_counts_what_the_root_spent_before_and_after_its_sp
     assert budget == [("lead", model_calls["kid"], 1.1), ("other", model_calls["other"], 1.1)]
 
 
+def _tree_spend(guard: Guard, root: str) -> float:
+    local = guard._local
+    assert local is not None
+    state = local.trees.trees[root]
+    return (state.cost_micro + state.root_cost) / 1_000_000
+
+
+async def test_a_roots_calls_while_its_first_spawn_runs_reach_its_tree_once() -> None:
+    """A root's spend reaches its tree once whatever runs while its spawns do: its $0.30 call made while
+    its first spawn runs (parallel tool use) counts, as replay and the worker count it, and two spawns run
+    side by side (``gather``) bring the $0.50 spent before them once, not twice; a root whose first call is
+    a spawn counts what it spends while that spawn runs too."""
+    guard, _ = _guard(max_tree_cost_usd=0.75)
+    decisions: list[dict[str, Any]] = []
+    guard.on_decision(decisions.append)
+    lead = guard.run("lead")
+    await lead.model_call("claude", tokens=1, cost_usd=0.5)
+    pending = await lead.begin("Task", {"p": 1}, spawn=Spawn(child_run_id="kid", task="review"))
+    with pytest.raises(TreeHalted):  # $0.80: reported, past the budget
+        await lead.model_call("claude", tokens=1, cost_usd=0.3)
+    await lead.finish(pending, "done")
+    assert _tree_spend(guard, "lead") == 0.8 and [d["verdict"] for d in decisions] == ["tree_budget"]
+
+    guard, _ = _guard(max_tree_cost_usd=0.9)
+    lead = guard.run("lead")
+    await lead.model_call("claude", tokens=1, cost_usd=0.5)
+
+    async def sub_agent(**_: Any) -> str:
+        await asyncio.sleep(0)
+        return "done"
+
+    await asyncio.gather(lead.call("Task", sub_agent, {"p": 1}, spawn=Spawn(child_run_id="k1", task="a")),
+                         lead.call("Task", sub_agent, {"p": 2}, spawn=Spawn(child_run_id="k2", task="b")))
+    assert _tree_spend(guard, "lead") == 0.5
+
+    guard, _ = _guard()
+    lead = guard.run("lead")
+    pending = await lead.begin("Task", {"p": 1}, spawn=Spawn(child_run_id="kid", task="review"))
+    await lead.model_call("claude", tokens=1, cost_usd=0.25)
+    await lead.finish(pending, "done", cost_usd=0.125)
+    await lead.model_call("claude", tokens=1, cost_usd=0.5)
+    assert _tree_spend(guard, "lead") == 0.875
+
+
 async def test_every_event_says_which_tree_it_is_in() -> None:
     guard, events = _guard()
     root = guard.run("root", agent_id="lead", tenant="acme", thread_key="pr-7", trigger="user")

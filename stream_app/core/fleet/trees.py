@@ -78,16 +78,16 @@ def tree_fact(event: TelemetryEvent, tool_class: str, spent: int | None = None) 
     """The fact of ``event`` (its resolved ``tool_class``), or None when it tells the tree nothing: a
     run outside any tree, or a root's call that starts no child and costs nothing, or comes before its
     first spawn (its spending until then comes with that spawn). ``spent`` is, for the root, what its
-    fact adds to the tree's spend (``root_cost``; None without its state): a sub-agent's fact carries its
-    call's cost."""
+    fact adds to the tree's spend (``root_cost``; None: nothing, until a spawn-class tool call makes it a
+    spawner): a sub-agent's fact carries its call's cost."""
     spawn = tool_class == "spawn"
     root = event.root_run_id or event.run_id
     cost = micro_usd(event.cost_usd)
     if root == event.run_id:
         if not spawn and (spent is None or not cost):
             return None
-        if spent is not None:
-            cost = spent
+        # None: a root that has not spawned (a model call said to be a spawn): its first spawn brings it
+        cost = 0 if spent is None else spent
     return TreeFact(root, event.run_id, event.event_id, event.ts_ms, event.parent_run_id, event.depth,
                     cost, spawn, event.child_run_id if spawn else None,
                     event.child_agent_id if spawn else None, event.task_hash if spawn else None, event.tenant)
