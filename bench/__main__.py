@@ -13,6 +13,8 @@
    from them (``python -m bench.report`` re-renders without measuring).
 
 Progress lines go to stderr. ``--quick`` shortens every phase (for trying the harness, not for figures).
+Not part of it: ``python -m bench.cycle`` (a worker's CPU per batch against batch size below saturation:
+the fixed cost of a cycle, where the halt latency at partial load goes).
 """
 
 from __future__ import annotations
