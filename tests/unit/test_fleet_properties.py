@@ -494,24 +494,36 @@ def test_a_transient_streak_counts_per_upstream_in_both_engines() -> None:
         [("e3", "pause"), ("e7", "pause")]
 
 
+def _model_call(run: str, n: int, ts_ms: int | None = None, **fields: Any) -> bytes:
+    """A JSONL line: run ``run``'s model call ``n`` (at ``ts_ms``, else ``n``), ``fields`` over it."""
+    event = {"run_id": run, "event_id": f"{run}-{n}", "tool": "claude", "kind": "model_call",
+             "ts_ms": n if ts_ms is None else ts_ms, "outcome": "success", "args": {}, "result": n, **fields}
+    return orjson.dumps(event) + b"\n"
+
+
+#: A spawn-class tool call's fields (with ``"tools": {"Task": {"tool_class": "spawn"}}`` in the policy),
+#: and a sub-agent's of root ``root``.
+_SPAWN = {"tool": "Task", "kind": "tool_call", "child_run_id": "kid", "task_hash": "a" * 16}
+_KID = {"root_run_id": "root", "parent_run_id": "root", "depth": 1}
+
+
+def _tree_decided(lines: list[bytes], policy: Policy) -> list[dict[str, Any]]:
+    """The tree decisions of replaying ``lines`` (the same in both engines)."""
+    return [d for d in map(orjson.loads, replay_both(lines, policy).splitlines()) if d.get("scope") == "tree"]
+
+
 def test_a_trees_budget_counts_the_roots_calls_before_and_after_its_spawn_in_both_engines() -> None:
     """The root spends $0.50 thinking, spawns a sub-agent, which spends $0.30, then spends $0.30 more:
     $1.10 is past a $1 tree budget at the root's last call, not at $0.30 (its sub-agent alone), in both
     engines; a root that spawns nothing sends no tree fact, whatever it spends."""
-    def line(run: str, n: int, **fields: Any) -> bytes:
-        event = {"run_id": run, "event_id": f"{run}-{n}", "tool": "claude", "kind": "model_call", "ts_ms": n,
-                 "outcome": "success", "args": {}, "result": n, **fields}
-        return orjson.dumps(event) + b"\n"
     policy = Policy.from_mapping({"fleet": {"max_tree_cost_usd": 1}, "tools": {"Task": {"tool_class": "spawn"}}})
-    spawn = {"tool": "Task", "kind": "tool_call", "child_run_id": "kid", "task_hash": "a" * 16}
-    lines = [line("root", 1, cost_usd=0.25), line("root", 2, cost_usd=0.25), line("root", 3, **spawn),
-             line("kid", 4, cost_usd=0.3, root_run_id="root", parent_run_id="root", depth=1),
-             line("root", 5, cost_usd=0.2), line("root", 6, cost_usd=0.1)]
-    decided = [d for d in map(orjson.loads, replay_both(lines, policy).splitlines()) if d.get("scope") == "tree"]
+    lines = [_model_call("root", 1, cost_usd=0.25), _model_call("root", 2, cost_usd=0.25),
+             _model_call("root", 3, **_SPAWN), _model_call("kid", 4, cost_usd=0.3, **_KID),
+             _model_call("root", 5, cost_usd=0.2), _model_call("root", 6, cost_usd=0.1)]
+    decided = _tree_decided(lines, policy)
     assert [(d["verdict"], d["trigger_event_id"], d["evidence"]["cost_usd"]) for d in decided] == \
         [("tree_budget", "root-6", 1.1)]
-    alone = [line("solo", n, cost_usd=0.5) for n in range(5)]
-    assert [d for d in map(orjson.loads, replay_both(alone, policy).splitlines()) if d.get("scope") == "tree"] == []
+    assert _tree_decided([_model_call("solo", n, cost_usd=0.5) for n in range(5)], policy) == []
 
 
 def test_a_root_forgotten_while_its_subagent_works_adds_what_it_spends_after_to_its_tree_in_both_engines() -> None:
@@ -519,19 +531,13 @@ def test_a_root_forgotten_while_its_subagent_works_adds_what_it_spends_after_to_
     forgotten) while the sub-agent spends $0.20 over minutes; back, it spends $0.30, spawns again and
     spends $0.30 more: $1.05 is past a $1 tree budget at its last call, in both engines. (The root's
     facts once carried its run's total and the fold kept the largest: $0.60 + $0.20, never past.)"""
-    def line(run: str, n: int, ts_ms: int, **fields: Any) -> bytes:
-        event = {"run_id": run, "event_id": f"{run}-{n}", "tool": "claude", "kind": "model_call", "ts_ms": ts_ms,
-                 "outcome": "success", "args": {}, "result": n, **fields}
-        return orjson.dumps(event) + b"\n"
     policy = Policy.from_mapping({"defaults": {"run_ttl_ms": 60_000}, "fleet": {"max_tree_cost_usd": 1},
                                   "tools": {"Task": {"tool_class": "spawn"}}})
-    spawn = {"tool": "Task", "kind": "tool_call", "child_run_id": "kid", "task_hash": "a" * 16}
-    kid = {"root_run_id": "root", "parent_run_id": "root", "depth": 1}
-    lines = [line("root", 1, 1_000, cost_usd=0.25), line("root", 2, 2_000, **spawn),
-             *(line("kid", n, n * 30_000, cost_usd=0.05, **kid) for n in range(1, 5)),
-             line("root", 3, 150_000, cost_usd=0.3), line("root", 4, 151_000, **spawn),
-             line("root", 5, 152_000, cost_usd=0.3)]
-    decided = [d for d in map(orjson.loads, replay_both(lines, policy).splitlines()) if d.get("scope") == "tree"]
+    lines = [_model_call("root", 1, 1_000, cost_usd=0.25), _model_call("root", 2, 2_000, **_SPAWN),
+             *(_model_call("kid", n, n * 30_000, cost_usd=0.05, **_KID) for n in range(1, 5)),
+             _model_call("root", 3, 150_000, cost_usd=0.3), _model_call("root", 4, 151_000, **_SPAWN),
+             _model_call("root", 5, 152_000, cost_usd=0.3)]
+    decided = _tree_decided(lines, policy)
     assert [(d["verdict"], d["trigger_event_id"], d["evidence"]["cost_usd"]) for d in decided] == \
         [("tree_budget", "root-5", 1.05)]
 
@@ -540,16 +546,12 @@ def test_a_roots_model_call_said_to_be_a_spawn_adds_nothing_its_first_spawn_brin
     """A root's model call with ``tool_class: spawn`` (the contract accepts it; it makes no spawner) is a
     spawn fact adding nothing: the root's first spawn-class tool call brings all it spent, that call's
     $0.50 included, once ($0.50 is not past a $0.90 tree budget; counted twice it would be)."""
-    def line(n: int, **fields: Any) -> bytes:
-        event = {"run_id": "root", "event_id": f"root-{n}", "tool": "claude", "kind": "model_call", "ts_ms": n,
-                 "outcome": "success", "args": {}, "result": n, **fields}
-        return orjson.dumps(event) + b"\n"
     policy = Policy.from_mapping({"fleet": {"max_tree_cost_usd": 0.9}, "tools": {"Task": {"tool_class": "spawn"}}})
-    lines = [line(1, tool_class="spawn", cost_usd=0.5), line(2, tool="Task", kind="tool_call", child_run_id="kid"),
-             line(3, cost_usd=0.25)]
-    assert [d for d in map(orjson.loads, replay_both(lines, policy).splitlines()) if d.get("scope") == "tree"] == []
-    decided = [d for d in map(orjson.loads, replay_both([*lines, line(4, cost_usd=0.25)], policy).splitlines())
-               if d.get("scope") == "tree"]
+    lines = [_model_call("root", 1, tool_class="spawn", cost_usd=0.5),
+             _model_call("root", 2, tool="Task", kind="tool_call", child_run_id="kid"),
+             _model_call("root", 3, cost_usd=0.25)]
+    assert _tree_decided(lines, policy) == []
+    decided = _tree_decided([*lines, _model_call("root", 4, cost_usd=0.25)], policy)
     assert [(d["verdict"], d["trigger_event_id"], d["evidence"]["cost_usd"]) for d in decided] == \
         [("tree_budget", "root-4", 1.0)]
 
@@ -558,15 +560,10 @@ def test_a_halted_root_that_spawns_anyway_brings_what_it_spent_to_its_tree_in_bo
     """A root halted by its own $0.60 budget at $0.70 whose runtime spawns anyway (fleet mode: the halt
     arrives after the call) makes a tree of $0.70 + its sub-agent's $0.40: past a $1 tree budget at the
     sub-agent's call, in both engines (the spawn's fact once carried only that call's own cost)."""
-    def line(run: str, n: int, **fields: Any) -> bytes:
-        event = {"run_id": run, "event_id": f"{run}-{n}", "tool": "claude", "kind": "model_call", "ts_ms": n,
-                 "outcome": "success", "args": {}, "result": n, **fields}
-        return orjson.dumps(event) + b"\n"
     policy = Policy.from_mapping({"defaults": {"max_cost_usd": 0.6}, "fleet": {"max_tree_cost_usd": 1},
                                   "tools": {"Task": {"tool_class": "spawn"}}})
-    spawn = {"tool": "Task", "kind": "tool_call", "child_run_id": "kid", "task_hash": "a" * 16}
-    lines = [line("root", 1, cost_usd=0.35), line("root", 2, cost_usd=0.35), line("root", 3, **spawn),
-             line("kid", 4, cost_usd=0.4, root_run_id="root", parent_run_id="root", depth=1)]
+    lines = [_model_call("root", 1, cost_usd=0.35), _model_call("root", 2, cost_usd=0.35),
+             _model_call("root", 3, **_SPAWN), _model_call("kid", 4, cost_usd=0.4, **_KID)]
     decided = list(map(orjson.loads, replay_both(lines, policy).splitlines()))
     assert [(d.get("scope", "run"), d["verdict"], d["trigger_event_id"]) for d in decided
             if d["action"] == "halt"] == [("run", "budget_exceeded", "root-2"), ("tree", "tree_budget", "kid-4")]
