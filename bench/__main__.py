@@ -38,7 +38,7 @@ from stream_app.client import Guard, KafkaClientConfig, Spawn
 from stream_app.worker.settings import SETTINGS
 
 from . import corpus, fleet, halt, limit, report
-from .kafka import broker
+from .kafka import broker, create_topics
 from .loadgen import LoadGen
 from .stats import progress
 from .workers import REPO, BenchDeployment, commit_overruns
@@ -239,12 +239,14 @@ async def halt_section(deployment: BenchDeployment, guard: Guard, template: Path
 
 async def _halt_levels(deployment: BenchDeployment, guard: Guard, clock: halt.HaltClock, template: Path, plan: Plan,
                        sustained: float) -> list[dict[str, Any]]:
+    rtt_topic = f"{deployment.name}.rtt"
+    await asyncio.to_thread(create_topics, deployment.bootstrap, [(rtt_topic, 1)])
     levels = []
     for level in plan.load_levels:
         load = level * sustained
         inject = min(10.0, max(2.0, 0.1 * load / 4))  # runaways bring at most ~10% of the load
         background = max(0.0, load - 4 * inject)
-        runs = []
+        runs, raws = [], []
         for repeat in range(plan.repeats):
             result = await halt.halt_latency(deployment, guard, clock, template, background, inject, plan.halt_s,
                                              f"h{int(level * 100)}r{repeat}")
@@ -253,9 +255,16 @@ async def _halt_levels(deployment: BenchDeployment, guard: Guard, clock: halt.Ha
             progress(f"halt: {level:.0%} load ({load:,.0f} ev/s), run {repeat + 1}/{plan.repeats}: "
                      + (f"p50 {cuts['p50']:.0f} ms, p99 {cuts['p99']:.0f} ms, "
                         f"{result['halted']}/{result['injected']} halted" if cuts else "no halts received"))
+            # the raw trip alone at the same load, after each run (not during it: its polls would share the host)
+            raws.append(await halt.raw_trips_under_load(deployment, template, background, plan.halt_s,
+                                                        f"h{int(level * 100)}r{repeat}raw", rtt_topic))
+            progress(f"halt: {level:.0%} load, a raw round trip alone: p50 {raws[-1]['p50']:.1f} ms, "
+                     f"p99 {raws[-1]['p99']:.1f} ms")
         ok = [r["latency_ms"] for r in runs if "latency_ms" in r]
         splits = [r["split_ms"] for r in runs if r.get("split_ms")]
         levels.append({"level": level, "load_per_s": load, "runs": runs,
+                       "raw_round_trips_ms": raws,
+                       "raw_round_trip_ms": {k: statistics.median(c[k] for c in raws) for k in ("p50", "p95", "p99", "max")},
                        "median": {k: statistics.median(c[k] for c in ok) for k in ("p50", "p95", "p99", "max")}
                        if ok else None,
                        "split_median": {k: statistics.median(c[k] for c in splits) for k in splits[0]}

@@ -8,7 +8,9 @@ process.
   decision only the fleet can make costs): runaway runs (4 identical failing calls; the 4th triggers
   ``recursion``) are injected at a steady pace. Latency is from the moment the SDK has produced the
   triggering event (the 4th ``call`` returned, its telemetry queued to the producer) to the moment
-  ``Guard.on_decision`` receives the halt.
+  ``Guard.on_decision`` receives the halt. After each run, the raw round trip alone
+  (``raw_trips_under_load``) over the same background load: how much of the halt's tail the broker and
+  the host's shared cores give any trip at that load.
 - Overshoot, as shipped (local rules on): one agent at a time calls a failing tool at a fixed pace
   through the guard until ``RunHalted``; overshoot is the calls it made after the triggering one
   (``evidence.seq``).
@@ -31,6 +33,7 @@ from aiokafka.structs import TopicPartition
 from stream_app.client import Guard, GuardedRun, KafkaClientConfig, RunHalted
 
 from .host import HostCpu
+from .limit import round_trips
 from .loadgen import LoadGen
 from .stats import percentiles, progress
 from .workers import BenchDeployment
@@ -156,6 +159,31 @@ async def halt_latency(deployment: BenchDeployment, guard: Guard, clock: HaltClo
         result["latency_ms"] = percentiles(samples)
         result["split_ms"] = clock.split(injected)
     return result
+
+
+async def raw_trips_under_load(deployment: BenchDeployment, template: Path, background_per_s: float,
+                               duration_s: float, prefix: str, topic: str) -> dict[str, float]:
+    """The raw round trip (``limit.round_trips``: one message produced, acks all, linger 0, to a consumer
+    holding it) on ``topic`` of one partition, while ``background_per_s`` of telemetry goes through the
+    workers as in ``halt_latency``: what the broker and the host's shared cores alone give one trip at that
+    load (a halt makes two trips, plus the worker's fetch and fold). A trip every ~30 ms over the window."""
+    await deployment.wait_idle()
+    gen = None
+    if background_per_s > 0:
+        gen = LoadGen(deployment.bootstrap, deployment.telemetry_topic, template, background_per_s,
+                      duration_s, prefix)
+        await gen.prepare()
+        await gen.go()
+    try:
+        await asyncio.sleep(0.5)  # the load under way, as the halts' first injection is
+        samples = await round_trips(deployment.bootstrap, topic, max(20, int((duration_s - 1.5) / 0.035)),
+                                    pause_s=0.03)
+        if gen is not None:
+            await gen.wait()
+    finally:
+        if gen is not None:
+            await gen.kill()
+    return percentiles(samples)
 
 
 async def overshoot_run(guard: Guard, run_id: str, calls_per_s: float) -> dict[str, Any]:

@@ -502,23 +502,28 @@ class Page:
             "Each level's runaways start with its load: the step from idle to the load is in its p99.",
             "",
             "| load | events/s | runaways/s | halted | p50 ms | p95 ms | p99 ms | max ms | p50 / raw RTT p50 "
-            "| p99 / raw RTT p99 | inbound / outbound p50 ms | host CPU busy: cores (worker / broker / load gen / runtimes) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| p99 / raw RTT p99 | raw RTT p50 / p99 ms at this load | p99 / raw RTT p99 at this load "
+            "| inbound / outbound p50 ms | host CPU busy: cores (worker / broker / load gen / runtimes) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         )
         for lv in h["levels"]:
             med = lv["median"]
             halted = sum(r["halted"] for r in lv["runs"])
             injected = sum(r["injected"] for r in lv["runs"])
             if med is None:
-                self.add(f"| {lv['level']:.0%} | {_n(lv['load_per_s'])} | - | 0/{injected} | - | - | - | - | - | - | - | - |")
+                self.add(f"| {lv['level']:.0%} | {_n(lv['load_per_s'])} | - | 0/{injected} | - | - | - | - | - | - | - | - | - | - |")
                 continue
             ratio50 = f"{med['p50'] / rtt['p50']:.1f}x" if rtt else "-"
             ratio99 = f"{med['p99'] / rtt['p99']:.1f}x" if rtt else "-"
+            raw = lv.get("raw_round_trip_ms")
+            loaded = f"{raw['p50']:.2f} / {raw['p99']:.2f}" if raw else "-"
+            ratio_loaded = f"{med['p99'] / raw['p99']:.1f}x" if raw else "-"
             split = lv.get("split_median")
             parts = f"{_ms(split['inbound_p50'])} / {_ms(split['outbound_p50'])}" if split else "-"
             self.add(f"| {lv['level']:.0%} | {_n(lv['load_per_s'])} | {lv['runs'][0]['inject_per_s']:.1f} | "
                      f"{halted}/{injected} | {_ms(med['p50'])} | {_ms(med['p95'])} | {_ms(med['p99'])} | "
-                     f"{_ms(med['max'])} | {ratio50} | {ratio99} | {parts} | {_host_cpu(lv['runs'])} |")
+                     f"{_ms(med['max'])} | {ratio50} | {ratio99} | {loaded} | {ratio_loaded} | {parts} | "
+                     f"{_host_cpu(lv['runs'])} |")
         self.add("", "Inbound is from the trigger produced to the worker's producer creating the halt record (its",
                  "Kafka timestamp): the SDK's producer, the broker, the worker's fetch, the batch in hand and",
                  "its fold. Outbound is from there to the runtime's callback: the worker's linger and wait for",
@@ -527,6 +532,11 @@ class Page:
                  "idle and iowait) and each role's share (`/proc/PID/stat`; runtimes: the bench process with the",
                  "guard and its halt listener), medians over the runs. Everything shares this host's cores: a",
                  "latency measured with the host near all its cores busy includes waits for a core.",
+                 "Raw RTT at this load: after each level's runs, the raw round trip of the limits section (one",
+                 "message, acks all, linger 0, to a consumer holding it; a trip every ~30 ms) on a topic of its own,",
+                 "while the same background telemetry goes through the worker for as long as a run: what the broker",
+                 "and the shared cores alone give one trip at that load. A halt is two such trips plus the worker's",
+                 "fetch and fold; the targets above compare with the idle round trip of the limits section.",
                  "", "![halt latency vs load](bench/results/latency_vs_load.png)", "")
         if h.get("wrong_trigger"):
             self.add(f"{h['wrong_trigger']} halts named a trigger other than the 4th call.", "")
@@ -889,6 +899,21 @@ class Page:
                  " bookkeeping and protocol code, a batch's RocksDB and changelog writes, the awaited decision)."
                  " Under load the inbound half grows: a busy worker answers late, whatever the network does. It"
                  " matters for what only the fleet decides: per-run halts are made in the runtime."]
+        half = next((lv for lv in self.halt["levels"] if round(lv["level"], 2) == 0.5 and lv["median"]), None)
+        raw = half.get("raw_round_trip_ms") if half else None
+        if half and raw and self.limit:
+            idle99 = self.limit["round_trip_ms_median"]["p99"]
+            p99 = half["median"]["p99"]
+            lines.append(
+                ("- **At 50% load the halt's tail is the worker's, not the broker's.**" if 2 * raw["p99"] < p99 / 2 else
+                 "- **At 50% load much of the halt's tail is the broker's and the host's.**")
+                + f" A raw round trip alone, with the same background telemetry going through the worker, has p99"
+                f" {raw['p99']:.1f} ms ({raw['p99'] / idle99:.1f}x the idle trip's {idle99:.2f} ms; p50"
+                f" {raw['p50']:.2f} ms; medians of {len(half.get('raw_round_trips_ms', [])) or 1} windows, one after"
+                f" each halt run; the broker, the load generator and the worker share {self.machine.get('cores', 2)}"
+                f" cores). The halt's p99 of {_ms(p99)} ms is {p99 / raw['p99']:.1f}x that: its two trips account for"
+                f" at most {2 * raw['p99']:.0f} ms of it; the rest is the worker's queue (the inbound half's"
+                f" p50 is {_ms((half.get('split_median') or {}).get('inbound_p50', float('nan')))} ms).")
         if overruns.get("count", 0) >= 3 or overruns.get("max_s", 0.0) >= 2.0:
             lines.append(
                 f"- **Offset commits overran**: during the halt and overshoot runs faust logged {overruns['count']}"

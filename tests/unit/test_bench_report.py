@@ -71,3 +71,32 @@ def test_a_settings_section_of_the_fleet_run_is_compared_with_every_default_prob
     text = "\n".join(page.lines)
     assert "| default | 40,000 (39,000, 41,000) | 0.83x |" in text  # 40,000 / mean(39,000, 41,000, 64,000)
     assert "the fleet section's included: 48,000 events/s" in text
+
+
+def _halt_page(tmp_path: Path, halt_p99: float, raw_p99: float) -> report.Page:
+    page = report.Page(tmp_path)
+    page.limit = {"round_trip_ms_median": {"p50": 2.0, "p95": 4.0, "p99": 6.0, "max": 9.0}}
+    cuts = {"p50": 12.0, "p95": 40.0, "p99": halt_p99, "max": halt_p99 + 5}
+    raw = {"p50": 1.5, "p95": 3.0, "p99": raw_p99, "max": raw_p99 + 1}
+    page.halt = {"duration_s": 8.0, "levels": [
+        {"level": 0.5, "load_per_s": 14_000, "median": cuts, "split_median": {"inbound_p50": 9.0, "outbound_p50": 4.0},
+         "runs": [{"inject_per_s": 10.0, "halted": 80, "injected": 80}], "raw_round_trips_ms": [raw, raw, raw],
+         "raw_round_trip_ms": raw}]}
+    page.overshoot = {"loads": [{"runs": {"1000": [{"overshoot": 0}]}}]}
+    return page
+
+
+def test_the_halt_table_sets_each_load_beside_a_raw_trip_at_that_load_and_says_whose_the_tail_is(tmp_path: Path) -> None:
+    """The raw round trip measured alone over the same background load is its own column, with the halt's p99
+    against it; the finding names the worker when two such trips are under half the halt's p99, else the host."""
+    page = _halt_page(tmp_path, halt_p99=52.0, raw_p99=6.5)
+    page.halt_section()
+    text = "\n".join(page.lines)
+    assert "| 50% | 14,000 | 10.0 | 80/80 | 12 | 40 | 52 | 57 | 6.0x | 8.7x | 1.50 / 6.50 | 8.0x | 9.0 / 4.0 | - |" in text
+    bullets = "\n".join(page._halt_bullets())
+    assert "the halt's tail is the worker's, not the broker's" in bullets
+    assert "p99 6.5 ms (1.1x the idle trip's 6.00 ms; p50 1.50 ms; medians of 3 windows" in bullets
+    assert "at most 13 ms of it" in bullets and "inbound half's p50 is 9.0 ms" in bullets
+
+    loaded = _halt_page(tmp_path, halt_p99=52.0, raw_p99=20.0)
+    assert "much of the halt's tail is the broker's and the host's" in "\n".join(loaded._halt_bullets())
