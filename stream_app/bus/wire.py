@@ -7,7 +7,7 @@ the event attributes travel as ``ce_*`` headers, so any CloudEvents consumer can
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+import time
 from typing import Any
 
 import orjson
@@ -107,6 +107,13 @@ def header(headers: Any, name: str) -> bytes | None:
 
 def rfc3339(ts_ms: int) -> str:
     """``ts_ms`` as an RFC 3339 UTC time with milliseconds (CloudEvents ``time``); a time no date can say
-    (a forged fact's, say) is said as the nearest one that can, never an error."""
+    (a forged fact's, say) is said as the nearest one that can, never an error. In integer arithmetic: every
+    published decision is dated here (datetime's float seconds took 2.8 us a decision, and said a quarter to
+    half of the times after 2242, 2^33 s, a millisecond early)."""
     ts_ms = min(max(ts_ms, 0), MAX_TS_MS)  # the event times telemetry may carry
-    return datetime.fromtimestamp(ts_ms / 1000, tz=UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    seconds, ms = divmod(ts_ms, 1000)
+    t = time.gmtime(seconds)
+    return _RFC3339 % (t[0], t[1], t[2], t[3], t[4], t[5], ms)
+
+
+_RFC3339 = "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ"
