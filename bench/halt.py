@@ -116,17 +116,24 @@ class HaltClock:
                 "outbound_p50": statistics.median(self.received_epoch_ms[r] - self.sent_epoch_ms[r] for r in both)}
 
 
+async def background(deployment: BenchDeployment, template: Path, per_s: float, duration_s: float,
+                     prefix: str) -> LoadGen | None:
+    """Once the workers are idle, background telemetry at ``per_s`` for ``duration_s`` from the load
+    generator's process, under way (None at 0); the caller kills it when done."""
+    await deployment.wait_idle()
+    if per_s <= 0:
+        return None
+    gen = LoadGen(deployment.bootstrap, deployment.telemetry_topic, template, per_s, duration_s, prefix)
+    await gen.prepare()
+    await gen.go()
+    return gen
+
+
 async def halt_latency(deployment: BenchDeployment, guard: Guard, clock: HaltClock, template: Path,
                        background_per_s: float, inject_per_s: float, duration_s: float,
                        prefix: str) -> dict[str, Any]:
     """Inject runaways at ``inject_per_s`` for ``duration_s`` over ``background_per_s`` of telemetry."""
-    await deployment.wait_idle()
-    gen = None
-    if background_per_s > 0:
-        gen = LoadGen(deployment.bootstrap, deployment.telemetry_topic, template, background_per_s,
-                      duration_s, prefix)
-        await gen.prepare()
-        await gen.go()
+    gen = await background(deployment, template, background_per_s, duration_s, prefix)
     injected: list[str] = []
     tasks = []
     host = HostCpu()
@@ -167,13 +174,7 @@ async def raw_trips_under_load(deployment: BenchDeployment, template: Path, back
     holding it) on ``topic`` of one partition, while ``background_per_s`` of telemetry goes through the
     workers as in ``halt_latency``: what the broker and the host's shared cores alone give one trip at that
     load (a halt makes two trips, plus the worker's fetch and fold). A trip every ~30 ms over the window."""
-    await deployment.wait_idle()
-    gen = None
-    if background_per_s > 0:
-        gen = LoadGen(deployment.bootstrap, deployment.telemetry_topic, template, background_per_s,
-                      duration_s, prefix)
-        await gen.prepare()
-        await gen.go()
+    gen = await background(deployment, template, background_per_s, duration_s, prefix)
     try:
         await asyncio.sleep(0.5)  # the load under way, as the halts' first injection is
         samples = await round_trips(deployment.bootstrap, topic, max(20, int((duration_s - 1.5) / 0.035)),
@@ -208,14 +209,8 @@ async def overshoot(deployment: BenchDeployment, guard: Guard, template: Path, r
     """``runs`` sequential runaways per pace in ``rates``, over ``background_per_s`` of telemetry; the
     worker is let drain before, and between paces when there is no background (a fast runaway can
     leave a backlog behind)."""
-    await deployment.wait_idle()
-    gen = None
-    if background_per_s > 0:
-        expected_s = sum(runs * (4 / rate + 0.5) for rate in rates) + 30
-        gen = LoadGen(deployment.bootstrap, deployment.telemetry_topic, template, background_per_s, expected_s,
-                      prefix)
-        await gen.prepare()
-        await gen.go()
+    expected_s = sum(runs * (4 / rate + 0.5) for rate in rates) + 30
+    gen = await background(deployment, template, background_per_s, expected_s, prefix)
     try:
         by_rate: dict[str, list[dict[str, Any]]] = {}
         for rate in rates:
