@@ -29,9 +29,13 @@ agents' topics: telemetry, OTLP) skip it:
   bookkeeping so commits can pass it. Without the seed, the first record after an assignment was taken
   as the start, and faust's ``_new_offset`` commits past a single missing first message (committed 100,
   acknowledged [101, 102] commits 103).
-* a batch's offsets are acknowledged into faust's commit bookkeeping in bulk once the handler returned
-  (its state and changelog queued: faust flushes the producer before it commits), in the generation it
-  was fetched in; faust's commit timer does the rest. Handlers
+* a batch is acknowledged once the handler returned (its state and changelog queued: faust flushes the
+  producer before it commits), in the generation it was fetched in; faust's commit timer does the rest.
+  An input partition's acknowledged offsets are a prefix of its log (the sequencer admits them in
+  sequence, skipping only confirmed gaps), so the consumer keeps one number per partition, the offset
+  after the last one acknowledged, and that is what it commits (``_new_offset``): faust's bookkeeping kept
+  every offset in a list and a set, and each commit took its ``max``, sorted it and grouped it into runs
+  of consecutive numbers (9.4 ms of one event-loop step a second at 17,500 events/s). Handlers
   may keep their batches' state in memory past them (the runs and the folds across runs do, so that a
   key busy in every batch is written once a commit): their writers (``install``'s ``state_writers``)
   are awaited at the start of every commit (``_commit_tps``), before the committed offsets are worked
@@ -62,10 +66,11 @@ on nothing is processed or committed.
 
 faust internals this relies on (faust-streaming 0.15.3, mode-streaming 0.7.1, aiokafka 0.14.0, checked
 at start-up by ``versions``): ``Consumer._wait_next_records``, ``_buffered_partitions``, ``_acked``,
-``_acked_index``, ``_committed_offset``, ``_to_message``, ``scheduler``, ``seek_to_committed`` (and
+``_new_offset``, ``_filter_tps_with_pending_acks``, ``on_partitions_revoked`` (its app callback commits),
+``_committed_offset``, ``_to_message``, ``scheduler``, ``seek_to_committed`` (and
 aiokafka's: it seeks only committed offsets above 0), ``_thread`` (``earliest_offsets``, ``seek``),
 ``on_buffer_full``/``on_buffer_drop``, ``_get_active_partitions``, ``_paused_partitions``, ``wait_empty``,
-``_add_gap``, ``_commit_tps`` (every commit passes it: ``commit``, ``force_commit``); aiokafka's
+``_add_gap`` (no-op here), ``_commit_tps`` (every commit passes it: ``commit``, ``force_commit``); aiokafka's
 ``_subscription`` (the stall watch's diagnostic only); ``App.flow_control.manage_queue`` and ``is_active``;
 ``App.consumer_generation_id`` and ``rebalancing``; ``Monitor.stream_inbound_time`` and
 ``track_tp_end_offset``; ``App.transport.Consumer`` (how the consumer class is installed); for standbys
@@ -83,7 +88,16 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -103,8 +117,8 @@ log = logging.getLogger(__name__)
 Record: TypeAlias = "ConsumerRecord[bytes, bytes]"
 #: One fetch's (or several merged) records of one input topic, by partition, each list in offset order.
 Records = dict[TP, list[Record]]
-#: A batch's offsets by partition (what acknowledging it needs; the records themselves are not kept).
-Offsets = dict[TP, list[int]]
+#: A batch's first and last offset by partition (what acknowledging it needs; the records are not kept).
+Offsets = dict[TP, tuple[int, int]]
 Handler = Callable[[Sequence[Record]], Coroutine[Any, Any, None]]
 
 #: A jump past the expected offset is taken as real only after this many seeks back to it...
@@ -506,6 +520,10 @@ class BatchConsumer(Consumer):
         #: interval's records held here (40,000 at a saturated worker's rate) were most of the objects
         #: the garbage collector traversed, and each one survived into its oldest generation.
         self._unwritten: list[tuple[int, Offsets]] = []
+        #: Per input partition, the offset after the last one acknowledged: what a commit may commit.
+        self._acked_to: dict[TP, int] = {}
+        #: Per input partition, the gaps (first, last offset) the sequencer confirmed as absent from the log.
+        self._confirmed_gaps: dict[TP, list[tuple[int, int]]] = {}
         for sink in self.sinks.values():
             sink.consumer = self
             self.app.flow_control.manage_queue(sink)  # type: ignore[arg-type]  # it only calls clear()
@@ -678,27 +696,78 @@ class BatchConsumer(Consumer):
     def processed(self, generation: int, batch: Records) -> None:
         """``batch`` was processed: acknowledged now, or, if the handlers keep state past their batches,
         once the state writers ran after it (at the next commit, or a revoke's or stop's ``wait_empty``)."""
-        offsets = {tp: [record.offset for record in records] for tp, records in batch.items()}
+        offsets = {tp: (records[0].offset, records[-1].offset) for tp, records in batch.items() if records}
         if self.state_writers:
             self._unwritten.append((generation, offsets))
         else:
             self.ack_batch(generation, offsets)
 
     def ack_batch(self, generation: int, offsets: Offsets) -> bool:
-        """Acknowledge a batch's ``offsets`` (processed) into faust's commit bookkeeping, unless the consumer
-        generation moved on since it was fetched. Synchronous: no await between check and ack."""
+        """Acknowledge a processed batch (its first and last offset per partition), unless the consumer
+        generation moved on since it was fetched. Synchronous: no await between check and ack.
+
+        A partition's acknowledged offsets only ever extend its prefix: a batch starting past the offset
+        after the last one acknowledged (or the committed one) is acknowledged only across gaps the
+        sequencer confirmed; otherwise (never, while the sequencer admits in sequence) it is left
+        unacknowledged and logged, and the commit stays where it was, as faust's stops at a hole."""
         if generation != self.app.consumer_generation_id:
             return False
-        committed_offsets = self._committed_offset
-        for tp, tp_offsets in offsets.items():
-            committed = committed_offsets[tp]
-            index = self._acked_index[tp]
-            acked = self._acked[tp]
-            for offset in tp_offsets:
-                if (committed is None or offset >= committed) and offset not in index:
-                    index.add(offset)
-                    acked.append(offset)
+        acked_to = self._acked_to
+        for tp, (first, last) in offsets.items():
+            base = acked_to.get(tp)
+            if base is None:
+                base = self._committed_offset[tp]
+            if base is not None and first > base:
+                base = self._past_confirmed_gaps(tp, base)
+                if first > base:
+                    log.error("%s: a processed batch starts at offset %d, past %d, the offset after the last one "
+                              "acknowledged, with no confirmed gap between: left unacknowledged (a loopwarden bug: "
+                              "please report it)", tp, first, base)
+                    continue
+            if base is None or last >= base:
+                acked_to[tp] = last + 1
         return True
+
+    def _past_confirmed_gaps(self, tp: TP, offset: int) -> int:
+        """``offset``, moved past the confirmed gaps that start at or before it (and dropping those behind)."""
+        gaps = self._confirmed_gaps.get(tp)
+        if not gaps:
+            return offset
+        for first, last in sorted(gaps):
+            if first <= offset <= last:
+                offset = last + 1
+        kept = [(first, last) for first, last in gaps if last >= offset]
+        if kept:
+            self._confirmed_gaps[tp] = kept
+        else:
+            del self._confirmed_gaps[tp]
+        return offset
+
+    def _new_offset(self, tp: TP) -> int | None:
+        """What a commit may commit for ``tp``: for an input partition, the offset after the last one
+        acknowledged, if above the committed one."""
+        if tp.topic in self.sinks:
+            offset = self._acked_to.get(tp)
+            committed = self._committed_offset[tp]
+            return offset if offset is not None and (committed is None or offset > committed) else None
+        return super()._new_offset(tp)
+
+    def _filter_tps_with_pending_acks(self, topics: Any = None) -> Iterator[TP]:
+        yield from super()._filter_tps_with_pending_acks(topics)
+        for tp in self._acked_to:
+            if (topics is None or tp in topics or tp.topic in topics) and self._new_offset(tp) is not None:
+                yield tp
+
+    async def on_partitions_revoked(self, revoked: set[TP]) -> None:
+        """faust's, then the input partitions' acknowledgements are forgotten as faust forgets its own. Not
+        before: faust's callback in between waits for the batch in hand and commits (``wait_empty``), what
+        was processed included."""
+        try:
+            await super().on_partitions_revoked(revoked)
+        finally:
+            for tp in revoked:
+                self._acked_to.pop(tp, None)
+                self._confirmed_gaps.pop(tp, None)
 
     async def wait_empty(self) -> None:
         """Revoke and stop: pending batches dropped, the batch in hand finished, the state handlers kept past
@@ -742,8 +811,9 @@ class BatchConsumer(Consumer):
         """faust's own gap detection fires on offsets it dropped: gaps come from the Sequencer."""
 
     async def confirm_gap(self, tp: TP, offset_from: int, offset_to: int) -> None:
-        """Offsets ``offset_from..offset_to`` are absent from the log: commits may pass them."""
-        await super()._add_gap(tp, offset_from, offset_to)
+        """Offsets ``offset_from..offset_to`` are absent from the log: acknowledgements (and so commits) may
+        pass them."""
+        self._confirmed_gaps.setdefault(tp, []).append((offset_from, offset_to))
 
 
 def install(app: faust.App, sinks: Iterable[BatchSink], on_seek: Callable[[], object],

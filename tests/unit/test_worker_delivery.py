@@ -394,7 +394,7 @@ async def test_with_state_kept_in_memory_a_batch_is_acknowledged_once_the_writer
     try:
         h.sink.offer(1, _records(100, 101))
         await h.settle()
-        assert h.handled == [[100, 101]] and not consumer._acked.get(PARTITION)  # processed, not acknowledged
+        assert h.handled == [[100, 101]] and h.commit_offset() is None  # processed, not acknowledged
         hold.clear()
         committing = asyncio.create_task(consumer.commit())
         await h.settle()  # the writer awaits...
@@ -436,9 +436,9 @@ async def test_batches_waiting_for_their_state_write_keep_their_offsets_not_thei
         h.sink.offer(1, _records(102))  # the drain loop lets go of the batch before once it takes the next
         await h.settle()
         gc.collect()
-        assert h.handled == [[100, 101], [102]] and not consumer._acked.get(PARTITION)
+        assert h.handled == [[100, 101], [102]] and h.commit_offset() is None
         assert [ref() for ref in alive] == [None, None]
-        assert consumer._unwritten == [(1, {PARTITION: [100, 101]}), (1, {PARTITION: [102]})]
+        assert consumer._unwritten == [(1, {PARTITION: (100, 101)}), (1, {PARTITION: (102, 102)})]
         assert await consumer._write_state() == {PARTITION} and h.commit_offset() == 103
     finally:
         await _stopped(task)
@@ -731,15 +731,73 @@ async def test_a_failed_batch_is_fetched_again(tmp_path) -> None:
 
 async def test_only_confirmed_gaps_let_the_commit_pass(tmp_path) -> None:
     """faust's own gap detection (it fires on offsets it dropped itself) is ignored; a gap the sequencer
-    confirmed is filled into the commit."""
+    confirmed (before the records after it are admitted) lets the acknowledgements, so the commit, pass it."""
     h = Harness(tmp_path, "gaps")
     consumer = h.consumer
-    consumer._committed_offset[PARTITION] = None
-    assert consumer.ack_batch(1, {PARTITION: [10, 11, 15]})
+    consumer._committed_offset[PARTITION] = 10
+    assert consumer.ack_batch(1, {PARTITION: (10, 11)})
     await consumer._add_gap(PARTITION, 12, 14)  # what faust's drain loop would do
-    assert consumer._new_offset(PARTITION) == 12
+    assert consumer.ack_batch(1, {PARTITION: (15, 15)})
+    assert consumer._new_offset(PARTITION) == 12  # not past 12..14
     await consumer.confirm_gap(PARTITION, 12, 14)
-    assert consumer._new_offset(PARTITION) == 16
+    await consumer.confirm_gap(PARTITION, 20, 29)  # ahead: kept for when the acknowledgements get there
+    assert consumer.ack_batch(1, {PARTITION: (15, 19)})
+    assert consumer._new_offset(PARTITION) == 20
+    assert consumer.ack_batch(1, {PARTITION: (30, 31)})
+    assert consumer._new_offset(PARTITION) == 32 and not consumer._confirmed_gaps
+
+
+async def test_acknowledgements_extend_a_prefix_from_the_committed_offset(tmp_path) -> None:
+    """One number per partition: the offset after the last one acknowledged. A batch starting past it (a
+    head gap: committed 100, a batch of 101..102; a hole after it) is not acknowledged, where faust's
+    bookkeeping committed 103; a batch again (a seek back after a failure further on) changes nothing;
+    the consumer generation must be the batch's."""
+    h = Harness(tmp_path, "prefix")
+    consumer = h.consumer
+    consumer._committed_offset[PARTITION] = 100
+    assert consumer.ack_batch(1, {PARTITION: (101, 102)})
+    assert h.commit_offset() is None and list(consumer._filter_tps_with_pending_acks()) == []
+    assert consumer.ack_batch(1, {PARTITION: (100, 102)})
+    assert h.commit_offset() == 103 and list(consumer._filter_tps_with_pending_acks()) == [PARTITION]
+    assert consumer.ack_batch(1, {PARTITION: (100, 101)})  # processed again after a seek back
+    assert consumer.ack_batch(1, {PARTITION: (105, 106)})  # a hole: 103, 104
+    assert h.commit_offset() == 103
+    assert not consumer.ack_batch(2, {PARTITION: (103, 110)})  # fetched in an older generation
+    assert h.commit_offset() == 103
+    other = TP(TOPIC, 1)  # nothing committed: its first acknowledged batch starts it
+    assert consumer.ack_batch(1, {other: (7, 9)}) and consumer._new_offset(other) == 10
+    consumer._committed_offset[PARTITION] = 103  # committed: nothing pending for it
+    assert list(consumer._filter_tps_with_pending_acks()) == [other]
+    assert list(consumer._filter_tps_with_pending_acks({CHANGELOG})) == []
+
+
+async def test_a_commit_commits_the_acknowledged_prefix_and_a_revoke_forgets_it_after_its_commit(tmp_path) -> None:
+    """faust's commit path (``force_commit``: the partitions with pending acknowledgements, their new
+    offsets) commits the offset after the last one acknowledged; a revoke's callback commits what was
+    processed until then, and only after it are the revoked partitions' acknowledgements forgotten (a
+    later assignment starts from the committed offset)."""
+    h = await Harness(tmp_path, "revoke-commit").seeded()
+    consumer = h.consumer
+    committed: list[dict[TP, int]] = []
+
+    async def commit_offsets(offsets: dict[TP, int], start_new_transaction: bool = True) -> bool:
+        committed.append(dict(offsets))
+        consumer._committed_offset.update(offsets)
+        return True
+
+    async def revoked_callback(revoked: set[TP]) -> None:  # the app's: its wait_empty commits
+        assert consumer.ack_batch(1, {PARTITION: (102, 103)})
+        assert await consumer.commit()
+
+    consumer._commit_offsets = commit_offsets  # type: ignore[method-assign]
+    consumer._on_partitions_revoked = revoked_callback  # type: ignore[method-assign]
+    assert consumer.ack_batch(1, {PARTITION: (100, 101)})
+    assert await consumer.commit()
+    assert committed == [{PARTITION: 102}]
+    assert not await consumer.commit()  # nothing new
+    await consumer.on_partitions_revoked({PARTITION})
+    assert committed == [{PARTITION: 102}, {PARTITION: 104}]
+    assert consumer._acked_to == {} and h.commit_offset() is None
 
 
 # --- the sequencer ------------------------------------------------------------------------------------
