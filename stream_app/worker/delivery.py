@@ -35,7 +35,8 @@ agents' topics: telemetry, OTLP) skip it:
   sequence, skipping only confirmed gaps), so the consumer keeps one number per partition, the offset
   after the last one acknowledged, and that is what it commits (``_new_offset``): faust's bookkeeping kept
   every offset in a list and a set, and each commit took its ``max``, sorted it and grouped it into runs
-  of consecutive numbers (9.4 ms of one event-loop step a second at 17,500 events/s). Handlers
+  of consecutive numbers (at 17,500 events/s over 8 partitions, a second's acknowledgements took 1.9 ms and
+  the commit's offsets 2.8 ms of the event loop; now 0.2 and 0.02 ms). Handlers
   may keep their batches' state in memory past them (the runs and the folds across runs do, so that a
   key busy in every batch is written once a commit): their writers (``install``'s ``state_writers``)
   are awaited at the start of every commit (``_commit_tps``), before the committed offsets are worked
@@ -65,9 +66,9 @@ agents' topics: telemetry, OTLP) skip it:
 on nothing is processed or committed.
 
 faust internals this relies on (faust-streaming 0.15.3, mode-streaming 0.7.1, aiokafka 0.14.0, checked
-at start-up by ``versions``): ``Consumer._wait_next_records``, ``_buffered_partitions``, ``_acked``,
-``_new_offset``, ``_filter_tps_with_pending_acks``, ``on_partitions_revoked`` (its app callback commits),
-``_committed_offset``, ``_to_message``, ``scheduler``, ``seek_to_committed`` (and
+at start-up by ``versions``): ``Consumer._wait_next_records``, ``_buffered_partitions``, ``_new_offset``,
+``_filter_tps_with_pending_acks``, ``on_partitions_revoked`` (its app callback commits), ``_committed_offset``,
+``_to_message``, ``scheduler``, ``seek_to_committed`` (and
 aiokafka's: it seeks only committed offsets above 0), ``_thread`` (``earliest_offsets``, ``seek``),
 ``on_buffer_full``/``on_buffer_drop``, ``_get_active_partitions``, ``_paused_partitions``, ``wait_empty``,
 ``_add_gap`` (no-op here), ``_commit_tps`` (every commit passes it: ``commit``, ``force_commit``); aiokafka's
