@@ -89,13 +89,23 @@ class Topics:
     dlq: TopicT
 
 
+#: Keys whose hash (``key_hash``) a partitioner remembers (then it starts afresh).
+CACHED_KEYS = 65_536
+
+
+def key_hash(key: bytes) -> int:
+    """The hash Kafka's default partitioner places ``key`` by (its partition: this modulo the partition
+    count), as every producer of the key computes it."""
+    return int(murmur2(key)) & 0x7FFFFFFF
+
+
 class KeyedPartitioner:
     """Kafka's default partitioner (aiokafka's: murmur2 of the key) with each key's hash remembered: aiokafka's
     murmur2 is pure Python, ~3 us a key, and a run's decisions come in twos and threes (its advice, its halt
     to the control and the alerts topics), a tree's or a tool's in more. Keyless messages go where aiokafka's
     would (a random available partition)."""
 
-    def __init__(self, cached: int = 65_536) -> None:
+    def __init__(self, cached: int = CACHED_KEYS) -> None:
         self._hashes: dict[bytes, int] = {}
         self._cached = cached
 
@@ -108,7 +118,7 @@ class KeyedPartitioner:
         if hashed is None:
             if len(hashes) >= self._cached:
                 hashes.clear()
-            hashed = hashes[key] = murmur2(key) & 0x7FFFFFFF
+            hashed = hashes[key] = key_hash(key)
         return all_partitions[hashed % len(all_partitions)]
 
 

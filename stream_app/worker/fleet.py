@@ -62,7 +62,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
-from aiokafka.partitioner import murmur2
 
 from ..bus.clock import wall_clock_ms
 from ..bus.signing import SignatureRejected, Signer
@@ -74,7 +73,7 @@ from ..core.policy import FleetThresholds
 from ..core.stored import StoredRecordError
 from .batch import FoldFailed, Verifier
 from .delivery import Record
-from .effects import MAX_AHEAD_MS, DeadLetters, DecisionProducer, Topics
+from .effects import CACHED_KEYS, MAX_AHEAD_MS, DeadLetters, DecisionProducer, Topics, key_hash
 from .facts import FACTS_FORMAT, KIND_OF_SCOPE, KINDS, TOOLS, FactItem, Kind, decode_facts, message
 from .metrics import WorkerMetrics
 from .store import Change, RunStore
@@ -87,13 +86,9 @@ log = logging.getLogger(__name__)
 #: what this worker wrote last: after a rebalance, a recovery, a sweep).
 DECODED_KEYS = 4096
 
-#: Scope keys whose facts partition the publisher remembers (then it starts afresh).
-CACHED_PARTITIONS = 65_536
-
-
 def partition_of(scope_key: str, partitions: int) -> int:
     """The facts topic partition of a scope key (``tree/ROOT``): Kafka's default partitioner on it."""
-    return int(murmur2(scope_key.encode()) & 0x7FFFFFFF) % partitions
+    return key_hash(scope_key.encode()) % partitions
 
 
 class FactsPublisher:
@@ -112,7 +107,7 @@ class FactsPublisher:
         by_partition: dict[int, tuple[list[bytes], ...]] = {}
         partitions = self.partitions
         known = self._partition_of
-        if len(known) > CACHED_PARTITIONS:
+        if len(known) > CACHED_KEYS:
             known.clear()
         # In source offset order: a batch's facts come run by run, and the keyed folds skip a fact at or
         # below a key's high-water offset of its source partition as folded before (runs A, B of one tree
