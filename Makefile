@@ -40,7 +40,7 @@ kafka-jars: install
 ## short trial of each chaos scenario (make chaos runs the full suite).
 test: test-setup lint
 	@cargo test --quiet --release --manifest-path native/Cargo.toml
-	@$(BIN)/python -m pytest
+	@$(BIN)/python -m pytest -n 2 --dist loadfile
 
 ## make test-deploy: only the deploy tier (compose, Helm chart, alert rules, Prometheus against a worker).
 test-deploy: test-setup

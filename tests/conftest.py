@@ -11,7 +11,8 @@ the folder fails the collection (move the test, or drop the marker):
 
 ``kafka_bootstrap`` uses ``$KAFKA_BOOTSTRAP_SERVERS`` when it is set (e.g. a broker started once with
 ``python -m scripts.kafka_local start``); otherwise it starts a broker (``scripts.kafka_local``) for the
-test session. Tests create their own uniquely named topics with ``topic_factory``, and tests that must
+test session (``make test`` runs two pytest-xdist processes: a broker each). Tests create their own
+uniquely named topics with ``topic_factory``, and tests that must
 stop, kill or misconfigure a broker get a private one from ``kafka_broker_factory``. ``secure_kafka`` is
 a second, secured session broker (SASL_SSL, mutual TLS, ACLs), started by the first test that asks.
 """
