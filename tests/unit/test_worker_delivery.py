@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -634,6 +635,27 @@ async def test_the_consumer_runs_on_the_apps_loop_without_a_thread(tmp_path) -> 
         return threading.get_ident()
 
     assert await thread.call_thread(where) == threading.get_ident() == await thread.call_thread(threading.get_ident)
+
+
+async def test_a_zero_sleep_only_yields_and_a_longer_one_still_ends_when_the_consumer_stops(tmp_path) -> None:
+    """faust's drain loop calls ``sleep(0)`` once per fetch: it makes no task (mode's made one and cancelled
+    it); a longer sleep is still mode's, cut short by the consumer's stop."""
+    h = Harness(tmp_path, "zero-sleep")
+    loop = asyncio.get_running_loop()
+    made: list[object] = []
+    factory = loop.get_task_factory()
+    loop.set_task_factory(lambda loop, coro, **kw: made.append(coro) or asyncio.Task(coro, loop=loop, **kw))
+    try:
+        await h.consumer.sleep(0)
+    finally:
+        loop.set_task_factory(factory)
+    assert made == []
+    started = time.monotonic()
+    sleeping = asyncio.create_task(h.consumer.sleep(30))
+    await asyncio.sleep(0.01)
+    h.consumer._stopped.set()
+    await asyncio.wait_for(sleeping, 5)
+    assert time.monotonic() - started < 5
 
 
 async def test_a_full_sink_holds_its_partitions_back_until_it_drained(tmp_path) -> None:
