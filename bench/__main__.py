@@ -14,7 +14,8 @@
 
 Progress lines go to stderr. ``--quick`` shortens every phase (for trying the harness, not for figures).
 Not part of it: ``python -m bench.cycle`` (a worker's CPU per batch against batch size below saturation:
-the fixed cost of a cycle, where the halt latency at partial load goes).
+the fixed cost of a cycle, where the halt latency at partial load goes; ``--trace``: which of the event
+loop's steps that cost is made of).
 """
 
 from __future__ import annotations
