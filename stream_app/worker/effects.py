@@ -73,6 +73,12 @@ UNACKED_PRUNE_AT = 256
 #: A batch that leaves more records kept than this writes them at once (memory: ~1.3 KB a run record), not
 #: with the next commit.
 KEEP_MAX_RECORDS = 20_000
+#: After the sweep reached a partition's last stored run, the partition rests this share of ``run_ttl_ms``
+#: (at most ``SWEEP_REST_MAX_S``) before its next pass: a silent run is forgotten that much later at most,
+#: and a partition holding fewer runs than a second's scans (256 per turn, 16 turns a second with 8
+#: partitions) is not decoded run by run every half second.
+SWEEP_REST_SHARE = 0.05
+SWEEP_REST_MAX_S = 30.0
 
 #: Dead-lettered values are cut to this many bytes (header ``value_bytes``: the original size), below the
 #: producer's 1 MB request limit: the telemetry topic may allow larger messages than the DLQ does.
@@ -286,6 +292,10 @@ class Effects:
         self._sweep_from: dict[int, bytes] = {}
         #: The partition the last sweep scanned (the next one goes on with the partition after it).
         self._swept_last = -1
+        self._sweep_rest_s = min(SWEEP_REST_MAX_S, self._run_ttl_ms / 1000 * SWEEP_REST_SHARE)
+        #: Per partition whose last pass reached its last run, when (``_monotonic``) its next pass may start.
+        self._resting_until: dict[int, float] = {}
+        self._monotonic = time.monotonic
         self._state_lock = asyncio.Lock()
         #: One future per processed batch with sends (decisions, facts), done once all are acknowledged;
         #: kept until done, so every writer of state waits for them (``_acknowledged``).
@@ -422,9 +432,15 @@ class Effects:
         that brings the next batch needs turns of the event loop of its own, so the batches waited out the
         whole sweep. At the halt bench's 50% load then (16,825 events/s), a sweep of one partition per tick
         took halts over 20 ms from 19 to 3 of 480, p99 31.1 to 19.0 ms (6 interleaved 8-s runs each,
-        pooled). A run is judged by its latest record (kept, else stored) and its deletion is kept like any
-        record, written by the next flush: a sweep writes nothing itself."""
-        partitions = sorted(self._assigned() & self._watermark_ms.keys())
+        pooled). A partition whose pass reached its last run rests (``SWEEP_REST_SHARE`` of ``run_ttl_ms``, at most
+        ``SWEEP_REST_MAX_S``) before the next: at 1,000 and 20,000 events/s the timers' turns, mostly the sweep's
+        decoding the same runs again every half second, took 19 and 28 ms of the event loop a second (0.5 and
+        0.7 ms each); with the rest, under 5 and 8 (``python -m bench.cycle --trace --rates 1000,20000``). A run
+        is judged by its latest record (kept, else stored) and its deletion is kept like any record, written by
+        the next flush: a sweep writes nothing itself."""
+        now = self._monotonic()
+        partitions = sorted(partition for partition in self._assigned() & self._watermark_ms.keys()
+                            if self._resting_until.get(partition, 0.0) <= now)
         if not partitions:
             return
         partition = next((p for p in partitions if p > self._swept_last), partitions[0])
@@ -442,6 +458,8 @@ class Effects:
         store = self.store
         found, self._sweep_from[partition] = store.scan(
             partition, self._sweep_from.get(partition, b""), self.evict_scan_per_sweep)
+        if not self._sweep_from[partition]:  # the pass reached the partition's last run
+            self._resting_until[partition] = self._monotonic() + self._sweep_rest_s
         stale: list[Change] = []
         for key, stored in found:
             latest = store.latest(partition, key, stored)
@@ -465,6 +483,7 @@ class Effects:
                             "events are folded again by the partitions' next owner", dropped, sorted(partitions))
         for partition in partitions:
             self._tracked.pop(partition, None)
+            self._resting_until.pop(partition, None)
             self._evicted_kept.pop(partition, None)  # not written here: its next owner counts them
             with contextlib.suppress(KeyError):  # never reported here
                 self.metrics.consumer_lag.remove(str(partition))

@@ -48,7 +48,7 @@ SETTINGS = SettingsTable((
     ("rocksdb_block_cache_mb", "LOOPWARDEN_ROCKSDB_BLOCK_CACHE_MB", "32", "RocksDB block cache per table partition, MiB"),
     ("rocksdb_write_buffer_mb", "LOOPWARDEN_ROCKSDB_WRITE_BUFFER_MB", "16", "RocksDB write buffer per table partition, MiB"),
     ("rocksdb_max_open_files", "LOOPWARDEN_ROCKSDB_MAX_OPEN_FILES", "256", "RocksDB open files per table partition"),
-    ("evict_scan_per_sweep", "LOOPWARDEN_EVICT_SCAN_PER_SWEEP", "256", "stored runs checked for expiry per sweep (a sweep is one partition's turn: every 0.5 s / LOOPWARDEN_PARTITIONS, so each partition every 0.5 s when one worker owns them all)"),
+    ("evict_scan_per_sweep", "LOOPWARDEN_EVICT_SCAN_PER_SWEEP", "256", "stored runs checked for expiry per sweep (a sweep is one partition's turn: every 0.5 s / LOOPWARDEN_PARTITIONS, so each partition every 0.5 s when one worker owns them all; a partition whose pass reached its last run rests 5% of run_ttl_ms, at most 30 s, before the next)"),
     ("state_write_version", "LOOPWARDEN_STATE_WRITE_VERSION", str(FORMAT_VERSION), f"format version of the stored run records this worker writes (0 to {FORMAT_VERSION}; it reads all of them): in a rolling upgrade, keep the old version until every worker runs the new release"),
     ("signing_key", "LOOPWARDEN_SIGNING_KEY", "", "Ed25519 private key (PEM file) that signs every control message; required unless LOOPWARDEN_ALLOW_UNSIGNED=true"),
     ("allow_unsigned", "LOOPWARDEN_ALLOW_UNSIGNED", "false", "publish control messages unsigned (development only: runtimes that verify refuse them)"),

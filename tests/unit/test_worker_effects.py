@@ -82,12 +82,40 @@ def _effects(consumer: _Consumer, store: Any = None) -> tuple[Effects, WorkerMet
     app: Any = SimpleNamespace(consumer=consumer)
     effects = Effects(app, topics, store, fold, metrics, None, None, "/test", 256, None,  # type: ignore[arg-type]
                       fatal=FatalStop(stop=lambda: None))
+    effects._sweep_rest_s = 0.0  # a partition's next pass at once (its own test below)
     return effects, metrics
 
 
 def _lag(metrics: WorkerMetrics) -> dict[str, float]:
     return {sample.labels["partition"]: sample.value for metric in metrics.consumer_lag.collect()
             for sample in metric.samples}
+
+
+async def test_a_partition_whose_pass_reached_its_last_run_rests_before_the_next() -> None:
+    """The next pass of a partition swept to its end waits 5% of run_ttl_ms (at most 30 s, wall clock): the
+    turns go to the other partitions meanwhile, and a revoke forgets the rest."""
+    consumer = _Consumer({0, 1})
+    store = _Store()
+    effects, _ = _effects(consumer, store)
+    effects._sweep_rest_s = min(effects_module.SWEEP_REST_MAX_S,
+                                effects._run_ttl_ms / 1000 * effects_module.SWEEP_REST_SHARE)
+    assert effects._sweep_rest_s == 30.0  # the default run_ttl_ms, 1 h: capped
+    now = [1000.0]
+    effects._monotonic = lambda: now[0]
+    effects._watermark_ms = {0: 10**10, 1: 10**10}
+    for _ in range(4):
+        await effects.sweep()
+    assert store.log == ["scan 0", "scan 1"]  # both passes reached their last run at once: resting
+    now[0] += 29.9
+    await effects.sweep()
+    assert store.log == ["scan 0", "scan 1"]
+    now[0] += 0.2
+    await effects.sweep()
+    await effects.sweep()
+    assert store.log == ["scan 0", "scan 1", "scan 0", "scan 1"]
+    await effects.forget({1})
+    consumer.partitions.discard(1)
+    assert 1 not in effects._resting_until
 
 
 async def test_the_lag_gauge_is_the_end_offset_minus_the_next_offset_to_process() -> None:
@@ -186,6 +214,7 @@ def _folding(store: Any, fatal: FatalStop | None = None) -> tuple[Effects, _Deci
     app: Any = SimpleNamespace(consumer=consumer)
     effects = Effects(app, topics, store, BatchFold(Detector(), facts=False), WorkerMetrics(), None, None, "/test",
                       256, decisions, fatal=fatal or FatalStop(stop=lambda: None))  # type: ignore[arg-type]
+    effects._sweep_rest_s = 0.0  # a partition's next pass at once
     return effects, decisions
 
 
