@@ -96,6 +96,14 @@ async def trace(bootstrap: str, template: Path, rates: list[float], top: int) ->
             print("|---|---|---|---|")
             for key, (calls, seconds) in sorted(steps.items(), key=lambda item: -item[1][1])[:top]:
                 print(f"| `{key}` | {calls:,.0f} | {seconds * 1000:.1f} | {seconds / calls * 1e6:,.0f} |")
+            long = looptrace.stalls(path, before[0], after[0])
+            print(f"\nlong steps (>= {looptrace.STALL_S * 1000:g} ms) and collections (>= "
+                  f"{looptrace.GC_STALL_S * 1000:g} ms) over {after[0] - before[0]:.1f} s\n")
+            print("| kind | count | longest ms | their ms |")
+            print("|---|---|---|---|")
+            for key, values in sorted(long.items(), key=lambda item: -sum(item[1]))[:top]:
+                print(f"| `{key}` | {len(values)} | {', '.join(f'{v * 1000:.1f}' for v in values[:5])} | "
+                      f"{sum(values) * 1000:.0f} |")
     finally:
         deployment.stop()
 

@@ -8,17 +8,22 @@ callback by its function's name. The totals are written to ``path`` (JSON) every
 thread, as cumulative counters: the difference of two snapshots is what the loop did between them. The
 counting costs the worker a few microseconds a callback (a few percent of a core at thousands of
 callbacks a second): compare traced runs with each other, not with untraced ones.
+
+A halt's tail at partial load is made of the loop's long steps, not its averages: each step of at least
+``STALL_S`` and each garbage collection of at least ``GC_STALL_S`` (inside some step: its time is also the
+step's) is kept too, with when it ended (``stalls``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import sys
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +31,11 @@ from typing import Any
 ENV = "BENCH_LOOPTRACE"  # not LOOPWARDEN_*: the harness keeps that prefix for worker settings
 #: The key of a snapshot's wall-clock time (epoch seconds).
 AT = "_written_at"
+#: The key of a snapshot's long steps: [ended at (epoch seconds), kind, seconds], the last ``STALLS_KEPT``.
+STALLS = "_stalls"
+STALL_S = 0.005
+GC_STALL_S = 0.001
+STALLS_KEPT = 5_000
 
 _SITECUSTOMIZE = f"""import os
 if os.environ.get({ENV!r}):
@@ -61,8 +71,18 @@ def _where(task: asyncio.Task[Any]) -> str:
 def install(path: str) -> None:
     """Count this process's event loop callbacks into ``path`` (see the module docstring)."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    long_steps: deque[tuple[float, str, float]] = deque(maxlen=STALLS_KEPT)
     run = asyncio.events.Handle._run
     clock = time.perf_counter
+    gc_started = [0.0]
+
+    def collected(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_started[0] = clock()
+        elif (took := clock() - gc_started[0]) >= GC_STALL_S:
+            long_steps.append((time.time(), f"gc generation {info['generation']}", took))
+
+    gc.callbacks.append(collected)
 
     def counted(handle: asyncio.events.Handle) -> None:
         callback = handle._callback  # type: ignore[attr-defined]
@@ -73,9 +93,12 @@ def install(path: str) -> None:
         try:
             run(handle)
         finally:
+            took = clock() - started
             entry = totals[key]
             entry[0] += 1
-            entry[1] += clock() - started
+            entry[1] += took
+            if took >= STALL_S:
+                long_steps.append((time.time(), key, took))
 
     asyncio.events.Handle._run = counted  # type: ignore[method-assign,assignment]
 
@@ -86,6 +109,7 @@ def install(path: str) -> None:
             try:
                 snapshot: dict[str, Any] = {key: list(value) for key, value in list(totals.items())}
                 snapshot[AT] = time.time()
+                snapshot[STALLS] = list(long_steps)
                 target.with_suffix(".tmp").write_text(json.dumps(snapshot))
                 target.with_suffix(".tmp").replace(target)
             except Exception as exc:  # noqa: BLE001 - a diagnostic must not stop the worker
@@ -105,6 +129,7 @@ def read(path: Path) -> Snapshot:
     except FileNotFoundError:
         return 0.0, {}
     at = float(raw.pop(AT))
+    raw.pop(STALLS, None)
     return at, {key: (int(calls), float(seconds)) for key, (calls, seconds) in raw.items()}
 
 
@@ -120,3 +145,17 @@ def rates(before: Snapshot, after: Snapshot) -> dict[str, tuple[float, float]]:
         if calls > calls0:
             out[key] = ((calls - calls0) / span, (seconds - seconds0) / span)
     return out
+
+
+def stalls(path: Path, since: float, until: float) -> dict[str, list[float]]:
+    """Per kind, the durations (seconds, longest first) of the long steps and collections that ended between
+    two epoch times, as the last snapshot holds them."""
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    out: dict[str, list[float]] = defaultdict(list)
+    for at, key, seconds in raw.get(STALLS, []):
+        if since <= at <= until:
+            out[key].append(seconds)
+    return {key: sorted(values, reverse=True) for key, values in out.items()}

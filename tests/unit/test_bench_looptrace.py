@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,19 @@ def test_a_traced_process_counts_each_kind_of_step_with_its_time(tmp_path: Path)
     # the step after ``await asyncio.sleep`` (line 6), keyed by both frames: quick
     (resumed,) = [value for key, value in steps.items() if key.startswith("spins_then_waits:6>sleep:")]
     assert resumed[0] == 3 and resumed[1] < 0.05
+
+
+def test_long_steps_are_kept_with_when_they_ended(tmp_path: Path) -> None:
+    out = tmp_path / "trace.json"
+    env = {**os.environ, **looptrace.worker_env(out)}
+    started = time.time()
+    subprocess.run([sys.executable, "-c", PROGRAM], env=env, check=True, timeout=60, cwd=tmp_path)
+    long = looptrace.stalls(out, started, time.time())
+    # the three 50 ms spins, and none of the quick steps
+    spins = long.pop("spins_then_waits:4")
+    assert len(spins) == 3 and min(spins) >= 0.05
+    assert all(key.startswith("gc generation") for key in long)
+    assert looptrace.stalls(out, 0.0, started) == {}
 
 
 def test_rates_are_the_difference_of_two_snapshots_per_second() -> None:
