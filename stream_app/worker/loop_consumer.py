@@ -35,7 +35,8 @@ mode internals this relies on (mode-streaming 0.7.1, faust-streaming 0.15.3; che
 ``_stopped_set``, ``_thread_started``, ``wait_for_shutdown``; ``QueueServiceThread.call_thread``,
 ``cast_thread`` and ``on_thread_stop`` (stops the method queue, then faust's override the aiokafka
 consumer); ``ThreadDelegateConsumer._new_consumer_thread``; faust's ``_create_worker_consumer`` and aiokafka's
-``AIOKafkaConsumer._fetch_max_wait_ms`` (read when the consumer starts its fetcher).
+``AIOKafkaConsumer._fetch_max_wait_ms`` (read when the consumer starts its fetcher) and ``._fetcher`` (given
+``fetch_plan``'s way of deciding what to fetch once started).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ from typing import Any
 from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
 from mode import Service
 from mode.utils.futures import maybe_async
+
+from . import fetch_plan
 
 #: How long a fetch may wait at the broker for new records (see the module docstring); faust's is 1,500 ms.
 FETCH_MAX_WAIT_MS = 100
@@ -67,6 +70,11 @@ class LoopConsumerThread(AIOKafkaConsumerThread):
         consumer = super()._create_worker_consumer(transport)
         consumer._fetch_max_wait_ms = FETCH_MAX_WAIT_MS  # faust passes 1,500; its fetcher takes it at start
         return consumer
+
+    async def on_start(self) -> None:
+        await super().on_start()
+        consumer: Any = self._consumer
+        fetch_plan.install(consumer._fetcher)  # created by the consumer's start
 
     async def start(self) -> None:
         self._thread_started.set()  # as ServiceThread.start does, for its maybe_start
