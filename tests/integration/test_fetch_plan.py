@@ -144,6 +144,9 @@ async def test_a_consumer_with_it_fetches_and_wakes_when_a_paused_partition_resu
             while len(got) < 2:
                 got += [(r.partition, r.value) for rs in (await consumer.getmany(timeout_ms=200)).values() for r in rs]
         assert got == [(0, b"m0"), (1, b"m1")]
+        # this broker is asked with the hand-encoded request (version 11), not aiokafka's generic one
+        versions = next(conn for conn in consumer._client._conns.values())._versions
+        assert type(fetch_plan.FastFetchRequest(100, 1, 1024, 0, []).prepare(versions)) is fetch_plan._FetchV11
     finally:
         await consumer.stop()
         await producer.stop()
