@@ -206,6 +206,16 @@ class DecisionProducer:
             self._requests.add(request)
             request.add_done_callback(functools.partial(self._answered, accumulator))
 
+    async def flush(self) -> None:
+        """``flush_now``, then one turn of the event loop, in which the produce request's task writes the
+        request before the caller goes on. The caller is a batch: without the turn, when the next batch
+        was already fetched, the agent folded it before the request's task ran, so a batch's decisions
+        waited for the next one too (one worker at 4,000 events/s, 2026-12-06: from a halt's send to its
+        produce request written p50 0.7-1.2 ms, p90 1.6-4.7, p99 11-22; with the turn 0.53-0.55, 0.9-1.1,
+        2.3-4.0)."""
+        self.flush_now()
+        await asyncio.sleep(0)
+
     def _answered(self, accumulator: Any, request: asyncio.Future[None]) -> None:
         self._requests.discard(request)
         if not request.cancelled() and (error := request.exception()) is not None:
@@ -337,7 +347,7 @@ class Effects:
         if result.decisions:
             sends += await self._publish(result.decisions)  # its flush takes the facts along in the same request
         elif sends:
-            self.decisions.flush_now()
+            await self.decisions.flush()
         if sends:
             self._in_flight(sends, result.decisions)
         store.keep(result.records)
@@ -530,6 +540,6 @@ class Effects:
             pending.append(await send(control, key, value, headers))
             if decision.action == "halt" or decision.verdict in ("operator_halt", "operator_resume"):
                 pending.append(await send(alerts, key, value, headers))
-        self.decisions.flush_now()
+        await self.decisions.flush()
         return pending
 

@@ -368,7 +368,7 @@ class FleetEffects:
             elif decision.action == "resume" and self.scopes_topic:  # lifted: a tombstone of the key
                 pending.append(await self.decisions.send(self.scopes_topic, f"{decision.scope}/{decision.key_text}"
                                                          .encode(), None, []))
-        self.decisions.flush_now()
+        await self.decisions.flush()
         await asyncio.gather(*pending)
         now = time.time()
         for kind, decision in decisions:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,8 +17,9 @@ from aiokafka.structs import TopicPartition
 pytest.importorskip("faust")
 
 from stream_app.bus.kafka import KafkaClientConfig
+from stream_app.core.contract import Decision
 from stream_app.worker.delivery import ProducerFailed
-from stream_app.worker.effects import DecisionProducer
+from stream_app.worker.effects import DecisionProducer, Effects
 
 pytestmark = pytest.mark.integration
 
@@ -156,4 +158,46 @@ async def test_a_request_failing_unexpectedly_fails_the_producer_for_good(
             await producer.send_to(topic, 0, b"facts")
     finally:
         aio._message_accumulator._pending_batches.clear()  # failed above: nothing left to deliver at stop
+        await producer.stop()
+
+
+async def test_flush_returns_with_the_request_written(kafka_bootstrap: str, topic_factory: Callable[..., str]) -> None:
+    """``flush`` is the flush and the turn of the loop in which its request's task writes it: the caller
+    (a batch) goes on, and the next batch folds, only once its decisions are on the wire."""
+    topic = topic_factory()
+    producer = DecisionProducer(KafkaClientConfig(kafka_bootstrap))
+    await producer.start()
+    try:
+        await (await producer.send(topic, b"warm", b"up", []))
+        await asyncio.sleep(0.05)
+        sent = await producer.send(topic, b"run-1", b"halt", [])
+        await producer.flush()
+        assert _in_flight(producer) == 1  # no other turn of the loop ran since
+        assert (await asyncio.wait_for(sent, 10)).offset == 1
+    finally:
+        await producer.stop()
+
+
+async def test_a_batchs_decisions_are_on_the_wire_when_publishing_returns(
+        kafka_bootstrap: str, topic_factory: Callable[..., str]) -> None:
+    """``Effects._publish`` (a batch's decisions) returns once their produce request is written, so a next
+    batch already fetched does not fold first (it did: the decisions then waited for that batch too)."""
+    control, alerts = topic_factory(), topic_factory()
+    producer = DecisionProducer(KafkaClientConfig(kafka_bootstrap))
+    await producer.start()
+    effects: Any = Effects.__new__(Effects)
+    effects.topics = SimpleNamespace(control=SimpleNamespace(get_topic_name=lambda: control),
+                                     alerts=SimpleNamespace(get_topic_name=lambda: alerts))
+    effects.decisions, effects.signer, effects.event_source = producer, None, "/test"
+    halt = Decision(run_id="run-1", action="halt", verdict="recursion", trigger_event_id="e-4", decision_id="d-1",
+                    ts_ms=1_764_000_000_000, reason="the same failing call 4 times")
+    try:
+        for topic in (control, alerts):  # metadata known: no send waits for it (the sender would go meanwhile)
+            await (await producer.send(topic, b"warm", b"up", []))
+        await asyncio.sleep(0.05)
+        pending = await effects._publish([halt])
+        assert len(pending) == 2  # control and alerts: one request
+        assert _in_flight(producer) == 1
+        await asyncio.wait_for(asyncio.gather(*pending), 10)
+    finally:
         await producer.stop()

@@ -193,6 +193,9 @@ class _Decisions:
     def flush_now(self) -> None:
         pass
 
+    async def flush(self) -> None:
+        pass
+
 
 def _calls(partition: int, run_id: str, first: int, count: int) -> list[ConsumerRecord[bytes, bytes]]:
     """``count`` identical failing calls of ``run_id`` at offsets ``first``..."""

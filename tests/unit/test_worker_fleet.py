@@ -104,6 +104,9 @@ class _Producer:
     def flush_now(self) -> None:
         """Sends here are done at once (the real one's flush: tests/integration/test_decision_producer.py)."""
 
+    async def flush(self) -> None:
+        """As ``flush_now``."""
+
 
 class _DeadLetters:
     def __init__(self) -> None:
