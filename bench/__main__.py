@@ -15,7 +15,8 @@
 Progress lines go to stderr. ``--quick`` shortens every phase (for trying the harness, not for figures).
 Not part of it: ``python -m bench.cycle`` (a worker's CPU per batch against batch size below saturation:
 the fixed cost of a cycle, where the halt latency at partial load goes; ``--trace``: which of the event
-loop's steps that cost is made of).
+loop's steps that cost is made of, and its long steps) and ``python -m bench.halt_ab REF_A REF_B`` (two
+commits' halt latency at one rate, interleaved and pooled: an A/B the machine's drift cannot decide).
 """
 
 from __future__ import annotations
