@@ -78,18 +78,18 @@ class _FetchResponseV11(FetchResponse_v11):  # type: ignore[misc]  # aiokafka is
         throttle, error_code, session_id = _RESPONSE_HEAD.unpack_from(raw, 0)
         at = _RESPONSE_HEAD.size
         (count,), at = unpack_count(raw, at), at + 4
-        topics: list[Any] | None = None if count < 0 else []
+        topics: list[Any] | None = None if count == -1 else []  # aiokafka's Array: only -1 is null
         for _ in range(max(count, 0)):
             (length,), at = unpack_length(raw, at), at + 2
             topic = None if length < 0 else raw[at:at + length].decode()
             at += max(length, 0)
             (count,), at = unpack_count(raw, at), at + 4
-            partitions: list[Any] | None = None if count < 0 else []
+            partitions: list[Any] | None = None if count == -1 else []
             for _ in range(max(count, 0)):
                 partition, p_error, high, stable, start = unpack_partition(raw, at)
                 at += _PARTITION_HEAD.size
                 (aborted_count,), at = unpack_count(raw, at), at + 4
-                aborted: list[Any] | None = None if aborted_count < 0 else []
+                aborted: list[Any] | None = None if aborted_count == -1 else []
                 for _ in range(max(aborted_count, 0)):
                     aborted.append(unpack_aborted(raw, at))  # type: ignore[union-attr]
                     at += 16
@@ -176,7 +176,9 @@ class _AnyResumed:
                 future.add_done_callback(self._resumed)
         return [waiter]
 
-    def _resumed(self, _: asyncio.Future[Any]) -> None:
+    def _resumed(self, resumed: asyncio.Future[Any]) -> None:
+        if not any(future is resumed for future in self.futures):
+            return  # a callback queued before its set was replaced: not this waiter's partition
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)

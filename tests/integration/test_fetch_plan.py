@@ -117,6 +117,18 @@ async def test_the_one_future_is_done_when_any_paused_partition_resumes_and_then
     assert fetcher._get_actions_per_node(assignment)[4] == []
 
 
+async def test_a_resume_seen_after_the_set_changed_does_not_wake_the_new_future(
+        stopped_fetcher: tuple[AIOKafkaConsumer, Any, list[TopicPartition]]) -> None:
+    consumer, fetcher, tps = stopped_fetcher
+    assignment = consumer._subscription.subscription.assignment
+    consumer.pause(*tps[PARTITIONS:])
+    fetcher._get_actions_per_node(assignment)
+    consumer.resume(tps[-1])  # its future's callback queued, not run yet
+    (rest,) = fetcher._get_actions_per_node(assignment)[4]  # the set without it, at once
+    await asyncio.sleep(0)
+    assert not rest.done()  # the three are still paused: the routine sleeps on
+
+
 async def test_a_consumer_with_it_fetches_and_wakes_when_a_paused_partition_resumes(
         kafka_bootstrap: str, topic_factory: Callable[..., str]) -> None:
     topic = topic_factory(partitions=2)

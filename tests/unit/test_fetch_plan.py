@@ -72,3 +72,13 @@ def test_a_truncated_response_is_a_value_error_as_aiokafkas() -> None:
     for cut in (3, 12, len(raw) - 2):
         with pytest.raises(ValueError, match="Buffer underrun"):
             _FetchResponseV11.decode(io.BytesIO(raw[:cut]))
+
+
+def test_a_negative_count_other_than_minus_one_is_an_empty_array_as_aiokafkas() -> None:
+    import struct
+
+    head = struct.pack(">ihi", 0, 0, 9)
+    for raw in (head + struct.pack(">i", -2),  # topics
+                head + struct.pack(">i", 1) + struct.pack(">h", 1) + b"t" + struct.pack(">i", -5)):  # partitions
+        assert _FetchResponseV11.decode(io.BytesIO(raw)).topics == FetchResponse_v11.decode(io.BytesIO(raw)).topics
+    assert _FetchResponseV11.decode(io.BytesIO(head + struct.pack(">i", -1))).topics is None
