@@ -225,16 +225,8 @@ async def fleet_section(bootstrap: str, template: Path, plan: Plan, results: Pat
 async def halt_section(deployment: BenchDeployment, guard: Guard, template: Path, plan: Plan,
                        sustained: float) -> dict[str, Any]:
     """Halt latency at each load level, ``plan.repeats`` times."""
-    clock = halt.HaltClock()
-    guard.on_decision(clock.on_decision)
-    tap = asyncio.create_task(clock.tap(deployment.bootstrap, deployment.control_topic, deployment.partitions))
-    try:
+    async with halt.clocked(deployment, guard) as clock:
         levels = await _halt_levels(deployment, guard, clock, template, plan, sustained)
-    finally:
-        if tap.done() and tap.exception() is not None:
-            progress(f"halt: the control-topic tap failed ({tap.exception()!r}); no inbound/outbound split")
-        tap.cancel()
-        await asyncio.gather(tap, return_exceptions=True)
     return {"sustained_per_s": sustained, "duration_s": plan.halt_s, "levels": levels,
             "wrong_trigger": clock.wrong_trigger}
 

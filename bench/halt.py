@@ -23,6 +23,7 @@ import contextlib
 import statistics
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -107,13 +108,32 @@ class HaltClock:
         finally:
             await consumer.stop()
 
+    def inbound_ms(self, run_ids: list[str]) -> list[float]:
+        """Milliseconds from each of these runs' trigger produced to its halt sent (the tap saw it)."""
+        return [self.sent_epoch_ms[r] - self.produced_epoch_ms[r] for r in run_ids if r in self.sent_epoch_ms]
+
     def split(self, run_ids: list[str]) -> dict[str, float]:
         """Median inbound and outbound milliseconds of these runs' halts."""
         both = [r for r in run_ids if r in self.sent_epoch_ms and r in self.received_epoch_ms]
         if not both:
             return {}
-        return {"inbound_p50": statistics.median(self.sent_epoch_ms[r] - self.produced_epoch_ms[r] for r in both),
+        return {"inbound_p50": statistics.median(self.inbound_ms(both)),
                 "outbound_p50": statistics.median(self.received_epoch_ms[r] - self.sent_epoch_ms[r] for r in both)}
+
+
+@contextlib.asynccontextmanager
+async def clocked(deployment: BenchDeployment, guard: Guard) -> AsyncIterator[HaltClock]:
+    """A ``HaltClock`` on ``guard``'s decisions, its tap on the control topic running while in the block."""
+    clock = HaltClock()
+    guard.on_decision(clock.on_decision)
+    tap = asyncio.create_task(clock.tap(deployment.bootstrap, deployment.control_topic, deployment.partitions))
+    try:
+        yield clock
+    finally:
+        if tap.done() and tap.exception() is not None:
+            progress(f"halt: the control-topic tap failed ({tap.exception()!r}); no inbound/outbound split")
+        tap.cancel()
+        await asyncio.gather(tap, return_exceptions=True)
 
 
 async def background(deployment: BenchDeployment, template: Path, per_s: float, duration_s: float,

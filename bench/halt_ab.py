@@ -72,26 +72,21 @@ async def _session(bootstrap: str, template: Path, tree: Path, rate: float, runs
         await fleet.warm_up(deployment, template, f"{tag}w")
         await fleet.run_load(deployment, template, 0.1 * rate, 6.0, f"{tag}x", drain_timeout_s=30.0)
         guard = await halt.guard_for(deployment, local_rules=False, linger_ms=0)
-        clock = halt.HaltClock()
-        guard.on_decision(clock.on_decision)
-        tap = asyncio.create_task(clock.tap(deployment.bootstrap, deployment.control_topic, deployment.partitions))
         try:
-            for run in range(runs):
-                prefix = f"{tag}r{run}"
-                result = await halt.halt_latency(deployment, guard, clock, template, rate - 4 * INJECT_PER_S,
-                                                 INJECT_PER_S, SECONDS, prefix)
-                ids = [run_id for run_id in clock.latency_ms if run_id.startswith(prefix)]
-                latencies += [clock.latency_ms[run_id] for run_id in ids]
-                inbound += [clock.sent_epoch_ms[run_id] - clock.produced_epoch_ms[run_id] for run_id in ids
-                            if run_id in clock.sent_epoch_ms]
-                cuts = result.get("latency_ms", {})
-                worker = result["host_cpu"].get("by_role", {}).get("worker", 0.0)
-                progress(f"halt_ab: {tag} run {run + 1}/{runs}: p50 {cuts.get('p50', 0):.1f} ms, p99 "
-                         f"{cuts.get('p99', 0):.1f} ms, {result['halted']}/{result['injected']} halted, worker "
-                         f"{worker:.2f} cores")
+            async with halt.clocked(deployment, guard) as clock:
+                for run in range(runs):
+                    prefix = f"{tag}r{run}"
+                    result = await halt.halt_latency(deployment, guard, clock, template, rate - 4 * INJECT_PER_S,
+                                                     INJECT_PER_S, SECONDS, prefix)
+                    ids = [run_id for run_id in clock.latency_ms if run_id.startswith(prefix)]
+                    latencies += [clock.latency_ms[run_id] for run_id in ids]
+                    inbound += clock.inbound_ms(ids)
+                    cuts = result.get("latency_ms", {})
+                    worker = result["host_cpu"].get("by_role", {}).get("worker", 0.0)
+                    progress(f"halt_ab: {tag} run {run + 1}/{runs}: p50 {cuts.get('p50', 0):.1f} ms, p99 "
+                             f"{cuts.get('p99', 0):.1f} ms, {result['halted']}/{result['injected']} halted, worker "
+                             f"{worker:.2f} cores")
         finally:
-            tap.cancel()
-            await asyncio.gather(tap, return_exceptions=True)
             await guard.stop()
     finally:
         deployment.stop()
