@@ -44,8 +44,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.client import ConnectionGroup
+from aiokafka.conn import CloseReason
+from aiokafka.errors import KafkaError, RequestTimedOutError
 from aiokafka.partitioner import DefaultPartitioner, murmur2
+from aiokafka.producer.sender import SendProduceReqHandler
 from faust.exceptions import NotReady
 from faust.types import TP, TopicT
 
@@ -142,17 +145,23 @@ class DecisionProducer:
     Started with the app (or on the first send), stopped once faust's consumer has stopped (the batch in
     hand at a stop publishes through it first).
 
-    ``flush_now`` puts what is queued on the wire from the event loop's next turn. aiokafka's sender
-    task takes three turns to do it (its waiter's callback, its own wake-up, the produce request's task),
-    and on a worker at 10% load each turn waits behind the fetches and batches already queued: a halt's
-    produce request reached the socket 0.73 ms (p50) after the send, 0.35 ms with the flush, and the halt
-    reached the runtime 2.74 ms after it was sent instead of 3.03 (medians of 9 interleaved runs of the
-    halt bench's 10% load each). It does what one pass of the sender's loop does, with aiokafka's own
-    request task, and wakes the sender when the request is answered (retries and batches queued meanwhile
-    are the sender's again). aiokafka 0.14.0's private attributes used (``versions.PINNED``):
-    ``AIOKafkaProducer._sender`` and ``._message_accumulator``; ``Sender._in_flight``,
-    ``._muted_partitions`` and ``._send_produce_req``; ``MessageAccumulator.drain_by_nodes``,
-    ``._waiter_future``, ``.fail_all`` and ``._exception``.
+    ``flush_now`` writes what is queued to the broker's socket before it returns. aiokafka's sender takes
+    three turns of the event loop to do it (its waiter's callback, its own wake-up, the produce request's
+    task), and on a worker at 10% load each turn waits behind the fetches and batches already queued: a
+    halt's produce request reached the socket 0.73 ms (p50) after the send, 0.35 ms when the flush started
+    the request's task (the halt reached the runtime 2.74 ms after it was sent instead of 3.03: medians of
+    9 interleaved runs of the halt bench's 10% load each), and from the halt's send to the end of that
+    turn p50 0.47 ms, p90 3.4 (one worker at 4,000 events/s, 2026-12-06: the turn ran the handles queued
+    before it, a fetch response's or another producer's request among them). It does what one pass of the
+    sender's loop does, and what the request's task does up to its write (``_Written``: the request built
+    by aiokafka's handler and written on the broker's connection here, the rest of the handler's work, its
+    answer, errors and retries, in a task); the answer wakes the sender (retries and batches queued
+    meanwhile are the sender's again). Without a connected connection to the broker (at start, after a
+    disconnect) the request's task is aiokafka's own, from the loop's next turn. aiokafka 0.14.0's private
+    attributes used (``versions.PINNED``): ``AIOKafkaProducer._sender`` and ``._message_accumulator``;
+    ``Sender._in_flight``, ``._muted_partitions``, ``._send_produce_req``, ``._acks`` and ``.client``;
+    ``AIOKafkaClient._conns``; ``SendProduceReqHandler`` (its ``do``, ``create_request`` and ``_client``);
+    ``MessageAccumulator.drain_by_nodes``, ``._waiter_future``, ``.fail_all`` and ``._exception``.
 
     A producer whose sender failed refuses every send for good (aiokafka fails what it held and keeps the
     error); its next send raises ``delivery.ProducerFailed`` and the worker stops (exit status 3) instead
@@ -192,29 +201,37 @@ class DecisionProducer:
             raise
         return sent
 
-    def flush_now(self) -> None:
-        """Send what is queued now instead of after the sender's turns (see the class docstring)."""
+    def flush_now(self) -> bool:
+        """Write what is queued now instead of after the sender's turns (see the class docstring); whether a
+        request is left to aiokafka's task, to be written in the loop's next turn (no connection yet)."""
         producer = self._producer
         if producer is None:
-            return
+            return False
         sender, accumulator = producer._sender, producer._message_accumulator
         ready, _ = accumulator.drain_by_nodes(ignore_nodes=sender._in_flight, muted_partitions=sender._muted_partitions)
+        deferred = False
         for node_id, batches in ready.items():
             sender._in_flight.add(node_id)
             sender._muted_partitions.update(batches)
-            request = asyncio.ensure_future(sender._send_produce_req(node_id, batches))
+            written = _Written.write(sender, node_id, batches)
+            if written is None:
+                deferred = True
+                request = asyncio.ensure_future(sender._send_produce_req(node_id, batches))
+            else:
+                request = asyncio.ensure_future(written.answer(node_id))
             self._requests.add(request)
             request.add_done_callback(functools.partial(self._answered, accumulator))
+        return deferred
 
     async def flush(self) -> None:
-        """``flush_now``, then one turn of the event loop, in which the produce request's task writes the
-        request before the caller goes on. The caller is a batch: without the turn, when the next batch
-        was already fetched, the agent folded it before the request's task ran, so a batch's decisions
-        waited for the next one too (one worker at 4,000 events/s, 2026-12-06: from a halt's send to its
-        produce request written p50 0.7-1.2 ms, p90 1.6-4.7, p99 11-22; with the turn 0.53-0.55, 0.9-1.1,
-        2.3-4.0)."""
-        self.flush_now()
-        await asyncio.sleep(0)
+        """``flush_now``; when a request was left to aiokafka's task, one turn of the event loop, in which it
+        is written. The caller is a batch, which goes on only once its decisions are on the wire: when the
+        next batch was already fetched, the agent folded it before the request's task ran, and a batch's
+        decisions waited for the next one too (one worker at 4,000 events/s, 2026-12-06: from a halt's send
+        to its produce request written p50 0.7-1.2 ms, p90 1.6-4.7, p99 11-22; with the turn 0.53-0.55,
+        0.9-1.1, 2.3-4.0)."""
+        if self.flush_now():
+            await asyncio.sleep(0)
 
     def _answered(self, accumulator: Any, request: asyncio.Future[None]) -> None:
         self._requests.discard(request)
@@ -231,6 +248,69 @@ class DecisionProducer:
         producer, self._producer = self._producer, None
         if producer is not None:
             await producer.stop()
+
+
+class _Written(SendProduceReqHandler):  # type: ignore[misc]
+    """aiokafka's handler of a produce request (``SendProduceReqHandler``), for a request it built and
+    ``write`` wrote at once on the broker's connection: ``answer`` is the rest of what aiokafka's request task
+    does (``Sender._send_produce_req``: the handler's ``do``, which awaits the answer here instead of sending,
+    then the broker and partitions released), so errors, retries and the batches' futures are aiokafka's."""
+
+    def __init__(self, sender: Any, batches: dict[Any, Any], conn: Any) -> None:
+        super().__init__(sender, batches)
+        self._request = super().create_request()
+        self._conn = conn
+        self._reply: Any = None
+        self._client = _Replied(sender.client, self)
+
+    @classmethod
+    def write(cls, sender: Any, node_id: int, batches: dict[Any, Any]) -> _Written | None:
+        """The handler of ``batches``' request, written now; None when there is no connected connection
+        to the broker (``AIOKafkaClient.send`` would make one) or no answer comes (acks=0)."""
+        conn = sender.client._conns.get((node_id, ConnectionGroup.DEFAULT))
+        if conn is None or not conn.connected() or sender._acks == 0:
+            return None
+        handler = cls(sender, batches, conn)
+        try:
+            handler._reply = conn.send(handler._request)  # on the socket: what AIOKafkaClient.send does
+        except KafkaError as exc:  # a broken connection (closed by aiokafka): handled as a failed send
+            handler._reply = exc
+        return handler
+
+    def create_request(self) -> Any:
+        return self._request
+
+    async def answer(self, node_id: int) -> None:
+        sender = self._sender
+        await self.do(node_id)
+        sender._in_flight.remove(node_id)
+        for tp in self._batches:
+            sender._muted_partitions.remove(tp)
+
+    async def reply(self) -> Any:
+        """The broker's answer, as ``AIOKafkaClient.send`` returns it (a timeout closes the connection)."""
+        if isinstance(self._reply, BaseException):
+            raise self._reply
+        try:
+            return await self._reply
+        except TimeoutError as exc:
+            self._conn.close(reason=CloseReason.CONNECTION_TIMEOUT)
+            raise RequestTimedOutError() from exc
+
+
+class _Replied:
+    """The client as a ``_Written`` handler sees it: ``send`` is the written request's answer; the rest is
+    the client's."""
+
+    def __init__(self, client: Any, written: _Written) -> None:
+        self._real = client
+        self._written = written
+
+    async def send(self, node_id: int, request: Any) -> Any:
+        return await self._written.reply()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
 
 
 def _check_alive(producer: AIOKafkaProducer, exc: Exception) -> None:

@@ -1,6 +1,6 @@
-"""The worker's decisions producer against the real broker: ``flush_now`` puts queued messages on the
-wire from the event loop's next turn (aiokafka's sender takes three), and loses, reorders or stalls
-nothing around aiokafka's own sender."""
+"""The worker's decisions producer against the real broker: ``flush_now`` writes queued messages to the
+broker before it returns (aiokafka's sender takes three turns of the event loop; without a connection,
+the loop's next turn), and loses, reorders or stalls nothing around aiokafka's own sender."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
+from aiokafka.producer.sender import SendProduceReqHandler
 from aiokafka.structs import TopicPartition
 
 pytest.importorskip("faust")
@@ -48,7 +49,7 @@ async def _read(bootstrap: str, topic: str, count: int) -> list[bytes]:
 
 
 @pytest.mark.parametrize("flush", [True, False])
-async def test_a_flushed_send_is_on_the_wire_after_one_turn_of_the_loop(
+async def test_a_flushed_send_is_on_the_wire_when_the_flush_returns(
         kafka_bootstrap: str, topic_factory: Callable[..., str], flush: bool) -> None:
     topic = topic_factory()
     producer = DecisionProducer(KafkaClientConfig(kafka_bootstrap))
@@ -59,11 +60,35 @@ async def test_a_flushed_send_is_on_the_wire_after_one_turn_of_the_loop(
         assert _in_flight(producer) == 0
         sent = await producer.send(topic, b"run-1", b"halt", [])
         if flush:
-            producer.flush_now()
-        await asyncio.sleep(0)  # one turn: the request's task has written it; no answer can be read yet
+            assert producer.flush_now() is False  # written here: nothing left for the loop's next turn
+        assert _in_flight(producer) == (1 if flush else 0)
+        await asyncio.sleep(0)
         assert _in_flight(producer) == (1 if flush else 0)  # without the flush the sender needs 3 turns
         metadata = await asyncio.wait_for(sent, 10)
         assert metadata.offset == 1
+    finally:
+        await producer.stop()
+
+
+async def test_without_a_connection_the_flush_leaves_the_request_to_aiokafka_for_the_next_turn(
+        kafka_bootstrap: str, topic_factory: Callable[..., str]) -> None:
+    """A closed connection (a broker restart, an idle timeout) is aiokafka's to open again: the request goes
+    through its own task, written once the connection is up, and delivered."""
+    topic = topic_factory()
+    producer = DecisionProducer(KafkaClientConfig(kafka_bootstrap))
+    aio: Any = await producer.start()
+    try:
+        await (await producer.send(topic, b"warm", b"up", []))
+        await asyncio.sleep(0.05)
+        for conn in list(aio.client._conns.values()):
+            conn.close()
+        sent = await producer.send(topic, b"run-1", b"halt", [])
+        assert producer.flush_now() is True
+        assert _in_flight(producer) == 0  # not written yet
+        assert (await asyncio.wait_for(sent, 10)).offset == 1
+        second = await producer.send(topic, b"run-2", b"halt", [])
+        assert producer.flush_now() is False  # the connection is back: written at once
+        assert (await asyncio.wait_for(second, 10)).offset == 2
     finally:
         await producer.stop()
 
@@ -111,8 +136,7 @@ async def test_a_send_queued_behind_a_flushed_request_goes_out_when_it_is_answer
     try:
         await (await producer.send(topic, b"warm", b"up", []))
         first = await producer.send(topic, b"run-1", b"halt", [])
-        producer.flush_now()
-        await asyncio.sleep(0)  # on the wire
+        producer.flush_now()  # on the wire
         second = await producer.send(topic, b"run-2", b"halt", [])  # the broker is busy: queued
         assert (await asyncio.wait_for(first, 10)).offset == 1
         assert (await asyncio.wait_for(second, 10)).offset == 2
@@ -132,24 +156,62 @@ async def test_a_flushed_request_in_flight_at_stop_is_delivered(
     assert await _read(kafka_bootstrap, topic, 5) == [f"decision-{i}".encode() for i in range(5)]
 
 
-async def test_a_request_failing_unexpectedly_fails_the_producer_for_good(
-        kafka_bootstrap: str, topic_factory: Callable[..., str]) -> None:
-    """A flushed request that raises what aiokafka does not handle (a bug: its sender's own loop would
-    die of it) fails every pending send, as aiokafka does; from then on a send raises ``ProducerFailed``,
-    which stops the worker, while a send that may work again (a timeout) stays a plain ``KafkaError``."""
+async def test_a_write_on_a_broken_connection_is_retried_by_aiokafka(
+        kafka_bootstrap: str, topic_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The socket refuses the flush's write (aiokafka closes the connection and raises): the batch is
+    re-queued as aiokafka's handler does with a failed send, goes out again on a new connection, and is
+    delivered once."""
     topic = topic_factory()
     producer = DecisionProducer(KafkaClientConfig(kafka_bootstrap))
     aio: Any = await producer.start()
     try:
         await (await producer.send(topic, b"warm", b"up", []))
-        sender = aio._sender
+        await asyncio.sleep(0.05)
+        (conn,) = aio.client._conns.values()
 
-        async def broken(node_id: int, batches: Any) -> None:
+        def refused(data: bytes) -> None:
+            raise ConnectionResetError("reset by peer")
+
+        monkeypatch.setattr(conn._writer, "write", refused)
+        sent = await producer.send(topic, b"run-1", b"halt", [])
+        assert producer.flush_now() is False
+        assert not conn.connected()
+        assert (await asyncio.wait_for(sent, 10)).offset == 1
+    finally:
+        await producer.stop()
+    assert await _read(kafka_bootstrap, topic, 2) == [b"up", b"halt"]
+
+
+@pytest.mark.parametrize("connected", [True, False])
+async def test_a_request_failing_unexpectedly_fails_the_producer_for_good(
+        kafka_bootstrap: str, topic_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch,
+        connected: bool) -> None:
+    """A flushed request that raises what aiokafka does not handle (a bug: its sender's own loop would
+    die of it) fails every pending send, as aiokafka does; from then on a send raises ``ProducerFailed``,
+    which stops the worker, while a send that may work again (a timeout) stays a plain ``KafkaError``.
+    Whether the request was written by the flush (``connected``) or left to aiokafka's task."""
+    topic = topic_factory()
+    producer = DecisionProducer(KafkaClientConfig(kafka_bootstrap))
+    aio: Any = await producer.start()
+    try:
+        await (await producer.send(topic, b"warm", b"up", []))
+        await asyncio.sleep(0.05)
+
+        def broken(*args: Any) -> None:
             raise RuntimeError("unexpected")
 
-        sender._send_produce_req = broken
+        if connected:
+            monkeypatch.setattr(SendProduceReqHandler, "handle_response", broken)
+        else:
+            for conn in list(aio.client._conns.values()):
+                conn.close()
+
+            async def broken_task(node_id: int, batches: Any) -> None:
+                broken()
+
+            aio._sender._send_produce_req = broken_task
         sent = await producer.send(topic, b"run-1", b"halt", [])
-        producer.flush_now()
+        assert producer.flush_now() is (not connected)
         with pytest.raises(KafkaError, match="Unexpected error during batch delivery"):
             await asyncio.wait_for(sent, 10)
         with pytest.raises(ProducerFailed, match="failed for good"):
@@ -162,8 +224,8 @@ async def test_a_request_failing_unexpectedly_fails_the_producer_for_good(
 
 
 async def test_flush_returns_with_the_request_written(kafka_bootstrap: str, topic_factory: Callable[..., str]) -> None:
-    """``flush`` is the flush and the turn of the loop in which its request's task writes it: the caller
-    (a batch) goes on, and the next batch folds, only once its decisions are on the wire."""
+    """``flush`` returns with its request written: the caller (a batch) goes on, and the next batch folds, only
+    once its decisions are on the wire."""
     topic = topic_factory()
     producer = DecisionProducer(KafkaClientConfig(kafka_bootstrap))
     await producer.start()
