@@ -58,8 +58,9 @@ async def _call(run: GuardedRun, query: str) -> None:
 
 class HaltClock:
     """Matches halts received by the guard to the moment their trigger was produced, and splits the
-    latency at the control record's timestamp (set by the worker's producer when it sends the halt):
-    inbound (trigger produced -> halt sent) and outbound (halt sent -> runtime holds it)."""
+    latency at the control record's timestamp (set by the worker's producer when it sends the halt, in
+    whole milliseconds: the split's halves are each up to 1 ms off, their sum is not): inbound (trigger
+    produced -> halt sent) and outbound (halt sent -> runtime holds it)."""
 
     def __init__(self) -> None:
         self.produced: dict[str, float] = {}
@@ -68,6 +69,8 @@ class HaltClock:
         self.received_epoch_ms: dict[str, float] = {}
         self.sent_epoch_ms: dict[str, int] = {}
         self.wrong_trigger = 0
+        self._reader: AIOKafkaConsumer | None = None
+        self._tps: list[TopicPartition] = []
 
     def on_decision(self, decision: dict[str, Any]) -> None:
         now = time.perf_counter()
@@ -87,29 +90,41 @@ class HaltClock:
         self.produced[run_id] = time.perf_counter()
         self.produced_epoch_ms[run_id] = time.time() * 1000
 
-    async def tap(self, bootstrap: str, topic: str, partitions: int) -> None:
-        """Read the control topic from its end and keep the timestamp of each injected run's halt record."""
-        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-                                    fetch_max_wait_ms=20)
-        await consumer.start()
-        try:
-            tps = [TopicPartition(topic, p) for p in range(partitions)]
-            consumer.assign(tps)
-            await consumer.seek_to_end(*tps)
-            while True:
-                for records in (await consumer.getmany(timeout_ms=200)).values():
-                    for record in records:
-                        run_id = record.key.decode() if record.key else ""
-                        # the halt's record: the 3rd call's advice comes first, in a batch of its own when
-                        # the worker folded the 3rd and 4th calls apart (until 2026-12-04 its timestamp was
-                        # taken, and the inbound half read as short as 0.5 ms)
-                        if run_id in self.produced_epoch_ms and orjson.loads(record.value or b"{}").get("action") == "halt":
-                            self.sent_epoch_ms.setdefault(run_id, record.timestamp)
-        finally:
-            await consumer.stop()
+    async def start_reading(self, bootstrap: str, topic: str, partitions: int) -> None:
+        """Remember where the control topic ends now: ``read_sent`` reads it from there."""
+        self._reader = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
+        await self._reader.start()
+        self._tps = [TopicPartition(topic, p) for p in range(partitions)]
+        self._reader.assign(self._tps)
+        await self._reader.seek_to_end(*self._tps)
+        for tp in self._tps:
+            await self._reader.position(tp)  # resolved now, not at the first read
+
+    async def read_sent(self) -> None:
+        """Read the control topic up to its end now and keep the timestamp of each injected run's halt
+        record. After the halts, not while they run: a tap consuming beside the runtime's listener took the
+        process's loop turns from it (the listener got a halt 0.3 ms after the tap at p50, 2026-12-06)."""
+        reader = self._reader
+        if reader is None:
+            return
+        ends = await reader.end_offsets(self._tps)
+        while [tp for tp, end in ends.items() if await reader.position(tp) < end]:
+            for records in (await reader.getmany(timeout_ms=200)).values():
+                for record in records:
+                    run_id = record.key.decode() if record.key else ""
+                    # the halt's record: the 3rd call's advice comes first, in a batch of its own when
+                    # the worker folded the 3rd and 4th calls apart (until 2026-12-04 its timestamp was
+                    # taken, and the inbound half read as short as 0.5 ms)
+                    if run_id in self.produced_epoch_ms and orjson.loads(record.value or b"{}").get("action") == "halt":
+                        self.sent_epoch_ms.setdefault(run_id, record.timestamp)
+
+    async def stop_reading(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            await reader.stop()
 
     def inbound_ms(self, run_ids: list[str]) -> list[float]:
-        """Milliseconds from each of these runs' trigger produced to its halt sent (the tap saw it)."""
+        """Milliseconds from each of these runs' trigger produced to its halt sent (``read_sent`` found it)."""
         return [self.sent_epoch_ms[r] - self.produced_epoch_ms[r] for r in run_ids if r in self.sent_epoch_ms]
 
     def split(self, run_ids: list[str]) -> dict[str, float]:
@@ -123,17 +138,15 @@ class HaltClock:
 
 @contextlib.asynccontextmanager
 async def clocked(deployment: BenchDeployment, guard: Guard) -> AsyncIterator[HaltClock]:
-    """A ``HaltClock`` on ``guard``'s decisions, its tap on the control topic running while in the block."""
+    """A ``HaltClock`` on ``guard``'s decisions, reading the control topic's halt records from where it ends
+    when the block starts (``HaltClock.read_sent``)."""
     clock = HaltClock()
     guard.on_decision(clock.on_decision)
-    tap = asyncio.create_task(clock.tap(deployment.bootstrap, deployment.control_topic, deployment.partitions))
+    await clock.start_reading(deployment.bootstrap, deployment.control_topic, deployment.partitions)
     try:
         yield clock
     finally:
-        if tap.done() and tap.exception() is not None:
-            progress(f"halt: the control-topic tap failed ({tap.exception()!r}); no inbound/outbound split")
-        tap.cancel()
-        await asyncio.gather(tap, return_exceptions=True)
+        await clock.stop_reading()
 
 
 async def background(deployment: BenchDeployment, template: Path, per_s: float, duration_s: float,
@@ -174,6 +187,7 @@ async def halt_latency(deployment: BenchDeployment, guard: Guard, clock: HaltClo
         if gen is not None:
             await gen.kill()
     samples = [clock.latency_ms[r] for r in injected if r in clock.latency_ms]
+    await clock.read_sent()
     result: dict[str, Any] = {
         "background_per_s": background_per_s,
         "inject_per_s": inject_per_s,
