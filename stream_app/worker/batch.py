@@ -57,7 +57,7 @@ from .facts import Fact, FactItem, fact_items
 log = logging.getLogger(__name__)
 
 __all__ = ["BatchFold", "BatchResult", "DeadLetter", "FoldFailed", "InputRecord", "NativeBatchFold", "RawRecord", "Rekey", "Verifier",
-           "is_operator"]
+           "is_operator", "merge"]
 
 Headers = Sequence[tuple[str, bytes]]
 
@@ -165,6 +165,26 @@ class BatchResult:
     #: tool facts summed per source partition, key and window; the publisher sends them in source offset
     #: order.
     facts: list[FactItem] = field(default_factory=list)
+
+
+def merge(result: BatchResult, indexes: Sequence[int], part: BatchResult) -> None:
+    """Add ``part``, the result of a fold of the records at ``indexes`` of ``result``'s batch (its indexes are
+    into that subset), to ``result``. Each run is wholly in one of them, or in ``part`` after ``result`` (a
+    later part of the batch, folded on ``result``'s records): a run's new records and decisions keep their order."""
+    for partition, changes in part.records.items():
+        result.records.setdefault(partition, []).extend(changes)
+    result.decisions.extend(part.decisions)
+    result.dead_letters.extend(DeadLetter(indexes[d.index], d.error) for d in part.dead_letters)
+    result.rekeys.extend(Rekey(indexes[r.index], r.key) for r in part.rekeys)
+    result.applied.update(part.applied)
+    result.duplicates += part.duplicates
+    for partition, ts_ms in part.watermarks.items():
+        if ts_ms > result.watermarks.get(partition, 0):
+            result.watermarks[partition] = ts_ms
+    result.policy_mismatches.update(part.policy_mismatches)
+    # A tool key and window may now have an item from each part, each summed at its own last offset: in
+    # source offset order (the publisher's) both count, as their sum would.
+    result.facts.extend(part.facts)
 
 
 Item = TelemetryEvent | OperatorCommand
@@ -414,23 +434,6 @@ class NativeBatchFold(BatchFold):
             result.policy_mismatches[(agent_id, digest)] += 1
         result.facts = facts  # the items, encoded as the reference's
         if deferred:
-            self._merge(result, deferred, super().fold([records[i] for i in deferred], stored, now_ms))
+            merge(result, deferred, super().fold([records[i] for i in deferred], stored, now_ms))
         return result
 
-    @staticmethod
-    def _merge(result: BatchResult, indexes: Sequence[int], part: BatchResult) -> None:
-        """Add the reference's result on the records at ``indexes`` (its indexes are into that subset)."""
-        for partition, changes in part.records.items():
-            result.records.setdefault(partition, []).extend(changes)
-        result.decisions.extend(part.decisions)
-        result.dead_letters.extend(DeadLetter(indexes[d.index], d.error) for d in part.dead_letters)
-        result.rekeys.extend(Rekey(indexes[r.index], r.key) for r in part.rekeys)
-        result.applied.update(part.applied)
-        result.duplicates += part.duplicates
-        for partition, ts_ms in part.watermarks.items():
-            if ts_ms > result.watermarks.get(partition, 0):
-                result.watermarks[partition] = ts_ms
-        result.policy_mismatches.update(part.policy_mismatches)
-        # A tool key and window may now have an item from each engine, each summed at its own last
-        # offset: in source offset order (the publisher's) both count, as their sum would.
-        result.facts.extend(part.facts)

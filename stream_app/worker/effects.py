@@ -58,7 +58,7 @@ from ..bus.signing import Signer
 from ..bus.wire import Headers, encode_control
 from ..core import Decision, InvalidEvent
 from ..core.stored import last_ts_ms
-from .batch import BatchFold, is_operator
+from .batch import BatchFold, BatchResult, is_operator, merge
 from .delivery import FatalStop, ProducerFailed, PublishFailed, Record
 from .metrics import WorkerMetrics
 from .store import Change, RunStore
@@ -72,6 +72,10 @@ MAX_AHEAD_MS = 60_000
 
 #: Sends of processed batches awaiting their acknowledgement past this many batches: the done ones are let go.
 UNACKED_PRUNE_AT = 256
+
+#: A batch of more records than this is folded this many at a time, and each part's decisions are published as
+#: soon as it is folded, before the next part folds (``Effects._fold``).
+FOLD_PART = 250
 
 #: A batch that leaves more records kept than this writes them at once (memory: ~1.3 KB a run record), not
 #: with the next commit.
@@ -409,7 +413,7 @@ class Effects:
         metrics.batch_size.observe(len(records))
         store = self.store
         stored = {(partition, key): store.get(partition, key) for partition, key in BatchFold.keys(records)}
-        result = self.fold.fold(records, stored, wall_clock_ms())
+        result, sends, published = await self._fold(records, stored)
 
         for dead in result.dead_letters:
             await self.dead_letters.send(records[dead.index], dead.error, operator=is_operator(records[dead.index]))
@@ -423,9 +427,10 @@ class Effects:
             if ts_ms > watermarks.get(partition, 0):
                 watermarks[partition] = min(ts_ms, ahead_ms)
 
-        sends = await self.facts.send(result.facts) if result.facts and self.facts is not None else []
-        if result.decisions:
-            sends += await self._publish(result.decisions)  # its flush takes the facts along in the same request
+        if result.facts and self.facts is not None:
+            sends += await self.facts.send(result.facts)
+        if len(result.decisions) > published:
+            sends += await self._publish(result.decisions[published:])  # its flush takes the facts along
         elif sends:
             await self.decisions.flush()
         if sends:
@@ -450,9 +455,35 @@ class Effects:
             await sending
         tracked = self._tracked
         for partition, changes in result.records.items():
-            if partition in tracked:
-                tracked[partition] += sum(stored[(partition, key)] is None for key, _ in changes)
+            if partition in tracked:  # a run a batch's parts both changed has two changes
+                tracked[partition] += sum(stored[(partition, key)] is None for key in {key for key, _ in changes})
         metrics.runs_tracked.set(sum(tracked.values()))
+
+    async def _fold(self, records: Sequence[Record], stored: dict[tuple[int, bytes], bytes | None]
+                    ) -> tuple[BatchResult, list[asyncio.Future[Any]], int]:
+        """The batch folded; the sends of the decisions already published, and how many they are (the first of
+        the result's). A batch of more than ``FOLD_PART`` records is folded a part at a time, each part on the
+        records the parts before it wrote, and each part's decisions but the last part's are published as
+        soon as it is folded: a halt in a batch of 1,000 records, which a worker fetches after any pause (a
+        commit's writes, a collection, the host's other processes), went out ~25 ms after its batch began
+        folding, whichever record it was. Without a turn of the loop in between (the decisions producer writes
+        them at once), so the batch is still one step."""
+        now_ms = wall_clock_ms()
+        if len(records) <= FOLD_PART:
+            return self.fold.fold(records, stored, now_ms), [], 0
+        result, sends, published = BatchResult(), [], 0
+        folded_on = dict(stored)  # ``stored`` stays the batch's: what the batch found (runs tracked)
+        for start in range(0, len(records), FOLD_PART):
+            part_records = records[start:start + FOLD_PART]
+            part = self.fold.fold(part_records, folded_on, now_ms)
+            for partition, changes in part.records.items():
+                for key, record in changes:
+                    folded_on[(partition, key)] = record
+            merge(result, range(start, start + len(part_records)), part)
+            if part.decisions and start + FOLD_PART < len(records):
+                sends += await self._publish(part.decisions)
+                published = len(result.decisions)
+        return result, sends, published
 
     async def flush(self) -> None:
         """Write the runs' records kept by the batches processed so far, a partition at a time, each its own

@@ -21,7 +21,7 @@ from faust.types import TP
 
 from stream_app.core import Detector
 from stream_app.worker import effects as effects_module
-from stream_app.worker.batch import BatchFold
+from stream_app.worker.batch import BatchFold, NativeBatchFold
 from stream_app.worker.delivery import FatalStop, PublishFailed
 from stream_app.worker.effects import Effects
 from stream_app.worker.metrics import WorkerMetrics
@@ -208,14 +208,15 @@ def _calls(partition: int, run_id: str, first: int, count: int) -> list[Consumer
     return out
 
 
-def _folding(store: Any, fatal: FatalStop | None = None) -> tuple[Effects, _Decisions]:
+def _folding(store: Any, fatal: FatalStop | None = None, fold: BatchFold | None = None) -> tuple[Effects, _Decisions]:
     consumer = _Consumer({0, 1})
     decisions = _Decisions()
     topics: Any = SimpleNamespace(telemetry=SimpleNamespace(get_topic_name=lambda: TOPIC),
                                   control=SimpleNamespace(get_topic_name=lambda: "control"),
                                   alerts=SimpleNamespace(get_topic_name=lambda: "alerts"))
     app: Any = SimpleNamespace(consumer=consumer)
-    effects = Effects(app, topics, store, BatchFold(Detector(), facts=False), WorkerMetrics(), None, None, "/test",
+    fold = fold or BatchFold(Detector(), facts=False)
+    effects = Effects(app, topics, store, fold, WorkerMetrics(), None, None, "/test",
                       256, decisions, fatal=fatal or FatalStop(stop=lambda: None))  # type: ignore[arg-type]
     effects._sweep_rest_s = 0.0  # a partition's next pass at once
     return effects, decisions
@@ -459,3 +460,49 @@ async def test_a_batch_that_failed_and_was_folded_again_is_counted_once(store: A
     counted = sum(sample.value for metric in effects.metrics.events.collect() for sample in metric.samples
                   if sample.name.endswith("_total"))
     assert counted == 4
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+async def test_a_batch_over_the_part_size_folds_as_one_and_each_parts_decisions_go_before_the_next_folds(
+        store: Any, tmp_path: Path, monkeypatch: Any, engine: str) -> None:
+    """A batch of more than ``FOLD_PART`` records folds a part at a time: the same decisions, in the same order,
+    and the same records as folded whole (runs crossing a part's end included), each part's decisions sent
+    before the next part folds (the last part's with the batch's end)."""
+    batch = (_calls(0, "run-a", 1, 4) + _calls(1, "run-b", 1, 8)  # run-b crosses the 1st part's end
+             + _calls(0, "run-c", 1, 6) + _calls(1, "run-d", 1, 6))  # run-d crosses the 2nd part's end
+    (tmp_path / "whole").mkdir()
+    opened = open_store(tmp_path / "whole")
+    whole_runs, _, _ = next(opened)
+    make: Any = BatchFold
+    if engine == "native":
+        pytest.importorskip("loopwarden_native")
+        make = NativeBatchFold
+    whole, whole_decisions = _folding(whole_runs, fold=make(Detector(), facts=False))
+    await whole.process(batch)
+
+    monkeypatch.setattr(effects_module, "FOLD_PART", 10)
+    runs, _, _ = store
+    effects, decisions = _folding(runs, fold=make(Detector(), facts=False))
+    sent_at_fold: list[int] = []
+    fold = effects.fold.fold
+
+    def counted(*args: Any) -> Any:
+        sent_at_fold.append(len(decisions.sent))
+        return fold(*args)
+
+    effects.fold.fold = counted  # type: ignore[method-assign]
+    await effects.process(batch)
+    assert len(sent_at_fold) == 3  # records 0-9, 10-19, 20-23
+    assert decisions.sent == whole_decisions.sent
+    halts = [key for topic, key in decisions.sent if topic == "alerts"]
+    assert halts == [b"run-a", b"run-b", b"run-c", b"run-d"]
+    # run-a and run-b halted in the 1st part (sent before the 2nd folds), run-c in the 2nd, run-d in the last
+    assert sent_at_fold[0] == 0
+    assert [key for topic, key in decisions.sent[:sent_at_fold[1]] if topic == "alerts"] == [b"run-a", b"run-b"]
+    assert [key for topic, key in decisions.sent[:sent_at_fold[2]] if topic == "alerts"] == [b"run-a", b"run-b",
+                                                                                            b"run-c"]
+    assert runs._kept == whole_runs._kept and runs.kept == whole_runs.kept == 4
+    for _ in range(5):  # the acknowledgements' callbacks
+        await asyncio.sleep(0)
+    assert _halts_counted(effects) == _halts_counted(whole) == 4
+    opened.close()
