@@ -5,7 +5,8 @@ the loop's next turn), and loses, reorders or stalls nothing around aiokafka's o
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -31,6 +32,20 @@ def _in_flight(producer: DecisionProducer) -> int:
     return sum(len(conn._requests) for conn in aio.client._conns.values())
 
 
+@contextlib.asynccontextmanager
+async def _warm(bootstrap: str, topic: str) -> AsyncIterator[tuple[DecisionProducer, Any]]:
+    """A started decisions producer (and its aiokafka producer) with the broker's connection and ``topic``'s
+    metadata in place: one message sent and acknowledged, and the sender idle again."""
+    producer = DecisionProducer(KafkaClientConfig(bootstrap))
+    aio: Any = await producer.start()
+    try:
+        await (await producer.send(topic, b"warm", b"up", []))
+        await asyncio.sleep(0.05)
+        yield producer, aio
+    finally:
+        await producer.stop()
+
+
 async def _read(bootstrap: str, topic: str, count: int) -> list[bytes]:
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
     await consumer.start()
@@ -52,11 +67,7 @@ async def _read(bootstrap: str, topic: str, count: int) -> list[bytes]:
 async def test_a_flushed_send_is_on_the_wire_when_the_flush_returns(
         kafka_bootstrap: str, topic_factory: Callable[..., str], flush: bool) -> None:
     topic = topic_factory()
-    producer = DecisionProducer(KafkaClientConfig(kafka_bootstrap))
-    await producer.start()
-    try:
-        await (await producer.send(topic, b"warm", b"up", []))  # metadata and connection in place
-        await asyncio.sleep(0.05)
+    async with _warm(kafka_bootstrap, topic) as (producer, _):
         assert _in_flight(producer) == 0
         sent = await producer.send(topic, b"run-1", b"halt", [])
         if flush:
@@ -66,8 +77,6 @@ async def test_a_flushed_send_is_on_the_wire_when_the_flush_returns(
         assert _in_flight(producer) == (1 if flush else 0)  # without the flush the sender needs 3 turns
         metadata = await asyncio.wait_for(sent, 10)
         assert metadata.offset == 1
-    finally:
-        await producer.stop()
 
 
 async def test_without_a_connection_the_flush_leaves_the_request_to_aiokafka_for_the_next_turn(
@@ -75,11 +84,7 @@ async def test_without_a_connection_the_flush_leaves_the_request_to_aiokafka_for
     """A closed connection (a broker restart, an idle timeout) is aiokafka's to open again: the request goes
     through its own task, written once the connection is up, and delivered."""
     topic = topic_factory()
-    producer = DecisionProducer(KafkaClientConfig(kafka_bootstrap))
-    aio: Any = await producer.start()
-    try:
-        await (await producer.send(topic, b"warm", b"up", []))
-        await asyncio.sleep(0.05)
+    async with _warm(kafka_bootstrap, topic) as (producer, aio):
         for conn in list(aio.client._conns.values()):
             conn.close()
         sent = await producer.send(topic, b"run-1", b"halt", [])
@@ -89,8 +94,6 @@ async def test_without_a_connection_the_flush_leaves_the_request_to_aiokafka_for
         second = await producer.send(topic, b"run-2", b"halt", [])
         assert producer.flush_now() is False  # the connection is back: written at once
         assert (await asyncio.wait_for(second, 10)).offset == 2
-    finally:
-        await producer.stop()
 
 
 async def test_flushed_and_unflushed_sends_all_arrive_in_order(
@@ -162,11 +165,7 @@ async def test_a_write_on_a_broken_connection_is_retried_by_aiokafka(
     re-queued as aiokafka's handler does with a failed send, goes out again on a new connection, and is
     delivered once."""
     topic = topic_factory()
-    producer = DecisionProducer(KafkaClientConfig(kafka_bootstrap))
-    aio: Any = await producer.start()
-    try:
-        await (await producer.send(topic, b"warm", b"up", []))
-        await asyncio.sleep(0.05)
+    async with _warm(kafka_bootstrap, topic) as (producer, aio):
         (conn,) = aio.client._conns.values()
 
         def refused(data: bytes) -> None:
@@ -177,8 +176,6 @@ async def test_a_write_on_a_broken_connection_is_retried_by_aiokafka(
         assert producer.flush_now() is False
         assert not conn.connected()
         assert (await asyncio.wait_for(sent, 10)).offset == 1
-    finally:
-        await producer.stop()
     assert await _read(kafka_bootstrap, topic, 2) == [b"up", b"halt"]
 
 
@@ -227,17 +224,11 @@ async def test_flush_returns_with_the_request_written(kafka_bootstrap: str, topi
     """``flush`` returns with its request written: the caller (a batch) goes on, and the next batch folds, only
     once its decisions are on the wire."""
     topic = topic_factory()
-    producer = DecisionProducer(KafkaClientConfig(kafka_bootstrap))
-    await producer.start()
-    try:
-        await (await producer.send(topic, b"warm", b"up", []))
-        await asyncio.sleep(0.05)
+    async with _warm(kafka_bootstrap, topic) as (producer, _):
         sent = await producer.send(topic, b"run-1", b"halt", [])
         await producer.flush()
         assert _in_flight(producer) == 1  # no other turn of the loop ran since
         assert (await asyncio.wait_for(sent, 10)).offset == 1
-    finally:
-        await producer.stop()
 
 
 async def test_a_batchs_decisions_are_on_the_wire_when_publishing_returns(
