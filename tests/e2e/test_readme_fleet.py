@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -30,6 +31,12 @@ async def search_docs(query):
 async def send_email(to, body):
     raise AssertionError("the halted run sent an e-mail")
 '''
+
+
+def _tails(hand: Path) -> str:
+    """The end of each file the section writes under ``hand`` (the worker's log, the agent's output)."""
+    return "\n".join(f"--- {path.name}:\n{path.read_text(errors='replace')[-3000:]}"
+                     for path in sorted(hand.glob("*.*")) if path.is_file())
 
 
 def _venv_env(**extra: str) -> dict[str, str]:
@@ -79,12 +86,20 @@ def test_fleet_by_hand_runs_as_written() -> None:
     started = time.monotonic()
     env = _venv_env()
     env.pop("KAFKA_BOOTSTRAP_SERVERS", None)
-    result = subprocess.run(["bash", "-euo", "pipefail", "-c", first[1] + second[1]], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=300)
+    # its own session: on a timeout the shell and what it started in the background (broker, worker, agent)
+    # are killed together, and what they printed so far says which step hung
+    shell = subprocess.Popen(["bash", "-euo", "pipefail", "-c", first[1] + second[1]], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{(hand / 'worker.log').read_text()[-3000:]}"
-        assert "halted: operator_halt halt by operator" in result.stdout
-        assert "applied: operator_halt decision" in result.stdout
+        try:
+            stdout, stderr = shell.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(shell.pid, signal.SIGKILL)
+            stdout, stderr = shell.communicate()
+            pytest.fail(f"the section's commands did not finish in 240 s\n{stdout}\n{stderr}\n{_tails(hand)}")
+        assert shell.returncode == 0, f"{stdout}\n{stderr}\n{_tails(hand)}"
+        assert "halted: operator_halt halt by operator" in stdout
+        assert "applied: operator_halt decision" in stdout
         assert time.monotonic() - started < 300
     finally:
         subprocess.run([sys.executable, "-m", "scripts.kafka_local", "stop", "--state-file", str(hand / "kafka.json")],
