@@ -36,10 +36,15 @@ STOP_TIMEOUT = 30.0
 READY_PROBE_TIMEOUT = 2.0
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def free_port(other_than: int = 0) -> int:
+    """A port free on the loopback now, not ``other_than`` (the system may hand a port it just handed out
+    again: a broker once got the same port for its two listeners and refused to start)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port != other_than:
+            return port
 
 
 def _random_cluster_id() -> str:
@@ -197,7 +202,7 @@ class LocalKafka:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         saved = self._load_node()
         self.port = self.port or int(saved.get("port", 0)) or free_port()
-        controller_port = int(saved.get("controller_port", 0)) or free_port()
+        controller_port = int(saved.get("controller_port", 0)) or free_port(other_than=self.port)
         cluster_id = str(saved.get("cluster_id", "")) or _random_cluster_id()
         node = {"port": self.port, "controller_port": controller_port, "cluster_id": cluster_id}
         (self.data_dir / "node.json").write_text(json.dumps(node, indent=2) + "\n")

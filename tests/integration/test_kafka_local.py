@@ -34,6 +34,7 @@ from scripts.kafka_local import (
     make_tls_files,
     run_sync,
 )
+from scripts.kafka_local import broker as broker_module
 
 pytestmark = pytest.mark.integration
 
@@ -254,3 +255,30 @@ def test_cli_start_status_create_topics_stop(tmp_path: Path) -> None:
         stopped = cli("stop", *state)
     assert stopped.returncode == 0 and "stopped the broker" in stopped.stderr
     assert cli("status", *state).returncode == 1
+
+
+def test_the_controller_port_is_never_the_client_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The system may hand a port it just handed out again: the broker's two listeners on one port refuse to
+    start (it happened in CI, every test of one pytest process failing at setup), so the second pick
+    differs from the first."""
+    handed = iter([41001, 41001, 41002])
+
+    class _Socket:
+        def __init__(self, *args: object) -> None:
+            self.port = next(handed)
+
+        def __enter__(self) -> _Socket:
+            return self
+
+        def __exit__(self, *args: object) -> None:
+            pass
+
+        def bind(self, address: tuple[str, int]) -> None:
+            pass
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(broker_module.socket, "socket", _Socket)
+    assert broker_module.free_port() == 41001
+    assert broker_module.free_port(other_than=41001) == 41002
