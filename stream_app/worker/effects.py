@@ -77,6 +77,13 @@ UNACKED_PRUNE_AT = 256
 #: soon as it is folded, before the next part folds (``Effects._fold``).
 FOLD_PART = 250
 
+#: The decisions producer's record batch per partition, bytes (aiokafka's default is 16 KiB). aiokafka keeps one
+#: open batch per partition and a send finding it full waits until the sender has taken it, which it does only
+#: once the broker answered the request in flight: ~14 decisions (~1.2 KB each with their headers) filled one,
+#: and at the halt bench's 50% load a 1,000-record batch waited for the broker up to four times while it folded
+#: (43 waits, up to 8.3 ms each, in a 24-s run: 2026-12-06). The same as faust's producer here
+#: (``producer_max_batch_size``), below the broker's 1 MB record batch limit.
+DECISIONS_BATCH_BYTES = 256 * 1024
 #: A batch that leaves more records kept than this writes them at once (memory: ~1.3 KB a run record), not
 #: with the next commit.
 KEEP_MAX_RECORDS = 20_000
@@ -142,7 +149,9 @@ class DecisionProducer:
     a decision sent through it waited behind those requests and faust's send buffer: the ack wait of a
     batch's decisions was ~7.8 ms at 8,800 events/s (3x a raw round trip) and the whole batch cycle 18 ms.
     On a producer of its own with no linger (decisions are few and each one is awaited) the wait is one
-    round trip, 2.3 ms, and the cycle 6.7 ms (one worker, dev broker). acks=all, as every output. Not
+    round trip, 2.3 ms, and the cycle 6.7 ms (one worker, dev broker). Its record batches are large enough
+    (``DECISIONS_BATCH_BYTES``) that a batch's decisions never wait for the request in flight to be
+    answered before they are queued. acks=all, as every output. Not
     idempotent, so the worker's principal needs no IdempotentWrite ACL: a retried send can only repeat a
     decision, which runtimes apply once by its id.
 
@@ -174,7 +183,7 @@ class DecisionProducer:
 
     def __init__(self, kafka: KafkaClientConfig) -> None:
         self._kwargs = {**kafka.aiokafka_kwargs(), "acks": "all", "linger_ms": 0, "client_id": "loopwarden-decisions",
-                        "partitioner": KeyedPartitioner()}
+                        "partitioner": KeyedPartitioner(), "max_batch_size": DECISIONS_BATCH_BYTES}
         self._producer: AIOKafkaProducer | None = None
         self._starting = asyncio.Lock()
         #: Produce requests ``flush_now`` started (held so they are not garbage-collected mid-flight).

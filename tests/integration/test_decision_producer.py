@@ -254,3 +254,29 @@ async def test_a_batchs_decisions_are_on_the_wire_when_publishing_returns(
         await asyncio.wait_for(asyncio.gather(*pending), 10)
     finally:
         await producer.stop()
+
+
+async def test_a_burst_of_decisions_is_queued_while_a_request_is_in_flight(
+        kafka_bootstrap: str, topic_factory: Callable[..., str]) -> None:
+    """aiokafka keeps one open record batch per partition, and a send that finds it full waits until the broker
+    answered the request in flight. A batch's decisions must not: 100 decisions of ~1.2 KB to one partition (a
+    big batch's parts, on a topic of few partitions) are all queued in the turn of the loop they are sent in,
+    while the request of the ones before is in flight; all arrive, in order."""
+    topic = topic_factory()
+    async with _warm(kafka_bootstrap, topic) as (producer, _):
+        first = await producer.send(topic, b"run-0", b"first", [])
+        assert producer.flush_now() is False
+        assert _in_flight(producer) == 1
+        values = [f"{i:04d}".encode() * 300 for i in range(100)]
+
+        async def burst() -> list[asyncio.Future[Any]]:
+            return [await producer.send(topic, b"run-1", value, [("ce_id", b"d-%d" % i)])
+                    for i, value in enumerate(values)]
+
+        queued = asyncio.ensure_future(burst())
+        await asyncio.sleep(0)  # the burst's one turn
+        assert queued.done()  # no send waited for the request in flight
+        assert _in_flight(producer) == 1
+        producer.flush_now()
+        await asyncio.wait_for(asyncio.gather(first, *queued.result()), 20)
+    assert await _read(kafka_bootstrap, topic, 102) == [b"up", b"first", *values]
