@@ -11,6 +11,7 @@
 
 mod contract;
 mod detector;
+mod facts;
 mod fields;
 mod heap;
 mod normalize;
@@ -1673,6 +1674,7 @@ fn heap_bytes() -> usize {
 fn loopwarden_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Replayer>()?;
     m.add_class::<BatchFolder>()?;
+    m.add_class::<facts::FactsReader>()?;
     m.add_function(wrap_pyfunction!(semantic_hash, m)?)?;
     m.add_function(wrap_pyfunction!(heap_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(mask_text_py, m)?)?;

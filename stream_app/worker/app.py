@@ -38,6 +38,7 @@ from . import delivery
 from .batch import BatchFold, NativeBatchFold
 from .effects import DeadLetters, DecisionProducer, Effects, Topics
 from .facts import KINDS
+from .facts import decoder as facts_decoder
 from .fleet import FactsPublisher, FleetEffects
 from .metrics import WorkerMetrics
 from .relay import SourceRelay
@@ -153,7 +154,8 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
                                               for name, table in fleet_tables.items()},
                                      policy.fleet, metrics, dead_letters, signer, settings.event_source, decisions,
                                      settings.evict_scan_per_sweep, settings.scopes_topic, operator_keys,
-                                     int(settings.operator_max_age_s * 1000))
+                                     int(settings.operator_max_age_s * 1000),
+                                     decode=facts_decoder(isinstance(fold, NativeBatchFold)))
 
         state_writers.append(fleet_effects.flush)
 

@@ -137,8 +137,11 @@ class FleetEffects:
                  dead_letters: DeadLetters, signer: Signer | None, event_source: str,
                  decisions: DecisionProducer, evict_scan_per_sweep: int, scopes_topic: str = "",
                  operator_keys: Verifier | None = None, operator_max_age_ms: int = 900_000,
-                 clock: Callable[[], int] = wall_clock_ms) -> None:
+                 clock: Callable[[], int] = wall_clock_ms,
+                 decode: Callable[[bytes | None], list[tuple[Kind, int, int, Any]]] = decode_facts) -> None:
         self.topics = topics
+        #: ``decode_facts``, or the native engine's reader of the same (``facts.decoder``).
+        self.decode = decode
         self.operator_keys = operator_keys
         self.operator_max_age_ms = operator_max_age_ms
         self.clock = clock
@@ -190,7 +193,7 @@ class FleetEffects:
                 sources_of.setdefault(grouped, []).append(record)  # aligned with the key's items
                 continue
             try:
-                facts = decode_facts(record.value)
+                facts = self.decode(record.value)
             except InvalidEvent as exc:
                 await self.dead_letters.send(record, exc)
                 continue

@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 pytest.importorskip("faust")
 
 from stream_app.bus.wire import encode_telemetry
-from stream_app.core import Detector, Policy
+from stream_app.core import Detector, InvalidEvent, Policy
 from stream_app.core.fleet import ThreadFact, ThreadState, ToolFact, ToolState, TreeFact, TreeState
 from stream_app.core.fleet.scope import ScopeCommand, key_text, scope_decision_id
 from stream_app.core.policy import FleetThresholds
 from stream_app.worker.batch import BatchFold, RawRecord
-from stream_app.worker.facts import KIND_OF, fact_items
+from stream_app.worker.facts import KIND_OF, KINDS, decoder, fact_items
 from stream_app.worker.fleet import FACTS_FORMAT, FactsPublisher, FleetEffects, decode_facts, partition_of
 from stream_app.worker.metrics import WorkerMetrics
 from stream_app.worker.store import RunStore
@@ -116,13 +116,18 @@ class _DeadLetters:
         self.sent.append((record, error))
 
 
-def _effects(**fleet: Any) -> tuple[FleetEffects, _Store, _Producer, _DeadLetters, WorkerMetrics]:
-    """The effects with the trees' store (returned) and the threads' (``effects.stores["threads"]``)."""
+def _effects(reader: str = "python", **fleet: Any) -> tuple[FleetEffects, _Store, _Producer, _DeadLetters,
+                                                             WorkerMetrics]:
+    """The effects with the trees' store (returned) and the threads' (``effects.stores["threads"]``), reading
+    facts messages with the reference or (``reader="native"``) the native engine's reader."""
+    if reader == "native":
+        pytest.importorskip("loopwarden_native")
     store, producer, dead, metrics = _Store(), _Producer(), _DeadLetters(), WorkerMetrics()
     topics: Any = type("T", (), {"control": _Topic("control"), "alerts": _Topic("alerts")})()
     effects = FleetEffects(topics, {"trees": store, "threads": _Store(), "tools": _Store()},  # type: ignore[dict-item]
                            FleetThresholds(**fleet),
-                           metrics, dead, None, "/test", producer, 10, "scopes")  # type: ignore[arg-type]
+                           metrics, dead, None, "/test", producer, 10, "scopes",  # type: ignore[arg-type]
+                           decode=decoder(reader == "native"))
     return effects, store, producer, dead, metrics
 
 
@@ -223,8 +228,9 @@ async def test_a_revoked_partitions_unwritten_records_are_dropped_not_written_la
     assert {p for p, _ in store.data} == {0}
 
 
-async def test_bad_facts_go_to_the_dead_letters_and_the_rest_is_folded() -> None:
-    effects, store, _, dead, _ = _effects()
+@pytest.mark.parametrize("reader", ["python", "native"])
+async def test_bad_facts_go_to_the_dead_letters_and_the_rest_is_folded(reader: str) -> None:
+    effects, store, _, dead, _ = _effects(reader)
     await effects.process([_Record(0, 0, b"{nope"), _Record(0, 1, orjson.dumps({"v": 9, "trees": []})),
                            _Record(0, 2, orjson.dumps({"v": FACTS_FORMAT, "threads": [[0, 1, "t", "k"]]})),
                            _Record(0, 3, orjson.dumps({"v": FACTS_FORMAT, "threads": [[0, 1, "t", 5, "r", "e", 1, None,
@@ -244,16 +250,161 @@ async def test_bad_facts_go_to_the_dead_letters_and_the_rest_is_folded() -> None
     ("tools", [0, 1, "t", "x", "u", 0, "e", "r", 1, 1, 1, -1, 0, "run"]),  # failing runs: not a list
     ("tools", [0, 1, "t", "x", "u", 0, "e", "r", 1, 1, 1, -1, 0, ["r"], ["1"], []]),  # offsets: not numbers
     ("tools", [0, 1, "t", "x", "u", 0, "e", "r", 1, 1, 1, -1, 0, ["r"], [1]]),  # one offsets list of two
+    ("tools", [0, 1, "t", "x", "u", 0, "e", "r", 1, 1, 1, -1, 0, ["r"], [1, True], []]),  # an offset: a bool
+    ("threads", [0, 1.0, "t", "k", "r", "e", 1, None, None, None]),  # offset: a float
 ])
-async def test_a_fact_with_an_optional_field_of_another_type_is_dead_lettered(field: str, item: list[Any]) -> None:
+@pytest.mark.parametrize("reader", ["python", "native"])
+async def test_a_fact_with_an_optional_field_of_another_type_is_dead_lettered(field: str, item: list[Any],
+                                                                               reader: str) -> None:
     """Every field is checked against the fact's annotations, optional ones too: a fact the folds would
-    trip over (comparing a string depth) is refused, not folded into a crash of every batch after it."""
-    effects, store, _, dead, _ = _effects()
+    trip over (comparing a string depth) is refused, not folded into a crash of every batch after it. The
+    native reader declines each, and the reference refuses it."""
+    effects, store, _, dead, _ = _effects(reader)
     await effects.process([_Record(0, 0, orjson.dumps({"v": FACTS_FORMAT, field: [item]})),
                            _Record(0, 1, _spawns("root", 0, 1))])
     assert [e.field for _, e in dead.sent] == [field]
     await effects.flush()
     assert (0, b"root") in store.data
+
+
+def _valid_field(code: int) -> st.SearchStrategy[Any]:
+    """A value of what a fact's field may hold (``Kind.codes``)."""
+    options: list[st.SearchStrategy[Any]] = []
+    if code & 1:
+        options.append(st.integers(-(2**63), 2**63 - 1) | st.integers(-5, 5))
+    if code & 2:
+        options.append(st.text(max_size=6))
+    if code & 4:
+        options.append(st.booleans())
+    if code & 8:
+        options.append(st.none())
+    if code & 16:
+        options.append(st.lists(st.text(max_size=4), max_size=3))
+    if code & 32:
+        options.append(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=3))
+    return st.one_of(options)
+
+
+#: Anything JSON holds: what a forged or broken fact may carry in any field.
+_ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_size=4)
+                         | st.floats(allow_nan=False, allow_infinity=False), lambda inner: st.lists(inner, max_size=3),
+                         max_leaves=4)
+
+
+#: Values of every type a field may be confused with.
+_CONFUSED = (None, True, False, 0, 1, -1, 1.0, 2**63, -(2**63) - 1, "", "x", [], ["x"], [1], [True], [1.5], [None])
+
+
+@st.composite
+def _facts_text(draw: Any) -> bytes:
+    """A facts message as the agent may meet it: mostly items of each kind's shape, some with a field of another
+    type, one field more or fewer (an earlier release's shape among them), another format, repeated or escaped
+    names, spaces."""
+    import json
+
+    message_: dict[str, Any] = {}
+    for kind in KINDS:
+        if not draw(st.booleans()):
+            continue
+        items = []
+        for _ in range(draw(st.integers(0, 3))):
+            item = [draw(_valid_field(code)) for code in kind.codes]
+            change = draw(st.integers(0, 5))
+            if change == 0:  # a field of another type (a value each type confuses: 1 and true, 1 and 1.0, ...)
+                item[draw(st.integers(0, len(item) - 1))] = draw(st.sampled_from(_CONFUSED) | _ANY_JSON)
+            elif change == 1:
+                item = item[:-draw(st.integers(1, 2))]
+            elif change == 2:
+                item.append(draw(_ANY_JSON))
+            items.append(item)
+        message_[kind.name] = items if draw(st.integers(0, 9)) else draw(_ANY_JSON)
+    message_["v"] = draw(st.sampled_from([FACTS_FORMAT] * 6 + [1.0, True, 2, "1", None]))
+    if draw(st.integers(0, 9)) == 0:
+        message_["other"] = draw(_ANY_JSON)
+    text = json.dumps(message_, separators=(",", ":") if draw(st.booleans()) else None)
+    trick = draw(st.integers(0, 9))
+    if trick == 0:  # a repeated name: orjson keeps the last
+        text = '{"trees":[],' + text[1:] if len(text) > 2 else text
+    elif trick == 1:  # an escaped name
+        text = text.replace('"v"', '"\\u0076"')
+    elif trick == 2:
+        text = draw(st.sampled_from(["[1]", "{", "", "null", text + " {}"]))
+    return text.encode()
+
+
+@given(_facts_text())
+@settings(max_examples=400, deadline=None)
+def test_the_native_reader_reads_a_message_as_the_reference_or_declines(value: bytes) -> None:
+    """The native engine's reader of facts messages gives what ``decode_facts`` gives, facts of their named
+    tuples and fields of their types (``repr``: a bool is no int), or declines (None) and the reference reads
+    the message: every message it reads where the reference would refuse it, or reads otherwise, fails here."""
+    native = _native_read()(value)
+    try:
+        reference = decode_facts(value)
+    except InvalidEvent:
+        assert native is None
+        return
+    assert native is None or repr(native) == repr(reference)
+
+
+def _native_read() -> Any:
+    """The native engine's reader of facts messages, as ``facts.decoder`` makes it (without the fallback)."""
+    pytest.importorskip("loopwarden_native")
+    from loopwarden_native import FactsReader
+
+    return FactsReader(FACTS_FORMAT, [(kind, kind.name, kind.fact, list(kind.codes)) for kind in KINDS]).read
+
+
+#: One item of each kind as the worker writes it.
+_ITEMS = {"trees": [0, 1, "root", "run", "e", 1, "root", 1, 0, True, "kid", "coder", "t1", "acme", False],
+          "threads": [0, 1, "acme", "issue-7", "run", "e", 1, "webhook", None, "http_503"],
+          "tools": [0, 1, "acme", "search", "api", 0, "e", "run", 1, 3, 1, -1, 0, ["run"], [1, 2, 3], [3]]}
+
+
+@pytest.mark.parametrize("field", sorted(_ITEMS))
+def test_the_native_reader_reads_no_field_of_another_type(field: str) -> None:
+    """Every field of every kind, given each value a type is confused with (1 and true, 1 and 1.0, a string
+    and a list of one, past 64 bits): the native reader declines or reads what the reference reads."""
+    read = _native_read()
+    assert repr(read(orjson.dumps({"v": FACTS_FORMAT, field: [_ITEMS[field]]}))) == \
+        repr(decode_facts(orjson.dumps({"v": FACTS_FORMAT, field: [_ITEMS[field]]})))
+    import json
+
+    for index in range(len(_ITEMS[field])):
+        for confused in _CONFUSED:
+            item = list(_ITEMS[field])
+            item[index] = confused
+            value = json.dumps({"v": FACTS_FORMAT, field: [item]}).encode()
+            native = read(value)
+            try:
+                reference = decode_facts(value)
+            except InvalidEvent:
+                assert native is None, (index, confused)
+                continue
+            assert native is None or repr(native) == repr(reference), (index, confused)
+
+
+def test_the_native_reader_declines_none_of_the_facts_either_engine_writes() -> None:
+    """Every facts message the worker publishes, from a batch folded by either engine (the fleet simulator's
+    trees, threads and storm, and healthy runs naming their upstream), is read by the native reader, alike."""
+    read = _native_read()
+    from stream_app.devtools.fleet_sim import simulate_storm, simulate_threads, simulate_trees
+    from stream_app.worker.batch import NativeBatchFold
+
+    _, trees = simulate_trees(6, redeliver_fraction=0.0)
+    _, threads = simulate_threads(6, redeliver_fraction=0.0)
+    stream = sorted([*trees, *threads, *simulate_storm(redeliver_fraction=0.0)], key=lambda e: e["ts_ms"])
+    records = [RawRecord(n % 4, n // 4, *encode_telemetry(event)) for n, event in enumerate(stream)]
+    stored = {(r.partition, r.key): None for r in records if r.key}
+    for fold in (BatchFold(Detector(Policy())), NativeBatchFold(Detector(Policy()))):
+        items = fold.fold(records, stored, 0).facts
+        assert {kind for _, _, kind, _, _ in items} == {0, 1, 2}
+        producer = _Producer()
+        asyncio.run(FactsPublisher("facts", 3, producer).send(items))  # type: ignore[arg-type]
+        assert len(producer.sent) == 3
+        for _, _, value in producer.sent:
+            native = read(value)
+            assert native is not None and repr(native) == repr(decode_facts(value))
 
 
 async def test_a_keys_facts_that_meet_a_bug_are_dead_lettered_and_the_other_keys_still_fold() -> None:
