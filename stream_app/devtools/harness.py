@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,11 +36,29 @@ class WorkerStartError(LoopwardenError, RuntimeError):
     """A worker process exited or did not become ready; the message ends with its log's tail."""
 
 
-def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def free_port(avoid: Collection[int] = ()) -> int:
+    """A TCP port on loopback that was free a moment ago, not one of ``avoid`` (ports handed out before and
+    maybe not bound yet: the system may hand out a port again as soon as its probe socket is closed)."""
+    return free_ports(1, avoid)[0]
+
+
+def free_ports(count: int, avoid: Collection[int] = ()) -> list[int]:
+    """``count`` distinct TCP ports on loopback that were free a moment ago, none of ``avoid``: their probe
+    sockets are held open together, so two calls of ``free_port`` in a row cannot return one port twice."""
+    sockets: list[socket.socket] = []
+    try:
+        ports: list[int] = []
+        while len(ports) < count:
+            sock = socket.socket()
+            sockets.append(sock)
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+            if port not in avoid:
+                ports.append(port)
+        return ports
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -229,7 +247,7 @@ class Deployment:
 
     def _spawn(self, index: int | None) -> WorkerProcess:
         index = len(self.workers) if index is None else index
-        port = free_port()
+        port = free_port(avoid={worker.metrics_port for worker in self.workers})  # a worker just started may not listen yet
         self.root.mkdir(parents=True, exist_ok=True)
         log_path = self.root / f"worker-{index}-{len(self.workers)}.log"
         with log_path.open("wb") as log:

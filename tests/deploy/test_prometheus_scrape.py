@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.integration.workers import REPO, Fleet, WorkerProcess, free_port, produce, run
+from tests.integration.workers import REPO, Fleet, WorkerProcess, free_ports, produce, run
 
 from .tools import tool
 
@@ -90,7 +90,7 @@ def stack(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     processes: list[subprocess.Popen[bytes]] = []
     try:
         worker = fleet.start_worker()
-        am_port, prom_port = free_port(), free_port()
+        am_port, prom_port = free_ports(2, avoid={worker.metrics_port})
         am_log = workdir / "alertmanager.log"
         processes.append(_start([
             alertmanager_bin, f"--config.file={REPO / 'deploy/alertmanager/alertmanager.yml'}",

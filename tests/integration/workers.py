@@ -20,9 +20,9 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
 
 from stream_app.bus.wire import encode_telemetry
-from stream_app.devtools.harness import Deployment, WorkerProcess, free_port
+from stream_app.devtools.harness import Deployment, WorkerProcess, free_ports
 
-__all__ = ["REPO", "TEST_SETTINGS", "Fleet", "WorkerProcess", "consume", "decisions_of", "free_port", "produce",
+__all__ = ["REPO", "TEST_SETTINGS", "Fleet", "WorkerProcess", "consume", "decisions_of", "free_ports", "produce",
            "produce_raw", "run"]
 
 REPO = Path(__file__).resolve().parents[2]
