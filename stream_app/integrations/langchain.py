@@ -52,6 +52,16 @@ the tool call it is running and the namespace, so both the calling agent and the
 ``tree_ttl_ms`` (1 h) without a call, so a thread whose sub-agents ran more than ``max_tree_runs``
 times within that is halted (``tree_fanout``); raise it for long supervisor conversations.
 
+Handoffs: a call of a handoff tool (its metadata names ``__handoff_destination``: langgraph-swarm's and
+langgraph-supervisor's ``create_handoff_tool``, ``transfer_to_<agent>`` returning ``Command(goto=agent,
+graph=Command.PARENT)``) is a handoff-class call from the node handing over (``agent_id``: the node's name)
+to the agent named (``child_agent_id``), and the node handed the conversation joins the run of the agent
+that handed it over the next time it runs under the same run (``_Handoffs``, one per guard: each agent's
+middleware and the handler see the same): peers hand one run back and forth instead of each activation
+being a sub-agent, so ``handoff_loop`` sees A->B->A, and a successful call of another kind between resets
+it, as in an OpenAI Agents run. A supervisor's workers it hands work to join its run too (their way back
+is no handoff call: no round trip is counted).
+
 A paused tool (``ToolPaused``: a storm on its upstream, or the run's own transient streak) is not a
 halt: the middleware answers the call with an error ``ToolMessage`` saying when to retry, without
 running the tool, and the run goes on; the handler cannot skip a tool, so its ``ToolPaused`` ends the
@@ -69,6 +79,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from contextlib import contextmanager
@@ -125,6 +136,61 @@ class _ToolCall:
 #: The middleware's tool call in progress; a context variable, so that an agent the tool invokes (on this
 #: thread or a task) sees it.
 _TOOL_CALL: contextvars.ContextVar[_ToolCall | None] = contextvars.ContextVar("loopwarden_tool_call", default=None)
+
+
+#: The tool metadata key naming the agent a handoff tool hands the conversation to (``create_handoff_tool`` of
+#: langgraph-swarm and langgraph-supervisor: a ``transfer_to_<agent>`` tool returning
+#: ``Command(goto=agent, graph=Command.PARENT)``).
+_HANDOFF_DESTINATION = "__handoff_destination"
+
+
+class _Handoffs:
+    """Agent nodes handed the conversation: (the run outside the node, the node's name) -> the run of the
+    agent that handed it over, which the node's next activation joins (a peer in one run, not a sub-agent).
+    One per guard: each agent's middleware and the handler see the same."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runs: OrderedDict[tuple[str, str], str] = OrderedDict()
+
+    def hand(self, parent_run_id: str, node: str, run_id: str) -> None:
+        with self._lock:
+            self._runs[parent_run_id, node] = run_id
+            self._runs.move_to_end((parent_run_id, node))
+            if len(self._runs) > _REMEMBERED:
+                self._runs.popitem(last=False)
+
+    def handed(self, parent_run_id: str, node: str) -> str | None:
+        with self._lock:
+            return self._runs.get((parent_run_id, node))
+
+
+_HANDOFFS: weakref.WeakKeyDictionary[Guard, _Handoffs] = weakref.WeakKeyDictionary()
+_HANDOFFS_LOCK = threading.Lock()
+
+
+def _handoffs(guard: Guard) -> _Handoffs:
+    with _HANDOFFS_LOCK:
+        handoffs = _HANDOFFS.get(guard)
+        if handoffs is None:
+            handoffs = _HANDOFFS[guard] = _Handoffs()
+        return handoffs
+
+
+def _handoff(guard: Guard, run: GuardedRun, destination: Any, agent: str | None) -> dict[str, Any]:
+    """``begin``'s arguments for a call of a handoff tool (``destination``: its metadata's, None for any other
+    tool): a handoff-class call from ``agent`` (the node handing over) to the destination, which joins
+    ``run`` when it next runs in the same graph (``_Handoffs``)."""
+    if not isinstance(destination, str) or not destination:
+        return {}
+    if run.parent_run_id is not None:
+        _handoffs(guard).hand(run.parent_run_id, destination, run.run_id)
+    return {"tool_class": "handoff", "agent_id": agent, "spawn": Spawn(child_agent_id=destination)}
+
+
+def _node(namespace: str) -> str:
+    """The name of the node a checkpoint namespace ends in (``team:<task id>|alice:<task id>``: alice)."""
+    return namespace.rsplit(_NS_SEP, 1)[-1].split(":", 1)[0]
 
 
 class _OnceFilter(logging.Filter):
@@ -302,7 +368,9 @@ class LoopwardenCallbackHandler(BaseCallbackHandler):
                 run, run_name = subgraph, subgraph.run_id
             else:
                 run = self.guard.run(run_name, self.agent_id, self.tenant)
-            pending = self._bridge.run(run.begin(tool, _args(inputs, input_str), ids=ids))
+            agent = _node(holders[-1]) if holders else (metadata or {}).get("lc_agent_name") or self.agent_id
+            handoff = _handoff(self.guard, run, (metadata or {}).get(_HANDOFF_DESTINATION), agent)
+            pending = self._bridge.run(run.begin(tool, _args(inputs, input_str), ids=ids, **handoff))
         except RunHalted:
             if root in self._refused and not self._warned:
                 self._warned = True
@@ -354,6 +422,8 @@ class _GuardedState(AgentState[Any]):
     loopwarden_parent_run_id: NotRequired[Annotated[str, UntrackedValue, PrivateStateAttr]]
     #: This invocation's id: a second refusal within one invocation means a RunHalted was swallowed.
     loopwarden_invocation: NotRequired[Annotated[str, UntrackedValue, PrivateStateAttr]]
+    #: The graph node this agent is (a node of a parent graph): the agent its handoffs come from.
+    loopwarden_agent: NotRequired[Annotated[str, UntrackedValue, PrivateStateAttr]]
 
 
 class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
@@ -399,7 +469,7 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
             subgraph = _subgraph_run(self.guard, str(run_id), holders, self.agent_id, self.tenant)
             assert subgraph is not None and subgraph.parent_run_id is not None
             return {"loopwarden_run_id": subgraph.run_id, "loopwarden_parent_run_id": subgraph.parent_run_id,
-                    "loopwarden_invocation": invocation}
+                    "loopwarden_invocation": invocation, "loopwarden_agent": _node(holders[-1])}
         return {"loopwarden_run_id": str(run_id or uuid.uuid4()), "loopwarden_invocation": invocation}
 
     def wrap_tool_call(
@@ -409,7 +479,7 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
         with self._noticing_swallowed_halts(request):
             run = self._run(request)
             try:
-                pending = self._bridge.run(run.begin(tool, args, ids=ids))
+                pending = self._bridge.run(run.begin(tool, args, ids=ids, **self._handoff(request, run)))
             except ToolPaused as paused:
                 return _paused(request, paused)
         if pending.earlier is not None:
@@ -436,7 +506,7 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
         with self._noticing_swallowed_halts(request):
             run = self._run(request)
             try:
-                pending = await run.begin(tool, args, ids=ids)
+                pending = await run.begin(tool, args, ids=ids, **self._handoff(request, run))
             except ToolPaused as paused:
                 return _paused(request, paused)
         if pending.earlier is not None:
@@ -475,6 +545,11 @@ class LoopwardenMiddleware(AgentMiddleware[_GuardedState, Any]):
                 self._refused.popitem(last=False)
             raise
 
+    def _handoff(self, request: ToolCallRequest, run: GuardedRun) -> dict[str, Any]:
+        """``begin``'s arguments for a handoff tool's call (none for another tool's)."""
+        destination = (getattr(request.tool, "metadata", None) or {}).get(_HANDOFF_DESTINATION)
+        return _handoff(self.guard, run, destination, request.state.get("loopwarden_agent") or self.agent_id)
+
     def _run(self, request: ToolCallRequest) -> GuardedRun:
         """The call's run; a sub-agent's is started as a child of its caller's (``TreeHalted`` if that
         tree is halted)."""
@@ -496,11 +571,16 @@ def _subgraph_run(guard: Guard, base: str, holders: list[str], agent_id: str | N
     run), named ``<base>/<that node's namespace>``; None at the top level. ``TreeHalted`` if that tree is
     halted. The enclosing graphs' runs are guarded as ``enclosing_agent_id``'s (the handler's one agent: a
     run that is one task's enclosing graph and another's own is then the same agent's; the middleware's
-    agents are no graph's enclosing one)."""
+    agents are no graph's enclosing one). A node another agent of its graph handed the conversation to (a
+    handoff tool: ``_Handoffs``) joins that agent's run instead: peers hand one run back and forth, so
+    ``handoff_loop`` sees A->B->A (LangGraph swarms), and their calls are one run's, as an OpenAI Agents
+    run's handoffs are."""
     run, parent = None, base
+    handoffs = _handoffs(guard)
     for depth, holder in enumerate(holders, 1):
-        run = guard.run(_subgraph_id(base, holder),
-                        agent_id if depth == len(holders) else enclosing_agent_id, tenant, parent_run_id=parent)
+        run_id = handoffs.handed(parent, _node(holder)) or _subgraph_id(base, holder)
+        run = guard.run(run_id, agent_id if depth == len(holders) else enclosing_agent_id, tenant,
+                        parent_run_id=parent)
         parent = run.run_id
     return run
 

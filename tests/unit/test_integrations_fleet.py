@@ -35,7 +35,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_types import CallToolResult, TextContent
 from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage, ResponseOutputText
 
-from stream_app.client import Guard, GuardedRun, ToolPaused, TreeHalted
+from stream_app.client import Guard, GuardedRun, RunHalted, ToolPaused, TreeHalted
 from stream_app.core import Policy
 from stream_app.integrations import claude_agent_sdk, langchain, mcp, openai_agents
 
@@ -919,6 +919,73 @@ def test_langchain_a_graph_running_its_agent_node_past_max_tree_runs_halts_the_t
     assert [(d["verdict"], d["root_run_id"], d["trigger_event_id"]) for d in halts] == [
         ("tree_fanout", "thread-loop", telemetry[2]["event_id"])]
     assert len({e["run_id"] for e in telemetry}) == 3  # the third agent run's call ran, then the tree halted
+
+
+def swarm(guard: Guard, guarded_by: str, script: dict[str, list[AIMessage]]) -> Any:
+    """A langgraph-swarm of alice and bob, each with a handoff tool to the other (``transfer_to_<agent>``)
+    and ``lookup_order``, playing ``script``; each agent with a middleware of its own, or none (the handler's)."""
+    from langgraph_swarm import create_handoff_tool, create_swarm
+
+    def agent(name: str, other: str) -> Any:
+        tools = [create_handoff_tool(agent_name=other), StructuredTool.from_function(lookup_order,
+                                                                                      description="Look an order up.")]
+        guarded = [langchain.LoopwardenMiddleware(guard)] if guarded_by == "middleware" else []
+        return create_agent(chat(*script[name]), tools, middleware=guarded, name=name)
+
+    return create_swarm([agent("alice", "bob"), agent("bob", "alice")], default_active_agent="alice").compile(
+        checkpointer=InMemorySaver())
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("guarded_by", ["middleware", "handler"])
+def test_langchain_swarm_agents_handing_the_conversation_back_and_forth_are_halted_at_the_6th_handoff(
+        guarded_by: str, mode: str) -> None:
+    """langgraph-swarm's agents hand one conversation back and forth (langgraph-swarm-py#6: until the graph's
+    recursion limit): each handoff is a handoff-class call from the agent handing over to the one handed to,
+    and an agent handed the conversation joins the run of the agent that handed it (peers, not sub-agents),
+    so ``handoff_loop`` halts the run at the 6th handoff (3 round trips) and refuses the 7th before it runs."""
+    guard = Guard.in_process()
+    decisions: list[dict[str, Any]] = []
+    guard.on_decision(decisions.append)
+    telemetry = telemetry_of(guard)
+    app = swarm(guard, guarded_by, {"alice": [asking("transfer_to_bob", {}, f"a{n}") for n in range(5)],
+                                    "bob": [asking("transfer_to_alice", {}, f"b{n}") for n in range(5)]})
+    config = _subgraph_config(guard, guarded_by, "thread-sw") | {"recursion_limit": 100}
+
+    with pytest.raises(RunHalted, match="handoff_loop"):
+        invoke(app, config, mode)
+
+    assert fields(telemetry, "tool", "tool_class", "agent_id", "child_agent_id") == [
+        ("transfer_to_bob", "handoff", "alice", "bob"), ("transfer_to_alice", "handoff", "bob", "alice")] * 3
+    (run,) = {e["run_id"] for e in telemetry}
+    assert re.fullmatch(r"thread-sw/alice:[0-9a-f-]{36}", run)
+    assert {(e["parent_run_id"], e["root_run_id"]) for e in telemetry} == {("thread-sw", "thread-sw")}
+    assert [(d["action"], d["verdict"], d["run_id"], d["trigger_event_id"]) for d in decisions] == [
+        ("halt", "handoff_loop", run, telemetry[5]["event_id"])]
+
+
+@pytest.mark.parametrize("guarded_by", ["middleware", "handler"])
+def test_langchain_swarm_agents_doing_work_between_handoffs_are_not_halted(guarded_by: str) -> None:
+    """The same swarm, each agent looking an order up before it hands over: a successful call of another
+    kind between handoffs, so ten handoffs (5 round trips) halt nothing and the conversation ends; all of
+    it one run."""
+    guard = Guard.in_process()
+    decisions: list[dict[str, Any]] = []
+    guard.on_decision(decisions.append)
+    telemetry = telemetry_of(guard)
+
+    def working(name: str, other: str) -> list[AIMessage]:
+        turns = [[asking("lookup_order", {"order": f"{name}{n}"}, f"{name}-l{n}"),
+                  asking(f"transfer_to_{other}", {}, f"{name}-h{n}")] for n in range(5)]
+        return [message for turn in turns for message in turn] + [AIMessage(content="all shipped")]
+
+    app = swarm(guard, guarded_by, {"alice": working("alice", "bob"), "bob": working("bob", "alice")})
+    config = _subgraph_config(guard, guarded_by, "thread-work") | {"recursion_limit": 200}
+
+    assert invoke(app, config, "sync")["messages"][-1].content == "all shipped"
+
+    assert [e.get("tool_class") for e in telemetry].count("handoff") == 10 and len(telemetry) == 20
+    assert len({e["run_id"] for e in telemetry}) == 1 and decisions == []
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
