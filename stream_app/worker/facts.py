@@ -250,7 +250,7 @@ def decode_facts(value: bytes | None) -> list[tuple[Kind, int, int, Any]]:
 
 def decoder(native: bool) -> Callable[[bytes | None], list[tuple[Kind, int, int, Any]]]:
     """``decode_facts``, or with ``native`` the native engine's reader of the same (``native/src/facts.rs``:
-    ~4x less time a fact on the bench's trees). What it declines, anything it does not read for certain
+    ~2.4x less time a fact on the bench's trees). What it declines, anything it does not read for certain
     (bad input, an item of an earlier release's shape), the reference reads, refusing what is bad with its
     reason."""
     if not native:
