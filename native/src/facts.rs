@@ -56,8 +56,8 @@ impl FactsReader {
     /// ... per field, source partition and offset first).
     #[new]
     fn new(py: Python<'_>, format: i64, kinds: Vec<KindArgs>) -> PyResult<Self> {
+        let tuple = py.get_type::<PyTuple>();
         for (_, name, fact, codes) in &kinds {
-            let tuple = py.get_type::<PyTuple>();
             if !fact
                 .bind(py)
                 .cast::<PyType>()

@@ -71,30 +71,24 @@ class Kind:
     ttl_ms: Callable[[FleetThresholds], int]
 
     @functools.cached_property
+    def annotated(self) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+        """A message item's fields (``[source partition, offset, *fields]``), each with the types its annotation
+        allows (``X | None``: either)."""
+        return (("source partition", (int,)), ("offset", (int,)),
+                *((name, typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,))
+                  for name, hint in typing.get_type_hints(self.fact).items()))
+
+    @functools.cached_property
     def item_fields(self) -> tuple[tuple[str, tuple[type, ...]], ...]:
-        """A message item's fields (``[source partition, offset, *fields]``), each with the JSON types it may
-        have as the fact's annotations say (``X | None``: either; a tuple: a list; a bool is no int)."""
-        fields: list[tuple[str, tuple[type, ...]]] = [("source partition", (int,)), ("offset", (int,))]
-        for name, hint in typing.get_type_hints(self.fact).items():
-            options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-            fields.append((name, tuple(list if typing.get_origin(option) is tuple else option for option in options)))
-        return tuple(fields)
+        """``annotated`` as the JSON types each field may have (a tuple: a list; a bool is no int)."""
+        return tuple((name, tuple(list if typing.get_origin(option) is tuple else option for option in options))
+                     for name, options in self.annotated)
 
     @functools.cached_property
     def codes(self) -> tuple[int, ...]:
-        """``item_fields`` as the native reader takes them (``native/src/facts.rs``): per field, a mask of
-        the JSON it may hold (``CODE_OF``; a list: of the element type its annotation gives)."""
-        hints = [(int,), (int,)] + [typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-                                    for hint in typing.get_type_hints(self.fact).values()]
-        codes = []
-        for options in hints:
-            code = 0
-            for option in options:
-                if typing.get_origin(option) is tuple:
-                    option = (list, typing.get_args(option)[0])
-                code |= CODE_OF[option]
-            codes.append(code)
-        return tuple(codes)
+        """``annotated`` as the native reader takes it (``native/src/facts.rs``): per field, a mask of the JSON
+        it may hold (``CODE_OF``; a list: of the element type its annotation gives)."""
+        return tuple(functools.reduce(operator.or_, map(_code, options)) for _, options in self.annotated)
 
     @functools.cached_property
     def shapes(self) -> frozenset[tuple[type, ...]]:
@@ -144,6 +138,11 @@ class Kind:
 
 #: The native reader's code of each type a fact's field may have (``Kind.codes``; a list by its elements').
 CODE_OF: dict[Any, int] = {int: 1, str: 2, bool: 4, type(None): 8, (list, str): 16, (list, int): 32}
+
+def _code(option: Any) -> int:
+    """``CODE_OF`` of one annotated type (``tuple[X, ...]``: a list of X)."""
+    return CODE_OF[(list, typing.get_args(option)[0]) if typing.get_origin(option) is tuple else option]
+
 
 TREES = Kind(0, "tree", "trees", "sub-agent tree", TreeFact, TreeState, trees.fold, lambda fleet: fleet.tree_ttl_ms)
 THREADS = Kind(1, "thread", "threads", "thread", ThreadFact, ThreadState, threads.fold, lambda fleet: fleet.thread_ttl_ms)
@@ -255,12 +254,20 @@ def decoder(native: bool) -> Callable[[bytes | None], list[tuple[Kind, int, int,
     reason."""
     if not native:
         return decode_facts
-    from loopwarden_native import FactsReader
-
-    read = FactsReader(FACTS_FORMAT, [(kind, kind.name, kind.fact, list(kind.codes)) for kind in KINDS]).read
+    read = native_reader()
 
     def decode(value: bytes | None) -> list[tuple[Kind, int, int, Any]]:
         facts: list[tuple[Kind, int, int, Any]] | None = read(value or b"")
         return decode_facts(value) if facts is None else facts
 
     return decode
+
+
+def native_reader() -> Callable[[bytes], list[tuple[Kind, int, int, Any]] | None]:
+    """The native engine's reader of facts messages alone: None where it declines (``decoder`` then reads
+    with the reference). ImportError without the native engine."""
+    from loopwarden_native import FactsReader
+
+    read: Callable[[bytes], list[tuple[Kind, int, int, Any]] | None] = FactsReader(
+        FACTS_FORMAT, [(kind, kind.name, kind.fact, list(kind.codes)) for kind in KINDS]).read
+    return read

@@ -22,7 +22,7 @@ from stream_app.core.fleet import ThreadFact, ThreadState, ToolFact, ToolState, 
 from stream_app.core.fleet.scope import ScopeCommand, key_text, scope_decision_id
 from stream_app.core.policy import FleetThresholds
 from stream_app.worker.batch import BatchFold, RawRecord
-from stream_app.worker.facts import KIND_OF, KINDS, decoder, fact_items
+from stream_app.worker.facts import KIND_OF, KINDS, decoder, fact_items, native_reader
 from stream_app.worker.fleet import FACTS_FORMAT, FactsPublisher, FleetEffects, decode_facts, partition_of
 from stream_app.worker.metrics import WorkerMetrics
 from stream_app.worker.store import RunStore
@@ -348,11 +348,9 @@ def test_the_native_reader_reads_a_message_as_the_reference_or_declines(value: b
 
 
 def _native_read() -> Any:
-    """The native engine's reader of facts messages, as ``facts.decoder`` makes it (without the fallback)."""
+    """The native engine's reader of facts messages, as ``facts.decoder`` uses it (without the fallback)."""
     pytest.importorskip("loopwarden_native")
-    from loopwarden_native import FactsReader
-
-    return FactsReader(FACTS_FORMAT, [(kind, kind.name, kind.fact, list(kind.codes)) for kind in KINDS]).read
+    return native_reader()
 
 
 #: One item of each kind as the worker writes it.
