@@ -6,6 +6,12 @@ alone. ``HostCpu`` reads ``/proc/stat`` (the host's busy jiffies: everything but
 process's ``/proc/PID/stat`` (user + system, all threads) at the start and the end of a window, and gives
 both as cores used on average (CPU seconds per wall second). A process is put in a role by its command
 line (``ROLES``); this process is ``runtimes``. Linux only, as the rest of the bench.
+
+A worker's event loop is its main thread: one thread runs its batches, fetches and sends, so what it cannot
+do at once queues. The scheduler's own count of that thread (``/proc/PID/task/PID/schedstat``: time on a
+core, time runnable but waiting for one) tells how much of a window the loop ran and how much it waited
+for a core the other processes held: a wait no change to the worker's code removes, as long as they share
+the cores.
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class Window(TypedDict):
-    """What a window used: the host's cores, the cores busy on average, each role's cores."""
+    """What a window used: the host's cores, the cores busy on average, each role's cores, and the workers'
+    event loops (``running`` and ``waiting`` for a core: shares of the window, the mean of the workers')."""
 
     cores: int
     busy_cores: float
     by_role: dict[str, float]
+    worker_loop: dict[str, float]
 
 
 def host_busy_ticks(stat: str) -> tuple[int, int]:
@@ -44,6 +52,20 @@ def process_ticks(stat: str) -> int:
     """User + system jiffies of a process from its ``/proc/PID/stat`` text (the name may hold spaces)."""
     fields = stat.rpartition(")")[2].split()
     return int(fields[11]) + int(fields[12])
+
+
+def thread_ns(schedstat: str) -> tuple[int, int]:
+    """(on a core, runnable waiting for one) nanoseconds from a thread's ``schedstat`` text."""
+    running, waiting, _ = schedstat.split()
+    return int(running), int(waiting)
+
+
+def _loop_ns(pid: int) -> tuple[int, int] | None:
+    """The main thread's (running, waiting) nanoseconds of process ``pid``; None if it is gone."""
+    try:
+        return thread_ns(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text())
+    except OSError:
+        return None
 
 
 def role_of(cmdline: str, pid: int, own_pid: int) -> str | None:
@@ -76,6 +98,8 @@ class HostCpu:
         self._started = time.monotonic()
         self._host = host_busy_ticks(Path("/proc/stat").read_text())
         self._processes = _processes(self._own)
+        self._loops = {pid: ns for pid, (role, _) in self._processes.items()
+                       if role == "worker" and (ns := _loop_ns(pid)) is not None}
 
     def finish(self) -> Window:
         """The window from the creation to now. A process that started inside it counts from its start;
@@ -85,7 +109,13 @@ class HostCpu:
         cores = os.cpu_count() or 1
         busy_cores = (busy - self._host[0]) / max(total - self._host[1], 1) * cores
         by_role: dict[str, float] = {}
+        loops: list[tuple[float, float]] = []
         for pid, (role, ticks) in _processes(self._own).items():
             before = self._processes.get(pid, (role, 0))[1]
             by_role[role] = by_role.get(role, 0.0) + (ticks - before) / _TICKS / wall_s
-        return {"cores": cores, "busy_cores": busy_cores, "by_role": by_role}
+            if role == "worker" and (ns := _loop_ns(pid)) is not None:
+                start = self._loops.get(pid, (0, 0))
+                loops.append(((ns[0] - start[0]) / 1e9 / wall_s, (ns[1] - start[1]) / 1e9 / wall_s))
+        worker_loop = ({"running": sum(r for r, _ in loops) / len(loops), "waiting": sum(w for _, w in loops) / len(loops)}
+                       if loops else {})
+        return {"cores": cores, "busy_cores": busy_cores, "by_role": by_role, "worker_loop": worker_loop}

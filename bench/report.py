@@ -115,6 +115,16 @@ def _host_cpu(runs: list[dict[str, Any]]) -> str:
     return f"{statistics.median(cpu['busy_cores'] for cpu in cpus):.2f} of {cpus[0]['cores']} ({shares})"
 
 
+def _worker_loop(runs: list[dict[str, Any]]) -> dict[str, float] | None:
+    """A level's worker event loop (``bench.host``): medians over its runs of the shares of the window it ran
+    and waited for a core; None when no run measured it."""
+    loops = [run["host_cpu"]["worker_loop"] for run in runs if (run.get("host_cpu") or {}).get("worker_loop")]
+    if not loops:
+        return None
+    return {"running": statistics.median(loop["running"] for loop in loops),
+            "waiting": statistics.median(loop["waiting"] for loop in loops)}
+
+
 def _met(ok: bool) -> str:
     return "**met**" if ok else "**missed**"
 
@@ -503,15 +513,17 @@ class Page:
             "",
             "| load | events/s | runaways/s | halted | p50 ms | p95 ms | p99 ms | max ms | p50 / raw RTT p50 "
             "| p99 / raw RTT p99 | raw RTT p50 / p99 ms at this load | p99 / raw RTT p99 at this load "
-            "| inbound / outbound p50 ms | host CPU busy: cores (worker / broker / load gen / runtimes) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| inbound / outbound p50 ms | host CPU busy: cores (worker / broker / load gen / runtimes) "
+            "| worker's event loop: running / waiting for a core |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         )
         for lv in h["levels"]:
             med = lv["median"]
             halted = sum(r["halted"] for r in lv["runs"])
             injected = sum(r["injected"] for r in lv["runs"])
             if med is None:
-                self.add(f"| {lv['level']:.0%} | {_n(lv['load_per_s'])} | - | 0/{injected} | - | - | - | - | - | - | - | - | - | - |")
+                self.add(f"| {lv['level']:.0%} | {_n(lv['load_per_s'])} | - | 0/{injected} | - | - | - | - | - | - | - | - | - | - "
+                         "| - |")
                 continue
             ratio50 = f"{med['p50'] / rtt['p50']:.1f}x" if rtt else "-"
             ratio99 = f"{med['p99'] / rtt['p99']:.1f}x" if rtt else "-"
@@ -520,10 +532,12 @@ class Page:
             ratio_loaded = f"{med['p99'] / raw['p99']:.1f}x" if raw else "-"
             split = lv.get("split_median")
             parts = f"{_ms(split['inbound_p50'])} / {_ms(split['outbound_p50'])}" if split else "-"
+            loop = _worker_loop(lv["runs"])
+            loop_text = f"{loop['running']:.2f} / {loop['waiting']:.2f}" if loop else "-"
             self.add(f"| {lv['level']:.0%} | {_n(lv['load_per_s'])} | {lv['runs'][0]['inject_per_s']:.1f} | "
                      f"{halted}/{injected} | {_ms(med['p50'])} | {_ms(med['p95'])} | {_ms(med['p99'])} | "
                      f"{_ms(med['max'])} | {ratio50} | {ratio99} | {loaded} | {ratio_loaded} | {parts} | "
-                     f"{_host_cpu(lv['runs'])} |")
+                     f"{_host_cpu(lv['runs'])} | {loop_text} |")
         self.add("", "Inbound is from the trigger produced to the worker's producer creating the halt record (its",
                  "Kafka timestamp): the SDK's producer, the broker, the worker's fetch, the batch in hand and",
                  "its fold. Outbound is from there to the runtime's callback: the worker's linger and wait for",
@@ -532,6 +546,10 @@ class Page:
                  "idle and iowait) and each role's share (`/proc/PID/stat`; runtimes: the bench process with the",
                  "guard and its halt listener), medians over the runs. Everything shares this host's cores: a",
                  "latency measured with the host near all its cores busy includes waits for a core.",
+                 "The worker's event loop: its main thread, which runs every batch, fetch and send in turn, from the",
+                 "scheduler's count (`/proc/PID/task/PID/schedstat`): the share of the window it ran on a core and",
+                 "the share it was ready to run but waited for one (medians over the runs). Running plus waiting near 1",
+                 "means the loop had no idle time: whatever arrived queued behind what it was doing.",
                  "Raw RTT at this load: after each level's runs, the raw round trip of the limits section (one",
                  "message, acks all, linger 0, to a consumer holding it; a trip every ~30 ms) on a topic of its own,",
                  "while the same background telemetry goes through the worker for as long as a run: what the broker",
@@ -913,7 +931,11 @@ class Page:
                 f" each halt run; the broker, the load generator and the worker share {self.machine.get('cores', 2)}"
                 f" cores). The halt's p99 of {_ms(p99)} ms is {p99 / raw['p99']:.1f}x that: its two trips account for"
                 f" at most {2 * raw['p99']:.0f} ms of it; the rest is the worker's queue (the inbound half's"
-                f" p50 is {_ms((half.get('split_median') or {}).get('inbound_p50', float('nan')))} ms).")
+                f" p50 is {_ms((half.get('split_median') or {}).get('inbound_p50', float('nan')))} ms)."
+                + (f" The worker's event loop ran {loop['running']:.0%} of the time and waited for a core"
+                   f" {loop['waiting']:.0%} of it (idle {max(0.0, 1 - loop['running'] - loop['waiting']):.0%}): both"
+                   " its own work and the cores the other processes held keep a trigger in its queue."
+                   if (loop := _worker_loop(half["runs"])) else ""))
         if overruns.get("count", 0) >= 3 or overruns.get("max_s", 0.0) >= 2.0:
             lines.append(
                 f"- **Offset commits overran**: during the halt and overshoot runs faust logged {overruns['count']}"

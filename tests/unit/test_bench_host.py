@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+import uuid
+
+import pytest
 
 from bench import host
 
@@ -39,3 +44,29 @@ def test_a_window_counts_the_cpu_this_process_burned() -> None:
     assert cpu["cores"] >= 1
     assert cpu["by_role"][host.RUNTIMES] > 0
     assert 0 < cpu["busy_cores"] <= cpu["cores"]
+
+
+def test_a_threads_schedstat_is_its_time_on_a_core_then_waiting_for_one() -> None:
+    assert host.thread_ns("123456789 2000 17\n") == (123_456_789, 2_000)
+
+
+def test_a_window_measures_each_workers_event_loop_by_the_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process the bench takes for a worker (by its command line: here a token of this test's own, so that
+    workers of other tests on this host are not counted) spins for the window: its main thread ran most of
+    it; a window without such a process has no loop figures."""
+    token = f"loopwarden-spinner-{uuid.uuid4().hex}"
+    monkeypatch.setattr(host, "ROLES", (("worker", token),))
+    assert host.HostCpu().finish()["worker_loop"] == {}
+    spin = "import time\nend = time.monotonic() + 1.5\nwhile time.monotonic() < end: pass"
+    worker = subprocess.Popen([sys.executable, "-c", spin, token])
+    try:
+        time.sleep(0.2)
+        window = host.HostCpu()
+        time.sleep(0.6)
+        loop = window.finish()["worker_loop"]
+    finally:
+        worker.kill()
+        worker.wait()
+    assert loop["running"] > 0.2  # a core of the 2 for most of the window, however busy the host
+    assert 0 <= loop["waiting"] <= 1
+    assert loop["running"] + loop["waiting"] <= 1.1

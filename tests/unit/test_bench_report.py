@@ -92,7 +92,7 @@ def test_the_halt_table_sets_each_load_beside_a_raw_trip_at_that_load_and_says_w
     page = _halt_page(tmp_path, halt_p99=52.0, raw_p99=6.5)
     page.halt_section()
     text = "\n".join(page.lines)
-    assert "| 50% | 14,000 | 10.0 | 80/80 | 12 | 40 | 52 | 57 | 6.0x | 8.7x | 1.50 / 6.50 | 8.0x | 9.0 / 4.0 | - |" in text
+    assert "| 50% | 14,000 | 10.0 | 80/80 | 12 | 40 | 52 | 57 | 6.0x | 8.7x | 1.50 / 6.50 | 8.0x | 9.0 / 4.0 | - | - |" in text
     bullets = "\n".join(page._halt_bullets())
     assert "the halt's tail is the worker's, not the broker's" in bullets
     assert "p99 6.5 ms (1.1x the idle trip's 6.00 ms; p50 1.50 ms; medians of 3 windows" in bullets
@@ -100,3 +100,19 @@ def test_the_halt_table_sets_each_load_beside_a_raw_trip_at_that_load_and_says_w
 
     loaded = _halt_page(tmp_path, halt_p99=52.0, raw_p99=20.0)
     assert "much of the halt's tail is the broker's and the host's" in "\n".join(loaded._halt_bullets())
+
+
+def test_the_worker_loop_running_and_waiting_for_a_core_are_medians_over_a_levels_runs(tmp_path: Path) -> None:
+    """Each level gives its worker loop's shares of the window (medians over its runs; runs that did not measure
+    it left out), in the table and in the 50% finding with the idle rest."""
+    page = _halt_page(tmp_path, halt_p99=52.0, raw_p99=6.5)
+    cpu = {"cores": 2, "busy_cores": 1.4, "by_role": {"worker": 0.8}}
+    page.halt["levels"][0]["runs"] = [
+        {"inject_per_s": 10.0, "halted": 80, "injected": 80,
+         "host_cpu": {**cpu, "worker_loop": {"running": running, "waiting": waiting}}}
+        for running, waiting in ((0.60, 0.10), (0.70, 0.30), (0.64, 0.20))
+    ] + [{"inject_per_s": 10.0, "halted": 80, "injected": 80, "host_cpu": {**cpu, "worker_loop": {}}}]
+    page.halt_section()
+    assert "| 1.40 of 2 (0.80 / 0.00 / 0.00 / 0.00) | 0.64 / 0.20 |" in "\n".join(page.lines)
+    assert ("The worker's event loop ran 64% of the time and waited for a core 20% of it (idle 16%)"
+            in "\n".join(page._halt_bullets()))
