@@ -83,11 +83,11 @@ async def _session(bootstrap: str, template: Path, tree: Path, rate: float, runs
                     inbound += clock.inbound_ms(ids)
                     cuts = result.get("latency_ms", {})
                     worker = result["host_cpu"].get("by_role", {}).get("worker", 0.0)
-                    loop = result["host_cpu"].get("worker_loop") or {"running": 0.0, "waiting": 0.0}
+                    loop = result["host_cpu"].get("worker_loop")
                     progress(f"halt_ab: {tag} run {run + 1}/{runs}: p50 {cuts.get('p50', 0):.1f} ms, p99 "
                              f"{cuts.get('p99', 0):.1f} ms, {result['halted']}/{result['injected']} halted, worker "
-                             f"{worker:.2f} cores, its loop running {loop['running']:.2f} and waiting for a core "
-                             f"{loop['waiting']:.2f}")
+                             f"{worker:.2f} cores" + (f", its loop running {loop['running']:.2f} and waiting for a "
+                                                      f"core {loop['waiting']:.2f}" if loop else ""))
         finally:
             await guard.stop()
     finally:

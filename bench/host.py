@@ -10,8 +10,8 @@ line (``ROLES``); this process is ``runtimes``. Linux only, as the rest of the b
 A worker's event loop is its main thread: one thread runs its batches, fetches and sends, so what it cannot
 do at once queues. The scheduler's own count of that thread (``/proc/PID/task/PID/schedstat``: time on a
 core, time runnable but waiting for one) tells how much of a window the loop ran and how much it waited
-for a core the other processes held: a wait no change to the worker's code removes, as long as they share
-the cores.
+for a core held by another thread (the broker's, the load generator's, the runtimes', the worker's own
+others): the part of a latency the worker's own work does not explain.
 """
 
 from __future__ import annotations
