@@ -17,6 +17,7 @@ others): the part of a latency the worker's own work does not explain.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import TypedDict
@@ -60,22 +61,15 @@ def thread_ns(schedstat: str) -> tuple[int, int]:
     return int(running), int(waiting)
 
 
-def _loop_ns(pid: int) -> tuple[int, int] | None:
-    """The main thread's (running, waiting) nanoseconds of process ``pid``; None if it is gone."""
-    try:
-        return thread_ns(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text())
-    except OSError:
-        return None
-
-
 def role_of(cmdline: str, pid: int, own_pid: int) -> str | None:
     if pid == own_pid:
         return RUNTIMES
     return next((role for role, fragment in ROLES if fragment in cmdline), None)
 
 
-def _processes(own_pid: int) -> dict[int, tuple[str, int]]:
-    """pid -> (role, jiffies) of the processes with a role."""
+def _processes(own_pid: int) -> dict[int, tuple[str, int, tuple[int, int]]]:
+    """pid -> (role, jiffies, its main thread's (running, waiting) nanoseconds: a worker's event loop; (0, 0)
+    for the other roles) of the processes with a role."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -84,7 +78,8 @@ def _processes(own_pid: int) -> dict[int, tuple[str, int]]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             role = role_of(cmdline, int(entry.name), own_pid)
             if role is not None:
-                found[int(entry.name)] = (role, process_ticks((entry / "stat").read_text()))
+                loop = thread_ns((entry / "task" / entry.name / "schedstat").read_text()) if role == "worker" else (0, 0)
+                found[int(entry.name)] = (role, process_ticks((entry / "stat").read_text()), loop)
         except OSError:  # it exited meanwhile
             continue
     return found
@@ -98,8 +93,6 @@ class HostCpu:
         self._started = time.monotonic()
         self._host = host_busy_ticks(Path("/proc/stat").read_text())
         self._processes = _processes(self._own)
-        self._loops = {pid: ns for pid, (role, _) in self._processes.items()
-                       if role == "worker" and (ns := _loop_ns(pid)) is not None}
 
     def finish(self) -> Window:
         """The window from the creation to now. A process that started inside it counts from its start;
@@ -110,12 +103,11 @@ class HostCpu:
         busy_cores = (busy - self._host[0]) / max(total - self._host[1], 1) * cores
         by_role: dict[str, float] = {}
         loops: list[tuple[float, float]] = []
-        for pid, (role, ticks) in _processes(self._own).items():
-            before = self._processes.get(pid, (role, 0))[1]
+        for pid, (role, ticks, loop) in _processes(self._own).items():
+            _, before, loop_before = self._processes.get(pid, (role, 0, (0, 0)))
             by_role[role] = by_role.get(role, 0.0) + (ticks - before) / _TICKS / wall_s
-            if role == "worker" and (ns := _loop_ns(pid)) is not None:
-                start = self._loops.get(pid, (0, 0))
-                loops.append(((ns[0] - start[0]) / 1e9 / wall_s, (ns[1] - start[1]) / 1e9 / wall_s))
-        worker_loop = ({"running": sum(r for r, _ in loops) / len(loops), "waiting": sum(w for _, w in loops) / len(loops)}
+            if role == "worker":
+                loops.append(((loop[0] - loop_before[0]) / 1e9 / wall_s, (loop[1] - loop_before[1]) / 1e9 / wall_s))
+        worker_loop = ({"running": statistics.fmean(r for r, _ in loops), "waiting": statistics.fmean(w for _, w in loops)}
                        if loops else {})
         return {"cores": cores, "busy_cores": busy_cores, "by_role": by_role, "worker_loop": worker_loop}

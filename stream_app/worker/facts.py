@@ -139,6 +139,7 @@ class Kind:
 #: The native reader's code of each type a fact's field may have (``Kind.codes``; a list by its elements').
 CODE_OF: dict[Any, int] = {int: 1, str: 2, bool: 4, type(None): 8, (list, str): 16, (list, int): 32}
 
+
 def _code(option: Any) -> int:
     """``CODE_OF`` of one annotated type (``tuple[X, ...]``: a list of X)."""
     return CODE_OF[(list, typing.get_args(option)[0]) if typing.get_origin(option) is tuple else option]
