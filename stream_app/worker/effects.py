@@ -18,7 +18,7 @@ The broker's acknowledgement of every decision and fact is awaited *before* any 
 before any offset is committed), so a crash can duplicate a decision (same id, deduplicated by runtimes)
 or a fact (skipped by its source offset) but never lose one. A batch does not wait for it: the next one
 folds while the last one's sends are in flight, and each write of state first waits for every send of the
-batches processed before it (``_acknowledged``). When every batch waited for its sends, each one's cycle
+batches processed before it (``_write_kept``). When every batch waited for its sends, each one's cycle
 took a broker round trip more: on the halt bench's 50% load (decisions in most batches, a 2-core machine
 shared with the broker) the wait was 28 ms of a 53 ms batch cycle while the worker fell behind, and halts
 reached the runtime in 18.3 ms at p50 and 93 ms at p99, 15.1 and 82 ms without the wait (medians of 8
@@ -401,13 +401,16 @@ class Effects:
         self._monotonic = time.monotonic
         self._state_lock = asyncio.Lock()
         #: One future per processed batch with sends (decisions, facts), done once all are acknowledged;
-        #: kept until done, so every writer of state waits for them (``_acknowledged``).
+        #: kept until done, so every writer of state waits for them (``_write_kept``). Pruned of done ones
+        #: by ``_in_flight`` and ``_write_kept``.
         self._unacked: list[asyncio.Future[Any]] = []
         #: Why a batch's send was never acknowledged (the first one): from then on no state is written.
         self._unsent: PublishFailed | None = None
         self._mismatches_warned: set[str] = set()
         #: Runs stored per active partition (standbys excluded), counted on recovery, then kept up to date.
         self._tracked: dict[int, int] = {}
+        #: The last write of kept records (``_write_kept``): the next one waits for it.
+        self._writing: asyncio.Future[None] | None = None
         #: Runs the sweep expired per partition whose deletions are kept, not yet written: counted in
         #: ``loopwarden_evicted_runs_total`` once written (a revoke drops them, and the partition's next owner
         #: expires and counts the same runs).
@@ -458,10 +461,7 @@ class Effects:
         if result.duplicates:
             metrics.duplicates.inc(result.duplicates)
         if store.kept > KEEP_MAX_RECORDS:
-            await self._acknowledged()
-            sending = store.write_kept()
-            self._count_evicted(list(self._evicted_kept))
-            await sending
+            await self._write_kept()
         tracked = self._tracked
         for partition, changes in result.records.items():
             if partition in tracked:  # a run a batch's parts both changed has two changes
@@ -495,24 +495,57 @@ class Effects:
         return result, sends, published
 
     async def flush(self) -> None:
-        """Write the runs' records kept by the batches processed so far, a partition at a time, each its own
-        turn of the state lock: a batch waits for one partition's RocksDB write, not for all of them (at
-        9,000 events/s a commit's flush is thousands of records), nor for its changelog records to reach the
-        producer (``RunStore.write_kept``: awaited after the lock is released). Each write waits first for
-        the sends of the batches processed before it."""
-        await self._acknowledged()  # the bulk of the wait, with batches going on meanwhile
-        for partition in sorted(self.store.kept_partitions()):
-            async with self._state_lock:
-                await self._acknowledged()  # a batch that ran in between
-                sending = self.store.write_kept([partition])
-                self._count_evicted([partition])
-            await sending
+        """Write the runs' records kept by the batches processed so far: taken out of the kept records in one
+        short turn of the state lock (``RunStore.take``: batches read them meanwhile), then, with batches
+        going on, written once the sends of the batches processed before are acknowledged (``_write_kept``).
 
-    def _count_evicted(self, partitions: list[int]) -> None:
-        """The kept records of ``partitions`` were written: count the runs the sweep expired among them."""
-        evicted = sum(self._evicted_kept.pop(partition, 0) for partition in partitions)
-        if evicted:
-            self.metrics.evictions.inc(evicted)
+        The lock is not held while the acknowledgements come. A flush a partition at a time, each partition
+        waiting under the lock for the sends of the batch that ran since the last one, held the batches back a
+        broker round trip per partition: at the halt bench's 50% load (23,000 events/s, a commit a second,
+        ~2,000 records a flush) batches waited for the lock 320-450 ms in 19 s and a commit took 240 ms at p50
+        (670 at most); taken at once, 40 ms and 120-170 (250-370), and a flush is out of the way sooner
+        (one worker traced under ``bench.halt.halt_latency``, 2 runs of 8 s each way, 2026-12-07). Halts
+        produced during a flush reached the runtime in 50-90 ms at p50 against 16-48 outside either way on
+        that slow morning: what remains of a flush's cost is the broker's and the event loop's, not the lock's."""
+        async with self._state_lock:
+            write = self._write_kept()
+        await write
+
+    def _write_kept(self) -> asyncio.Future[None]:
+        """Take the kept records and write them, a partition at a time, once the sends of the batches processed
+        so far are acknowledged and every earlier write is done (a newer record of a key never goes to RocksDB
+        or the changelog before an older one); the task that does it. Called with the state lock held."""
+        taken = self.store.take()
+        evicted = {partition: self._evicted_kept.pop(partition) for partition in list(self._evicted_kept)
+                   if partition in taken}
+        self._unacked = unacked = [sent for sent in self._unacked if not sent.done()]
+        previous = self._writing
+        writing = asyncio.ensure_future(self._write_taken(taken, evicted, list(unacked), previous))
+        self._writing = writing
+        return writing
+
+    async def _write_taken(self, taken: dict[int, dict[bytes, bytes | None]], evicted: dict[int, int],
+                           unacked: list[asyncio.Future[Any]], previous: asyncio.Future[None] | None) -> None:
+        store = self.store
+        try:
+            if previous is not None:
+                await asyncio.wait([previous])
+                if not previous.cancelled() and previous.exception() is not None:
+                    raise PublishFailed(f"an earlier write of the runs' state failed ({previous.exception()!r}): "
+                                        "no later one is written")
+            if unacked:
+                await asyncio.wait(unacked)
+            if self._unsent is not None:
+                raise PublishFailed(*self._unsent.args)
+            for partition in sorted(taken):
+                if partition not in taken:  # revoked meanwhile (``forget``): its next owner folds it again
+                    continue
+                sending = store.write_taken(taken, partition)
+                if count := evicted.get(partition):
+                    self.metrics.evictions.inc(count)
+                await sending  # the next partition's RocksDB write after this one's records reach the producer
+        finally:
+            store.untake(taken)  # what was not written (a failure, a cancel) is kept again
 
     def _in_flight(self, sends: list[asyncio.Future[Any]], decisions: list[Decision]) -> None:
         """A processed batch's ``sends`` (its ``decisions``' and facts') are on their way: remembered until
@@ -543,15 +576,6 @@ class Effects:
                     action=decision.action, verdict=decision.verdict)
             counter.inc()
             latency.observe(max(0.0, now - decision.ts_ms / 1000))
-
-    async def _acknowledged(self) -> None:
-        """Wait until every send of the batches processed so far is acknowledged; ``PublishFailed`` if one
-        never was (then no state is written, ever: the worker is stopping)."""
-        if self._unacked:
-            await asyncio.wait(list(self._unacked))
-            self._unacked = [sent for sent in self._unacked if not sent.done()]
-        if self._unsent is not None:
-            raise PublishFailed(*self._unsent.args)
 
     async def sweep(self) -> None:
         """Expire silent runs in the next assigned partition in turn (on a timer, off the per-batch path):

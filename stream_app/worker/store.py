@@ -20,7 +20,10 @@ committed input offset never runs ahead of the changelog.
 A batch's new records need not be written after every batch: ``keep`` holds them (the latest of each key)
 and ``get`` reads them first, so the next batch folds on them; ``flush`` writes what is kept, and the
 worker awaits it before every commit and in a revoke's ``wait_empty`` (``delivery.install``'s
-``state_writers``), so no offset is committed, and no partition handed over, ahead of its state. A key
+``state_writers``), so no offset is committed, and no partition handed over, ahead of its state. The runs'
+writer (``Effects.flush``) takes the kept records out at once (``take``) and writes them a partition at a
+time once the batches' decisions are acknowledged (``write_taken``); ``get`` reads taken records until
+they are written, so batches go on meanwhile. A key
 changed in every batch is then written once a commit, and a batch of a few events costs no RocksDB write
 and no changelog request: at a few thousand events per second a worker made a write and a produce request
 every 3-4 ms for a handful of events.
@@ -54,6 +57,8 @@ class RunStore:
         self._kept: dict[int, dict[bytes, bytes | None]] = {}
         #: How many records ``_kept`` holds.
         self.kept = 0
+        #: Kept records taken out to be written (``take``), oldest first: ``get`` reads them until written.
+        self._taken: list[dict[int, dict[bytes, bytes | None]]] = []
         #: The task handing the last flush's (or ``write``'s) changelog records to the producer: the next
         #: one's wait for it.
         self._sending: asyncio.Future[None] | None = None
@@ -64,15 +69,32 @@ class RunStore:
         return self.table.data
 
     def get(self, partition: int, key: bytes) -> bytes | None:
-        """``key``'s record: the one kept for the next flush, else the stored one (a flush writes RocksDB
-        before it yields: what it took from the kept records is readable there)."""
+        """``key``'s record: the one kept for the next flush, else one taken to be written (``take``), else
+        the stored one (a flush writes RocksDB before it yields: what it took from the kept records is
+        readable there)."""
         kept = self._kept.get(partition)
-        return kept[key] if kept is not None and key in kept else self.read(partition, key)
+        if kept is not None and key in kept:
+            return kept[key]
+        if self._taken:
+            return self._taken_record(partition, key, self.read)
+        return self.read(partition, key)
 
     def latest(self, partition: int, key: bytes, stored: bytes) -> bytes | None:
         """``key``'s record as ``get`` would return it, given its ``stored`` one (read by ``scan``)."""
         kept = self._kept.get(partition)
-        return kept[key] if kept is not None and key in kept else stored
+        if kept is not None and key in kept:
+            return kept[key]
+        if self._taken:
+            return self._taken_record(partition, key, lambda _partition, _key: stored)
+        return stored
+
+    def _taken_record(self, partition: int, key: bytes,
+                      otherwise: Callable[[int, bytes], bytes | None]) -> bytes | None:
+        for taken in reversed(self._taken):  # the newest first
+            items = taken.get(partition)
+            if items is not None and key in items:
+                return items[key]
+        return otherwise(partition, key)
 
     def read(self, partition: int, key: bytes) -> bytes | None:
         """``key``'s stored record (RocksDB), whatever is kept."""
@@ -130,14 +152,52 @@ class RunStore:
             self._kept[partition] = {**items, **newer}
             self.kept += len(self._kept[partition]) - len(newer)
 
+    def take(self) -> dict[int, dict[bytes, bytes | None]]:
+        """Take every kept record out, to be written by ``write_taken`` (a partition at a time, in the order
+        they were taken); ``get`` reads them meanwhile, and records kept after them come first."""
+        taken, self._kept = self._kept, {}
+        self.kept = 0
+        if taken:
+            self._taken.append(taken)
+        return taken
+
+    def write_taken(self, taken: dict[int, dict[bytes, bytes | None]], partition: int) -> asyncio.Future[None]:
+        """Write ``partition``'s records of ``taken`` (``take``) as ``write_kept`` does: to RocksDB now (read from
+        there from then on), their changelog records handed to the producer by the task returned. If the
+        write fails, they are kept again."""
+        items = taken.pop(partition, None)
+        if not taken:
+            self._forget_taken(taken)
+        if not items:
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        pending = {partition: items}
+        try:
+            return self._write({partition: list(items.items())}, functools.partial(self._keep_again, pending))
+        except BaseException:
+            self._keep_again(pending)
+            raise
+
+    def untake(self, taken: dict[int, dict[bytes, bytes | None]]) -> None:
+        """What ``taken`` still holds is not written: kept again (under any newer record of the same key)."""
+        self._forget_taken(taken)
+        self._keep_again(taken)
+
+    def _forget_taken(self, taken: dict[int, dict[bytes, bytes | None]]) -> None:
+        self._taken = [other for other in self._taken if other is not taken]
+
     def kept_partitions(self) -> set[int]:
         """The partitions with records kept for the next flush."""
         return set(self._kept)
 
     def drop(self, partitions: set[int]) -> int:
-        """Forget the records kept for ``partitions`` (revoked: no longer this worker's to write); how many."""
+        """Forget the records kept for ``partitions`` (revoked: no longer this worker's to write), taken ones
+        not written yet included; how many."""
         dropped = sum(len(self._kept.pop(partition, {})) for partition in partitions)
         self.kept -= dropped
+        for taken in self._taken:
+            dropped += sum(len(taken.pop(partition, {})) for partition in partitions)
         return dropped
 
     async def write(self, changes: Mapping[int, Sequence[Change]]) -> None:

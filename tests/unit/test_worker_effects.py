@@ -20,6 +20,7 @@ from aiokafka.structs import ConsumerRecord
 from faust.types import TP
 
 from stream_app.core import Detector
+from stream_app.core.stored import decode_run
 from stream_app.worker import effects as effects_module
 from stream_app.worker.batch import BatchFold, NativeBatchFold
 from stream_app.worker.delivery import FatalStop, PublishFailed
@@ -373,30 +374,71 @@ async def test_a_revoked_partitions_kept_records_are_dropped_with_a_warning(stor
     assert "1 run records of partitions [1] not written before their revoke" in caplog.text
 
 
-async def test_a_batch_waits_for_one_partitions_flush_not_the_whole_flush(store: Any) -> None:
-    runs, _, producer = store
+async def test_a_flush_waits_for_acknowledgements_without_the_state_lock_and_batches_fold_on_what_it_took(
+        store: Any) -> None:
+    """A flush takes the kept records in one turn of the state lock and waits for the decisions of the batches
+    before it without the lock: a batch folds meanwhile, on the records taken (not yet in RocksDB), and the
+    flush writes what it took, not the newer record kept by that batch (the next flush does)."""
+    runs, data, producer = store
+    effects, decisions = _folding(runs)
+    decisions.hold = True
+    await effects.process(_calls(0, "run-a", 1, 4))  # halted at its 4th call; the halt not acknowledged
+    flushing = asyncio.create_task(effects.flush())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not flushing.done() and runs.kept == 0 and b"run-a" not in data._dbs[0]  # taken, waiting
+    decisions.hold = False
+    await asyncio.wait_for(effects.process(_calls(0, "run-a", 5, 1) + _calls(1, "run-c", 1, 1)), 1)
+    assert [key for topic, key in decisions.sent if topic == "alerts"] == [b"run-a"]  # folded on the taken record:
+    assert runs.kept == 2 and not flushing.done()  # run-a halted already, its 5th call no second halt
+    for sent in decisions.held:
+        sent.set_result(None)
+    await asyncio.wait_for(flushing, 5)
+    assert decode_run(data._dbs[0][b"run-a"]).offset == 4 and b"run-c" not in data._dbs[1]
+    await effects.flush()
+    assert decode_run(data._dbs[0][b"run-a"]).offset == 5 and decode_run(data._dbs[1][b"run-c"]).offset == 1
+    assert [(partition, [decode_run(value).offset for _, value in records]) for partition, records in producer.sent] \
+        == [(0, [4]), (0, [5]), (1, [1])]  # each run's changelog in order
+
+
+async def test_a_write_of_kept_records_waits_for_the_one_before_it(store: Any, monkeypatch: Any) -> None:
+    """A batch leaving too many records kept writes them while a flush still writes its own, a partition at a
+    time: its newer records go to RocksDB and the changelog after the flush's older ones."""
+    runs, data, producer = store
     effects, _ = _folding(runs)
     await effects.process(_calls(0, "run-a", 1, 1) + _calls(1, "run-b", 1, 1))
-    log: list[str] = []
     hold = producer.hold()
-    send = producer.send_batch
-
-    async def logged(records: Any, topic: str, *, partition: int) -> Any:
-        log.append(f"write {partition}")
-        return await send(records, topic, partition=partition)
-
-    producer.send_batch = logged
     flushing = asyncio.create_task(effects.flush())
-    await asyncio.sleep(0)  # partition 0's write held
-
-    async def batch() -> None:
-        async with effects._state_lock:  # what Effects.process takes
-            log.append("batch")
-
-    turn = asyncio.create_task(batch())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert data._dbs[0][b"run-a"] and b"run-b" not in data._dbs[1]  # partition 1 waits for 0's changelog
+    monkeypatch.setattr(effects_module, "KEEP_MAX_RECORDS", 0)  # the next batch writes what it keeps at once
+    batch = asyncio.create_task(effects.process(_calls(1, "run-b", 2, 1)))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not batch.done() and b"run-b" not in data._dbs[1]  # after the flush, not before
     hold.set()
-    await asyncio.gather(flushing, turn)
-    assert log == ["write 0", "batch", "write 1"] and runs.kept == 0
+    await asyncio.wait_for(asyncio.gather(flushing, batch), 5)
+    assert decode_run(data._dbs[1][b"run-b"]).offset == 2
+    assert [(partition, decode_run(value).offset) for partition, records in producer.sent for _, value in records] \
+        == [(0, 1), (1, 1), (1, 2)]
+
+
+async def test_records_taken_by_a_flush_of_a_partition_revoked_meanwhile_are_not_written(store: Any,
+                                                                                        caplog: Any) -> None:
+    runs, data, producer = store
+    effects, decisions = _folding(runs)
+    decisions.hold = True
+    await effects.process(_calls(0, "run-a", 1, 1) + _calls(1, "run-b", 1, 4))
+    flushing = asyncio.create_task(effects.flush())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(effects.forget({1}), 1)  # the lock is free while the flush waits
+    for sent in decisions.held:
+        sent.set_result(None)
+    await asyncio.wait_for(flushing, 5)
+    assert [partition for partition, _ in producer.sent] == [0] and b"run-b" not in data._dbs[1]
+    assert "1 run records of partitions [1] not written before their revoke" in caplog.text
+    assert runs.get(1, b"run-b") is None and runs.kept == 0
 
 
 async def test_a_batch_takes_the_state_lock_while_a_flushs_changelog_waits_for_the_producer(store: Any) -> None:

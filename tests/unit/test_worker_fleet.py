@@ -43,7 +43,7 @@ class _Store(RunStore):
     for the next flush is RunStore's own (``keep``, ``get``, ``flush``, ``drop``)."""
 
     def __init__(self) -> None:
-        self._kept, self._sending = {}, None
+        self._kept, self._taken, self._sending = {}, [], None
         self.kept = 0
         self.data: dict[tuple[int, bytes], bytes] = {}
         self.scanned = 0
