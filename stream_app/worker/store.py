@@ -70,8 +70,7 @@ class RunStore:
 
     def get(self, partition: int, key: bytes) -> bytes | None:
         """``key``'s record: the one kept for the next flush, else one taken to be written (``take``), else
-        the stored one (a flush writes RocksDB before it yields: what it took from the kept records is
-        readable there)."""
+        the stored one (``write_taken`` writes RocksDB before it lets a partition's taken records go)."""
         kept = self._kept.get(partition)
         if kept is not None and key in kept:
             return kept[key]
@@ -146,9 +145,14 @@ class RunStore:
             raise
 
     def _keep_again(self, pending: dict[int, dict[bytes, bytes | None]]) -> None:
-        """A flush of ``pending`` failed: keep its records again, under any newer record of the same key."""
+        """A flush of ``pending`` failed: keep its records again, under any newer record of the same key: one
+        kept, or one taken since (every snapshot in ``_taken`` other than ``pending``'s own is newer: writes go
+        in the order they were taken, each after the one before it is done)."""
         for partition, items in pending.items():
             newer = self._kept.get(partition, {})
+            taken_since = [taken[partition] for taken in self._taken if partition in taken]
+            if taken_since:
+                items = {key: value for key, value in items.items() if not any(key in t for t in taken_since)}
             self._kept[partition] = {**items, **newer}
             self.kept += len(self._kept[partition]) - len(newer)
 

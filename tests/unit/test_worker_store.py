@@ -222,3 +222,31 @@ async def test_a_flush_whose_changelog_fails_keeps_its_records_again(store: Any)
     producer.fail = False
     await runs.flush()
     assert producer.sent == [(0, [(b"run-a", b"a2"), (b"run-b", b"b1")])]
+
+
+async def test_taken_records_are_read_until_written_and_a_failed_write_keeps_them_under_newer_taken_ones(
+        store: Any) -> None:
+    """``take`` empties the kept records into a snapshot ``get`` reads until ``write_taken`` wrote it; a write
+    that failed (RocksDB written, the changelog not) keeps its records again, but never over a newer record
+    taken since (a later snapshot still being written) nor a newer kept one."""
+    runs, data, producer = store
+    runs.keep({0: [(b"run-a", b"a1"), (b"run-b", b"b1")]})
+    first = runs.take()
+    assert runs.kept == 0 and runs.get(0, b"run-a") == b"a1" and b"run-a" not in data._dbs[0]
+    runs.keep({0: [(b"run-a", b"a2")]})
+    second = runs.take()  # a later write's, waiting for the first
+    assert runs.get(0, b"run-a") == b"a2" and runs.get(0, b"run-b") == b"b1"
+    hold = producer.hold()
+    sending = runs.write_taken(first, 0)
+    assert data._dbs[0][b"run-a"] == b"a1" and runs.get(0, b"run-a") == b"a2"
+    producer.fail = True
+    hold.set()
+    with pytest.raises(ConnectionError):
+        await sending
+    assert runs.get(0, b"run-a") == b"a2" and runs.kept == 1  # run-b kept again; run-a's a1 is older than a2
+    producer.fail = False
+    await runs.write_taken(second, 0)
+    runs.untake(second)
+    await runs.flush()
+    assert data._dbs[0][b"run-a"] == b"a2" and data._dbs[0][b"run-b"] == b"b1" and runs.kept == 0
+    assert producer.sent[-2:] == [(0, [(b"run-a", b"a2")]), (0, [(b"run-b", b"b1")])]
