@@ -527,6 +527,7 @@ class Effects:
     async def _write_taken(self, taken: dict[int, dict[bytes, bytes | None]], evicted: dict[int, int],
                            unacked: list[asyncio.Future[Any]], previous: asyncio.Future[None] | None) -> None:
         store = self.store
+        written: set[int] = set()
         try:
             if previous is not None:
                 await asyncio.wait([previous])
@@ -541,11 +542,16 @@ class Effects:
                 if partition not in taken:  # revoked meanwhile (``forget``): its next owner folds it again
                     continue
                 sending = store.write_taken(taken, partition)
+                written.add(partition)
                 if count := evicted.get(partition):
                     self.metrics.evictions.inc(count)
                 await sending  # the next partition's RocksDB write after this one's records reach the producer
         finally:
-            store.untake(taken)  # what was not written (a failure, a cancel) is kept again
+            store.untake(taken)  # what was not written (a failure, a cancel) is kept again, its expired runs
+            kept = store.kept_partitions()  # counted when the next write writes them (not if revoked meanwhile)
+            for partition, count in evicted.items():
+                if partition not in written and partition in kept:
+                    self._evicted_kept[partition] = self._evicted_kept.get(partition, 0) + count
 
     def _in_flight(self, sends: list[asyncio.Future[Any]], decisions: list[Decision]) -> None:
         """A processed batch's ``sends`` (its ``decisions``' and facts') are on their way: remembered until

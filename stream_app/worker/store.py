@@ -23,10 +23,9 @@ worker awaits it before every commit and in a revoke's ``wait_empty`` (``deliver
 ``state_writers``), so no offset is committed, and no partition handed over, ahead of its state. The runs'
 writer (``Effects.flush``) takes the kept records out at once (``take``) and writes them a partition at a
 time once the batches' decisions are acknowledged (``write_taken``); ``get`` reads taken records until
-they are written, so batches go on meanwhile. A key
-changed in every batch is then written once a commit, and a batch of a few events costs no RocksDB write
-and no changelog request: at a few thousand events per second a worker made a write and a produce request
-every 3-4 ms for a handful of events.
+they are written, so batches go on meanwhile. A key changed in every batch is then written once a commit,
+and a batch of a few events costs no RocksDB write and no changelog request: at a few thousand events per
+second a worker made a write and a produce request every 3-4 ms for a handful of events.
 """
 
 from __future__ import annotations

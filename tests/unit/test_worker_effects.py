@@ -548,3 +548,27 @@ async def test_a_batch_over_the_part_size_folds_as_one_and_each_parts_decisions_
         await asyncio.sleep(0)
     assert _halts_counted(effects) == _halts_counted(whole) == 4
     opened.close()
+
+
+async def test_runs_expired_in_a_write_cancelled_before_it_wrote_them_are_counted_by_the_next(store: Any) -> None:
+    """A flush cancelled while it waits for acknowledgements (a stop) keeps what it took again: the next one
+    writes the deletion, and counts the expired run then, once."""
+    runs, data, _ = store
+    effects, decisions = _folding(runs)
+    await effects.process(_calls(0, "run-a", 1, 1))
+    await effects.flush()
+    effects._run_ttl_ms = 10**9 - 5
+    decisions.hold = True
+    await effects.process(_calls(0, "run-y", 10**9, 4))  # halted: its decisions held
+    await effects.sweep()  # run-a expired, its deletion kept
+    flushing = asyncio.create_task(effects.flush())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    flushing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await flushing
+    assert runs.kept == 2 and effects.metrics.evictions._value.get() == 0 and data._dbs[0][b"run-a"]
+    for sent in decisions.held:
+        sent.set_result(None)
+    await effects.flush()
+    assert b"run-a" not in data._dbs[0] and effects.metrics.evictions._value.get() == 1
