@@ -505,7 +505,7 @@ class Effects:
         ~2,000 records a flush) batches waited for the lock 320-450 ms in 19 s and a commit took 240 ms at p50
         (670 at most); taken at once, 40 ms and 120-170 (250-370), and a flush is out of the way sooner
         (one worker traced under ``bench.halt.halt_latency``, 2 runs of 8 s each way, 2026-12-07). Halts
-        produced during a flush reached the runtime in 50-90 ms at p50 against 16-48 outside either way on
+        produced during a flush reached the runtime in 37-88 ms at p50 against 16-48 outside, before and after,
         that slow morning: what remains of a flush's cost is the broker's and the event loop's, not the lock's."""
         async with self._state_lock:
             write = self._write_kept()
