@@ -45,6 +45,13 @@ FAUST_RESERVED_PREFIX = b"__faust"
 Change = tuple[bytes, bytes | None]  # (key, new value or None to delete)
 
 
+class _NotInMemory:
+    """What ``RunStore._in_memory`` returns for a key neither kept nor taken (None is a deletion kept)."""
+
+
+_NOT_IN_MEMORY = _NotInMemory()
+
+
 class RunStore:
     """Per-partition reads and batched writes of the runs table (keys and values are raw bytes)."""
 
@@ -70,29 +77,24 @@ class RunStore:
     def get(self, partition: int, key: bytes) -> bytes | None:
         """``key``'s record: the one kept for the next flush, else one taken to be written (``take``), else
         the stored one (``write_taken`` writes RocksDB before it lets a partition's taken records go)."""
-        kept = self._kept.get(partition)
-        if kept is not None and key in kept:
-            return kept[key]
-        if self._taken:
-            return self._taken_record(partition, key, self.read)
-        return self.read(partition, key)
+        found = self._in_memory(partition, key)
+        return self.read(partition, key) if isinstance(found, _NotInMemory) else found
 
     def latest(self, partition: int, key: bytes, stored: bytes) -> bytes | None:
         """``key``'s record as ``get`` would return it, given its ``stored`` one (read by ``scan``)."""
+        found = self._in_memory(partition, key)
+        return stored if isinstance(found, _NotInMemory) else found
+
+    def _in_memory(self, partition: int, key: bytes) -> bytes | _NotInMemory | None:
+        """``key``'s record kept, else taken (the newest first), else ``_NOT_IN_MEMORY``."""
         kept = self._kept.get(partition)
         if kept is not None and key in kept:
             return kept[key]
-        if self._taken:
-            return self._taken_record(partition, key, lambda _partition, _key: stored)
-        return stored
-
-    def _taken_record(self, partition: int, key: bytes,
-                      otherwise: Callable[[int, bytes], bytes | None]) -> bytes | None:
-        for taken in reversed(self._taken):  # the newest first
+        for taken in reversed(self._taken):
             items = taken.get(partition)
             if items is not None and key in items:
                 return items[key]
-        return otherwise(partition, key)
+        return _NOT_IN_MEMORY
 
     def read(self, partition: int, key: bytes) -> bytes | None:
         """``key``'s stored record (RocksDB), whatever is kept."""
@@ -131,11 +133,15 @@ class RunStore:
             pending, self._kept = self._kept, {}
         else:
             pending = {p: self._kept.pop(p) for p in partitions if p in self._kept}
+        self.kept -= sum(map(len, pending.values()))
+        return self._write_pending(pending)
+
+    def _write_pending(self, pending: dict[int, dict[bytes, bytes | None]]) -> asyncio.Future[None]:
+        """``_write`` of records taken out of memory, kept again if it fails; a done future if there are none."""
         if not pending:
             done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             done.set_result(None)
             return done
-        self.kept -= sum(map(len, pending.values()))
         try:
             return self._write({partition: list(items.items()) for partition, items in pending.items()},
                                functools.partial(self._keep_again, pending))
@@ -169,26 +175,12 @@ class RunStore:
         there from then on), their changelog records handed to the producer by the task returned. If the
         write fails, they are kept again."""
         items = taken.pop(partition, None)
-        if not taken:
-            self._forget_taken(taken)
-        if not items:
-            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            done.set_result(None)
-            return done
-        pending = {partition: items}
-        try:
-            return self._write({partition: list(items.items())}, functools.partial(self._keep_again, pending))
-        except BaseException:
-            self._keep_again(pending)
-            raise
+        return self._write_pending({partition: items} if items else {})
 
     def untake(self, taken: dict[int, dict[bytes, bytes | None]]) -> None:
         """What ``taken`` still holds is not written: kept again (under any newer record of the same key)."""
-        self._forget_taken(taken)
-        self._keep_again(taken)
-
-    def _forget_taken(self, taken: dict[int, dict[bytes, bytes | None]]) -> None:
         self._taken = [other for other in self._taken if other is not taken]
+        self._keep_again(taken)
 
     def kept_partitions(self) -> set[int]:
         """The partitions with records kept for the next flush."""
