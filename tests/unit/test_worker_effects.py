@@ -572,3 +572,28 @@ async def test_runs_expired_in_a_write_cancelled_before_it_wrote_them_are_counte
         sent.set_result(None)
     await effects.flush()
     assert b"run-a" not in data._dbs[0] and effects.metrics.evictions._value.get() == 1
+
+
+async def test_a_commits_write_is_spread_over_the_partitions_and_hurries_once_flow_control_is_suspended(
+        store: Any) -> None:
+    """A flush writes one partition, then pauses before the next (a commit's write spread over half the commit
+    interval: its changelog burst slowed the broker's answers and the loop's batches); batches fold meanwhile,
+    on the records taken. A revoke or stop (faust suspends its flow control, then waits for the write) ends
+    the pauses at once."""
+    runs, data, producer = store
+    effects, _ = _folding(runs)
+    flow = SimpleNamespace(active=True)
+    effects.app.flow_control = SimpleNamespace(is_active=lambda: flow.active)
+    effects.write_spread_s = 600.0  # longer than this test may take: only the hurry ends it
+    await effects.process(_calls(0, "run-a", 1, 2) + _calls(1, "run-b", 1, 2))
+    flushing = asyncio.create_task(effects.flush())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert [partition for partition, _ in producer.sent] == [0] and b"run-b" not in data._dbs[1]
+    await asyncio.wait_for(effects.process(_calls(1, "run-b", 3, 1)), 5)  # folds on the record taken
+    assert decode_run(runs.get(1, b"run-b")).offset == 3
+    assert not flushing.done()
+    flow.active = False
+    await asyncio.wait_for(flushing, 5)
+    assert [partition for partition, _ in producer.sent] == [0, 1]
+    assert decode_run(data._dbs[1][b"run-b"]).offset == 2 and decode_run(runs.get(1, b"run-b")).offset == 3
