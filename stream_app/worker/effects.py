@@ -419,6 +419,8 @@ class Effects:
         self._tracked: dict[int, int] = {}
         #: The last write of kept records (``_write_kept``): the next one waits for it.
         self._writing: asyncio.Future[None] | None = None
+        #: Writes of kept records started so far: a spread write stops pausing once a later one waits for it.
+        self._writes_started = 0
         #: Runs the sweep expired per partition whose deletions are kept, not yet written: counted in
         #: ``loopwarden_evicted_runs_total`` once written (a revoke drops them, and the partition's next owner
         #: expires and counts the same runs).
@@ -517,12 +519,13 @@ class Effects:
         that slow morning: what remained of a flush's cost was the broker's and the event loop's, not the lock's.
 
         So the write is spread over ``write_spread_s`` (half the commit interval as shipped), a partition at a
-        time with a pause between, unless a revoke or stop waits for it (``_pause``). At once, a commit's
-        ~5,000 records (~4 MB of changelog) went out in ~100 ms at the halt bench's 50% load (44,455 events/s
-        that fast morning), the batches folded meanwhile doubled in size and halts produced then reached the
-        runtime in 14 ms at p50 against 4.4 outside; spread, 5.5 against 5.4, and in an interleaved A/B (4
-        rounds of 2 runs each way, 640 halts pooled) p95 13.6 -> 10.9 ms, p99 19.0 -> 15.4 (2026-12-07). A
-        commit takes ~0.5 s longer: its offsets, and so what a crash folds again, are that much older."""
+        time with a pause between, unless another write, a revoke or a stop waits for it (``_pause``). At once,
+        a commit's changelog (4,300-10,000 records of ~0.8 KB at the halt bench's 50% load, 44,455 events/s
+        that fast morning) went out in ~100 ms, the batches folded meanwhile doubled in size, and halts produced
+        then reached the runtime in 14 ms at p50 against 4.4 outside; spread, 5.5 against 5.4, and in an
+        interleaved A/B (4 rounds of 2 runs each way, 640 halts pooled) p95 13.6 -> 10.9 ms, p99 19.0 -> 15.4
+        (2026-12-07). A commit takes ~0.5 s longer: its offsets, and so what a crash folds again, are that
+        much older."""
         async with self._state_lock:
             write = self._write_kept(self.write_spread_s)
         await write
@@ -537,13 +540,15 @@ class Effects:
                    if partition in taken}
         self._unacked = unacked = [sent for sent in self._unacked if not sent.done()]
         previous = self._writing
-        writing = asyncio.ensure_future(self._write_taken(taken, evicted, list(unacked), previous, spread_s))
+        self._writes_started += 1
+        writing = asyncio.ensure_future(self._write_taken(taken, evicted, list(unacked), previous, spread_s,
+                                                          self._writes_started))
         self._writing = writing
         return writing
 
     async def _write_taken(self, taken: dict[int, dict[bytes, bytes | None]], evicted: dict[int, int],
                            unacked: list[asyncio.Future[Any]], previous: asyncio.Future[None] | None,
-                           spread_s: float = 0.0) -> None:
+                           spread_s: float = 0.0, number: int = 0) -> None:
         store = self.store
         written: set[int] = set()
         try:
@@ -557,9 +562,9 @@ class Effects:
             if self._unsent is not None:
                 raise PublishFailed(*self._unsent.args)
             partitions = sorted(taken)
-            for number, partition in enumerate(partitions):
-                if number and spread_s:
-                    await self._pause(spread_s / len(partitions))
+            for index, partition in enumerate(partitions):
+                if index and spread_s:
+                    await self._pause(spread_s / len(partitions), number)
                 if partition not in taken:  # revoked meanwhile (``forget``): its next owner folds it again
                     continue
                 sending = store.write_taken(taken, partition)
@@ -574,12 +579,14 @@ class Effects:
                 if partition not in written and partition in kept:
                     self._evicted_kept[partition] = self._evicted_kept.get(partition, 0) + count
 
-    async def _pause(self, seconds: float) -> None:
-        """Wait ``seconds`` between two partitions' writes, or less once faust's flow control is suspended (a
-        revoke or a stop waits for this write: it goes on at once)."""
+    async def _pause(self, seconds: float, number: int) -> None:
+        """Wait ``seconds`` between two partitions' writes of write ``number``, or less once another write waits
+        for it (a batch that left more than ``KEEP_MAX_RECORDS`` kept awaits its own write) or faust's flow
+        control is suspended (a revoke or a stop waits for it): then it goes on at once."""
         flow_control = self.app.flow_control  # type: ignore[attr-defined]
         deadline = self._monotonic() + seconds
-        while flow_control.is_active() and (left := deadline - self._monotonic()) > 0:
+        while (self._writes_started == number and flow_control.is_active()
+               and (left := deadline - self._monotonic()) > 0):
             await asyncio.sleep(min(left, SPREAD_STEP_S))
 
     def _in_flight(self, sends: list[asyncio.Future[Any]], decisions: list[Decision]) -> None:

@@ -597,3 +597,23 @@ async def test_a_commits_write_is_spread_over_the_partitions_and_hurries_once_fl
     await asyncio.wait_for(flushing, 5)
     assert [partition for partition, _ in producer.sent] == [0, 1]
     assert decode_run(data._dbs[1][b"run-b"]).offset == 2 and decode_run(runs.get(1, b"run-b")).offset == 3
+
+
+async def test_a_spread_write_hurries_once_a_batch_awaits_its_own_write_after_it(store: Any, monkeypatch: Any) -> None:
+    """A batch that left more than KEEP_MAX_RECORDS kept awaits their write, which goes after the commit's spread
+    write: the batches would stop for the rest of its pauses, so the spread write goes on at once."""
+    runs, _, producer = store
+    effects, _ = _folding(runs)
+    effects.app.flow_control = SimpleNamespace(is_active=lambda: True)
+    effects.write_spread_s = 600.0
+    monkeypatch.setattr(effects_module, "KEEP_MAX_RECORDS", 2)
+    await effects.process(_calls(0, "run-a", 1, 1) + _calls(1, "run-b", 1, 1))
+    flushing = asyncio.create_task(effects.flush())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert [partition for partition, _ in producer.sent] == [0]
+    await asyncio.wait_for(effects.process(_calls(0, "run-c", 1, 1) + _calls(0, "run-d", 1, 1)
+                                           + _calls(1, "run-e", 1, 1)), 5)
+    assert flushing.done() and runs.kept == 0
+    assert [(partition, sorted(key for key, _ in records)) for partition, records in producer.sent] == [
+        (0, [b"run-a"]), (1, [b"run-b"]), (0, [b"run-c", b"run-d"]), (1, [b"run-e"])]
