@@ -939,12 +939,10 @@ class Page:
         if overruns.get("count", 0) >= 3 or overruns.get("max_s", 0.0) >= 2.0:
             lines.append(
                 f"- **Offset commits overran**: during the halt and overshoot runs faust logged {overruns['count']}"
-                f" commits overrunning their 1 s interval, the longest {overruns['max_s']:.1f} s. A commit first"
-                " writes the runs' state, spread over half the interval (`Effects.flush`: its changelog at once"
-                " slowed the halts produced meanwhile), then faust waits until its producer has delivered"
-                " everything queued (the batches' changelog records); decisions go out on a producer of their own,"
-                " so they do not queue behind that traffic, but a saturated worker's spread write and a broker slow"
-                " to acknowledge the changelog delay commits (redelivery after a crash grows).")
+                f" commits overrunning their 1 s interval, the longest {overruns['max_s']:.1f} s. Before committing,"
+                " faust waits until its producer has delivered everything queued (the batches' changelog records);"
+                " decisions go out on a producer of their own, so they do not queue behind that traffic, but a"
+                " broker slow to acknowledge the changelog delays commits (redelivery after a crash grows).")
         if fast or never:
             lines.append(
                 "- **Overshoot, local rules on**: at 1000 calls/s "

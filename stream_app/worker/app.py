@@ -36,7 +36,7 @@ from ..core import Detector, Policy
 from ..sources import Decoded
 from . import delivery
 from .batch import BatchFold, NativeBatchFold
-from .effects import WRITE_SPREAD_SHARE, DeadLetters, DecisionProducer, Effects, Topics
+from .effects import DeadLetters, DecisionProducer, Effects, Topics
 from .facts import KINDS
 from .facts import decoder as facts_decoder
 from .fleet import FactsPublisher, FleetEffects
@@ -117,8 +117,7 @@ def create_app(settings: WorkerSettings, policy: Policy, metrics: WorkerMetrics,
     decisions = DecisionProducer(settings.kafka)
     facts = FactsPublisher(settings.facts_topic, settings.partitions, decisions) if fleet_tables else None
     effects = Effects(app, topics, RunStore(app, runs, settings.changelog_topic), fold, metrics, dead_letters,
-                      signer, settings.event_source, settings.evict_scan_per_sweep, decisions, facts, fatal=fatal,
-                      write_spread_s=WRITE_SPREAD_SHARE * settings.commit_interval_s)
+                      signer, settings.event_source, settings.evict_scan_per_sweep, decisions, facts, fatal=fatal)
 
     @app.task  # type: ignore[untyped-decorator]  # faust's decorator is untyped
     async def start_decision_producer() -> None:

@@ -11,9 +11,8 @@ For one batch (``Effects.process``), in this order:
    (``DecisionProducer``), and so are the batch's facts (to the facts topic: ``facts``);
 5. the runs' new records are kept for the next flush (``store.RunStore.keep``), which writes them to
    the local RocksDB and the changelog: before every commit and at a revoke or stop once the batch in
-   hand is done (``flush``, one of ``delivery.install``'s ``state_writers``; a commit's spread over half the
-   commit interval, a partition at a time), and at once when a batch leaves more than ``KEEP_MAX_RECORDS``
-   kept. The next batch folds on the kept records.
+   hand is done (``flush``, one of ``delivery.install``'s ``state_writers``), and at once when a batch
+   leaves more than ``KEEP_MAX_RECORDS`` kept. The next batch folds on the kept records.
 
 The broker's acknowledgement of every decision and fact is awaited *before* any state is written (and so
 before any offset is committed), so a crash can duplicate a decision (same id, deduplicated by runtimes)
@@ -94,11 +93,6 @@ KEEP_MAX_RECORDS = 20_000
 #: partitions) is not decoded run by run every half second.
 SWEEP_REST_SHARE = 0.05
 SWEEP_REST_MAX_S = 30.0
-#: A commit's write of the runs' records is spread over this share of the commit interval, a partition at a
-#: time with a pause between (``Effects.flush``), unless faust's flow control is suspended (a revoke or a stop:
-#: then at once); the pauses are looked at every ``SPREAD_STEP_S``.
-WRITE_SPREAD_SHARE = 0.5
-SPREAD_STEP_S = 0.01
 
 #: Dead-lettered values are cut to this many bytes (header ``value_bytes``: the original size), below the
 #: producer's 1 MB request limit: the telemetry topic may allow larger messages than the DLQ does.
@@ -378,10 +372,8 @@ class Effects:
     def __init__(self, app: object, topics: Topics, store: RunStore, fold: BatchFold, metrics: WorkerMetrics,
                  dead_letters: DeadLetters, signer: Signer | None, event_source: str,
                  evict_scan_per_sweep: int, decisions: DecisionProducer, facts: Any = None, *,
-                 fatal: FatalStop, write_spread_s: float = 0.0) -> None:
+                 fatal: FatalStop) -> None:
         self.app = app
-        #: How long a commit's write of the runs' records is spread over (``flush``); 0: at once.
-        self.write_spread_s = write_spread_s
         self.fatal = fatal
         #: Where tree facts go (``trees.FactsPublisher``); None: the rules across runs are off.
         self.facts = facts
@@ -419,8 +411,6 @@ class Effects:
         self._tracked: dict[int, int] = {}
         #: The last write of kept records (``_write_kept``): the next one waits for it.
         self._writing: asyncio.Future[None] | None = None
-        #: Writes of kept records started so far: a spread write stops pausing once a later one waits for it.
-        self._writes_started = 0
         #: Runs the sweep expired per partition whose deletions are kept, not yet written: counted in
         #: ``loopwarden_evicted_runs_total`` once written (a revoke drops them, and the partition's next owner
         #: expires and counts the same runs).
@@ -516,39 +506,26 @@ class Effects:
         (670 at most); taken at once, 40 ms and 120-170 (250-370), and a flush is out of the way sooner
         (one worker traced under ``bench.halt.halt_latency``, 2 runs of 8 s each way, 2026-12-07). Halts
         produced during a flush reached the runtime in 37-88 ms at p50 against 16-48 outside, before and after,
-        that slow morning: what remained of a flush's cost was the broker's and the event loop's, not the lock's.
-
-        So the write is spread over ``write_spread_s`` (half the commit interval as shipped), a partition at a
-        time with a pause between, unless another write, a revoke or a stop waits for it (``_pause``). At once,
-        a commit's changelog (4,300-10,000 records of ~0.8 KB at the halt bench's 50% load, 44,455 events/s
-        that fast morning) went out in ~100 ms, the batches folded meanwhile doubled in size, and halts produced
-        then reached the runtime in 14 ms at p50 against 4.4 outside; spread, 5.5 against 5.4, and in an
-        interleaved A/B (4 rounds of 2 runs each way, 640 halts pooled) p95 13.6 -> 10.9 ms, p99 19.0 -> 15.4
-        (2026-12-07). A commit takes ~0.5 s longer: its offsets, and so what a crash folds again, are that
-        much older."""
+        that slow morning: what remains of a flush's cost is the broker's and the event loop's, not the lock's."""
         async with self._state_lock:
-            write = self._write_kept(self.write_spread_s)
+            write = self._write_kept()
         await write
 
-    def _write_kept(self, spread_s: float = 0.0) -> asyncio.Future[None]:
+    def _write_kept(self) -> asyncio.Future[None]:
         """Take the kept records and write them, a partition at a time, once the sends of the batches processed
         so far are acknowledged and every earlier write is done (a newer record of a key never goes to RocksDB
-        or the changelog before an older one); the task that does it, which spreads the partitions' writes over
-        ``spread_s`` (``_pause``). Called with the state lock held."""
+        or the changelog before an older one); the task that does it. Called with the state lock held."""
         taken = self.store.take()
         evicted = {partition: self._evicted_kept.pop(partition) for partition in list(self._evicted_kept)
                    if partition in taken}
         self._unacked = unacked = [sent for sent in self._unacked if not sent.done()]
         previous = self._writing
-        self._writes_started += 1
-        writing = asyncio.ensure_future(self._write_taken(taken, evicted, list(unacked), previous, spread_s,
-                                                          self._writes_started))
+        writing = asyncio.ensure_future(self._write_taken(taken, evicted, list(unacked), previous))
         self._writing = writing
         return writing
 
     async def _write_taken(self, taken: dict[int, dict[bytes, bytes | None]], evicted: dict[int, int],
-                           unacked: list[asyncio.Future[Any]], previous: asyncio.Future[None] | None,
-                           spread_s: float = 0.0, number: int = 0) -> None:
+                           unacked: list[asyncio.Future[Any]], previous: asyncio.Future[None] | None) -> None:
         store = self.store
         written: set[int] = set()
         try:
@@ -561,10 +538,7 @@ class Effects:
                 await asyncio.wait(unacked)
             if self._unsent is not None:
                 raise PublishFailed(*self._unsent.args)
-            partitions = sorted(taken)
-            for index, partition in enumerate(partitions):
-                if index and spread_s:
-                    await self._pause(spread_s / len(partitions), number)
+            for partition in sorted(taken):
                 if partition not in taken:  # revoked meanwhile (``forget``): its next owner folds it again
                     continue
                 sending = store.write_taken(taken, partition)
@@ -578,16 +552,6 @@ class Effects:
             for partition, count in evicted.items():
                 if partition not in written and partition in kept:
                     self._evicted_kept[partition] = self._evicted_kept.get(partition, 0) + count
-
-    async def _pause(self, seconds: float, number: int) -> None:
-        """Wait ``seconds`` between two partitions' writes of write ``number``, or less once another write waits
-        for it (a batch that left more than ``KEEP_MAX_RECORDS`` kept awaits its own write) or faust's flow
-        control is suspended (a revoke or a stop waits for it): then it goes on at once."""
-        flow_control = self.app.flow_control  # type: ignore[attr-defined]
-        deadline = self._monotonic() + seconds
-        while (self._writes_started == number and flow_control.is_active()
-               and (left := deadline - self._monotonic()) > 0):
-            await asyncio.sleep(min(left, SPREAD_STEP_S))
 
     def _in_flight(self, sends: list[asyncio.Future[Any]], decisions: list[Decision]) -> None:
         """A processed batch's ``sends`` (its ``decisions``' and facts') are on their way: remembered until

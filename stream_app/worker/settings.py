@@ -40,7 +40,7 @@ SETTINGS = SettingsTable((
     ("metrics_host", "LOOPWARDEN_METRICS_HOST", "0.0.0.0", "address the metrics endpoint listens on"),
     ("engine", "LOOPWARDEN_ENGINE", "auto", "the batch fold: `native` (the Rust engine, `loopwarden_native`; a start-up error when not installed), `python` (the reference), or `auto` (native when installed)"),
     ("batch_max", "LOOPWARDEN_BATCH_MAX", "1000", "most telemetry events processed (and state writes coalesced) per batch: a batch is what the consumer has fetched, up to this many, with no wait to fill it"),
-    ("commit_interval_s", "LOOPWARDEN_COMMIT_INTERVAL_S", "1.0", "consumer offset commit interval, seconds (each commit first writes the runs' state, spread over half of it)"),
+    ("commit_interval_s", "LOOPWARDEN_COMMIT_INTERVAL_S", "1.0", "consumer offset commit interval, seconds"),
     ("session_timeout_s", "LOOPWARDEN_SESSION_TIMEOUT_S", "10", "group session timeout: how soon a dead worker's partitions move"),
     ("heartbeat_s", "LOOPWARDEN_HEARTBEAT_S", "2", "group heartbeat interval, seconds"),
     ("standby_replicas", "LOOPWARDEN_STANDBY_REPLICAS", "1", "standby copies of each partition's state kept by other workers, so a failover resumes from a local copy instead of replaying the changelog (written a fetch at a time: 0-6 us per event on the peers, BENCHMARKS.md); 0: no copies"),
