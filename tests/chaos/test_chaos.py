@@ -129,10 +129,12 @@ def test_join_during_a_batch(kafka_bootstrap: str, tmp_path: Path, trial: int) -
     batches are neither acknowledged nor published after the revoke (no decision published twice)."""
     fleet = Fleet(kafka_bootstrap, tmp_path, partitions=4)
     try:
-        # 16,000 runs (~244,000 events): with 8,000 the first worker once had 261 events left when the second
-        # was ready (the backlog at the join was 7,000-11,000 in that run's other trials, 22,000-40,000 before)
+        # 32,000 runs (~488,000 events): with 8,000 the first worker once had 261 events left when the second
+        # was ready (the backlog at the join was 7,000-11,000 in that run's other trials, 22,000-40,000 before);
+        # with 16,000, on a day this machine ran a worker at ~90,000 events/s, none in one trial of four
+        # (41,000-44,000 in the other three; 2026-12-07)
         result = asyncio.run(harness.backlog_trial("join_during_batch", trial, fleet, harness.join_during_batch(fleet),
-                                                   seed=7000 + trial, runs=16_000))
+                                                   seed=7000 + trial, runs=32_000))
     finally:
         fleet.stop()
     _check(result)
